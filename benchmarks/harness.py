@@ -1,0 +1,181 @@
+"""The one benchmark harness: timing, peak memory, machine description, tables and JSON.
+
+A ``bench_*.py`` module only builds inputs and the competing providers, then calls
+:func:`measure` for each and returns :class:`Row` objects. The harness times each provider
+(median of several runs after warm-up), measures its peak extra memory, and reports ratios
+against the row's baseline measured in the same run.
+
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` above the allocation before the call;
+on the CPU, the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) above
+the resident set before the call, so it counts every allocator, not only torch's.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Measurement:
+    median_ms: float
+    min_ms: float
+    runs: int
+    peak_mb: float | None
+
+
+@dataclass
+class Row:
+    """One line of a table: a provider measured on a case, with ratios to the case baseline."""
+
+    bench: str
+    case: str
+    provider: str
+    median_ms: float
+    peak_mb: float | None
+    extra: dict = field(default_factory=dict)  # e.g. {"speedup": 12.3, "GB/s": 4.1}
+
+
+@dataclass
+class Context:
+    device: str
+    quick: bool
+    repeats: int
+    warmup: int
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rss_kb(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_mb(fn: Callable[[], object], device: str) -> float | None:
+    """Peak extra memory (MB) of one call of ``fn``, beyond what was allocated before it."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del result
+        return peak / 2**20
+    if not _reset_peak_rss():
+        return None
+    before = _rss_kb("VmRSS")
+    result = fn()
+    peak = _rss_kb("VmHWM")
+    del result
+    if before is None or peak is None:
+        return None
+    return max(peak - before, 0) / 1024
+
+
+def measure(fn: Callable[[], object], ctx: Context, memory: bool = True) -> Measurement:
+    """Time ``fn`` (median of ``ctx.repeats`` runs after ``ctx.warmup``) and its peak memory."""
+    for _ in range(ctx.warmup):
+        fn()
+    _sync(ctx.device)
+    times = []
+    for _ in range(ctx.repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(ctx.device)
+        times.append((time.perf_counter() - start) * 1e3)
+    peak = peak_memory_mb(fn, ctx.device) if memory else None
+    return Measurement(statistics.median(times), min(times), len(times), peak)
+
+
+def machine_description(device: str) -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        from rag_fast import _ext
+
+        if _ext.available():
+            info["rag_fast_simd"] = _ext.get().simd_level()
+            info["rag_fast_threads"] = _ext.get().num_threads()
+    except Exception:  # the harness must run even if rag_fast is broken
+        pass
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """Rows as one Markdown table; extra columns are the union of the rows' ``extra`` keys."""
+    extra_keys: list[str] = []
+    for r in rows:
+        for k in r.extra:
+            if k not in extra_keys:
+                extra_keys.append(k)
+    head = ["bench", "case", "provider", "median ms", "peak MB", *extra_keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.bench, r.case, r.provider, f"{r.median_ms:.3f}",
+                 "-" if r.peak_mb is None else f"{r.peak_mb:.1f}"]
+        for k in extra_keys:
+            v = r.extra.get(k, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, rows: list[Row], machine: dict, args: dict) -> None:
+    """Write the results atomically (temp file + rename)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    payload = {"machine": machine, "args": args, "rows": [asdict(r) for r in rows]}
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

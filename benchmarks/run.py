@@ -1,0 +1,75 @@
+"""Throughput tables for rag_fast: ``python benchmarks/run.py [--full] [--device cuda] [--only NAME]``.
+
+Runs every ``benchmarks/bench_*.py`` (each defines ``NAME`` and ``run(ctx) -> list[Row]``),
+prints one Markdown table per bench and writes all rows, with the machine's description, to
+``benchmarks/results/<device>-<time>.json``. ``--quick`` (the default) keeps the whole run
+within about 3 minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from harness import Context, machine_description, markdown_table, write_json  # noqa: E402
+
+
+def available_benches() -> dict[str, str]:
+    """bench NAME -> module name, for every benchmarks/bench_*.py."""
+    benches = {}
+    for path in sorted(HERE.glob("bench_*.py")):
+        module = importlib.import_module(path.stem)
+        benches[module.NAME] = path.stem
+    return benches
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="quick", action="store_true", default=True,
+                      help="small sizes, about 3 minutes on 2 CPU cores (default)")
+    size.add_argument("--full", dest="quick", action="store_false",
+                      help="the sizes named in the issues' acceptance lists")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--only", action="append", default=None, metavar="NAME",
+                        help="run only this bench (repeatable)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per provider")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    benches = available_benches()
+    names = args.only or list(benches)
+    unknown = [n for n in names if n not in benches]
+    if unknown:
+        parser.error(f"unknown bench {unknown}; available: {sorted(benches)}")
+
+    repeats = args.repeats or (5 if args.quick else 10)
+    ctx = Context(device=args.device, quick=args.quick, repeats=repeats, warmup=2)
+    machine = machine_description(args.device)
+    print(f"# rag_fast benchmarks ({'quick' if args.quick else 'full'}, {args.device})\n")
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()) + "\n")
+    all_rows = []
+    for name in names:
+        start = time.perf_counter()
+        rows = importlib.import_module(benches[name]).run(ctx)
+        all_rows += rows
+        print(f"## {name}  ({time.perf_counter() - start:.0f} s)\n")
+        print(markdown_table(rows) + "\n", flush=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or str(HERE / "results" / f"{args.device}-{stamp}.json")
+    write_json(out, all_rows, machine, vars(args))
+    print(f"results written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+// The pybind11 module rag_fast._C. Bindings only: argument checking lives in rag_fast/ops,
+// the kernels in kernels.cpp. Pointers arrive as integers (torch.Tensor.data_ptr()).
+#include <pybind11/pybind11.h>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+using namespace rag_fast;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+LogitsView logits_view(uintptr_t data, int dtype, int64_t B, int64_t K, int64_t T, int64_t V,
+                       int64_t sb, int64_t sk, int64_t st) {
+  return LogitsView{ptr<const void>(data), static_cast<DType>(dtype), B, K, T, V, sb, sk, st};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "rag_fast CPU kernels (raw-buffer interface; use rag_fast.ops, not this module)";
+  m.def("simd_level", []() { return std::string(kernels().name); },
+        "Instruction-set variant chosen for this CPU: 'avx512', 'avx2' or 'generic'.");
+  m.def("vector_bytes", []() { return kernels().vector_bytes; });
+  m.def("num_threads", &num_threads, "Threads the kernels use (OpenMP).");
+  m.def("set_num_threads", &set_num_threads, py::arg("n"));
+  m.def(
+      "row_stats",
+      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
+         int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t lse,
+         uintptr_t x_tgt, uintptr_t x_sum) {
+        RowStatsArgs a{logits_view(x, dtype, B, K, T, V, sb, sk, st), ptr<const int64_t>(targets),
+                       ignore_index, ptr<float>(lse), ptr<float>(x_tgt), ptr<float>(x_sum)};
+        py::gil_scoped_release release;
+        kernels().row_stats(a);
+      },
+      "Per-row logsumexp, target logit and sum of logits (see csrc/kernels.h).");
+  m.def(
+      "row_grad",
+      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
+         int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t lse,
+         uintptr_t c_p, uintptr_t c_y, uintptr_t c_1, uintptr_t out, int64_t ob, int64_t ok,
+         int64_t ot) {
+        RowGradArgs a{logits_view(x, dtype, B, K, T, V, sb, sk, st),
+                      ptr<const int64_t>(targets),
+                      ignore_index,
+                      ptr<const float>(lse),
+                      ptr<const float>(c_p),
+                      ptr<const float>(c_y),
+                      ptr<const float>(c_1),
+                      ptr<void>(out),
+                      ob,
+                      ok,
+                      ot};
+        py::gil_scoped_release release;
+        kernels().row_grad(a);
+      },
+      "out = c_p * softmax(x) + c_y * onehot(y) + c_1, per row (see csrc/kernels.h).");
+}

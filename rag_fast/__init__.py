@@ -1,0 +1,18 @@
+"""rag_fast: fast Retrieval-Augmented Generation (Lewis et al., 2020).
+
+Public API:
+    rag_token_nll, rag_sequence_nll, rag_token_marginal   fused losses / marginal (rag_fast.ops)
+    reference                                             the paper's math in plain PyTorch
+"""
+from rag_fast import reference
+from rag_fast.ops import rag_sequence_nll, rag_token_marginal, rag_token_nll
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "rag_sequence_nll",
+    "rag_token_marginal",
+    "rag_token_nll",
+    "reference",
+]

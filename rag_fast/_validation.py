@@ -1,0 +1,142 @@
+"""Argument checking shared by the reference and every op.
+
+Each check raises ValueError naming the argument and what was expected, so a user sees
+"logits must be ..." instead of a shape error from deep inside a kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+REDUCTIONS = ("none", "sum", "mean")
+IMPLS = ("auto", "cpp", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """Validated loss inputs in canonical shapes (views, no copies)."""
+
+    logits: torch.Tensor  # [B, K, T, V]
+    doc_scores: torch.Tensor  # [B, K]
+    targets: torch.Tensor | None  # [B, T] int64, or None for the marginal
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def check_epsilon(epsilon: float) -> None:
+    if not isinstance(epsilon, (int, float)) or not 0.0 <= float(epsilon) <= 1.0:
+        raise ValueError(f"epsilon must be a float in [0, 1], got {epsilon!r}")
+
+
+def _as_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_loss_inputs(
+    logits: torch.Tensor,
+    doc_scores: torch.Tensor,
+    targets: torch.Tensor | None,
+    n_docs: int | None,
+    ignore_index: int = -100,
+    check_target_values: bool = True,
+) -> LossInputs:
+    """Validate and reshape RAG loss inputs.
+
+    Args:
+        logits: ``[B, K, T, V]`` or ``[B*K, T, V]`` floating generator logits.
+        doc_scores: ``[B, K]`` floating passage scores (``-inf`` marks a missing passage).
+        targets: ``[B, T]`` integer targets aligned with the logits, or None.
+        n_docs: K; required to match ``doc_scores.shape[1]`` when given.
+        check_target_values: also check that targets lie in ``[0, V)`` or equal ignore_index
+            (reads the targets on the host: one synchronisation on a GPU).
+
+    Returns:
+        LossInputs with ``logits`` as a ``[B, K, T, V]`` view and ``targets`` as int64.
+
+    Raises:
+        ValueError: naming the offending argument.
+    """
+    logits = _as_tensor("logits", logits)
+    doc_scores = _as_tensor("doc_scores", doc_scores)
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating tensor, got dtype {logits.dtype}")
+    if not doc_scores.is_floating_point():
+        raise ValueError(f"doc_scores must be a floating tensor, got dtype {doc_scores.dtype}")
+    if doc_scores.dim() != 2:
+        raise ValueError(f"doc_scores must have shape [B, K], got {tuple(doc_scores.shape)}")
+    B, K = doc_scores.shape
+    if n_docs is not None:
+        if not isinstance(n_docs, int) or n_docs < 1:
+            raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
+        if n_docs != K:
+            raise ValueError(f"n_docs={n_docs} does not match doc_scores.shape[1]={K}")
+    if logits.device != doc_scores.device:
+        raise ValueError(
+            f"doc_scores must be on the logits' device {logits.device}, got {doc_scores.device}"
+        )
+    if logits.dim() == 3:
+        if K == 0 or logits.shape[0] % K != 0:
+            raise ValueError(
+                f"logits.shape[0]={logits.shape[0]} (B*K) is not divisible by n_docs K={K}"
+            )
+        if logits.shape[0] // K != B:
+            raise ValueError(
+                f"logits.shape[0]={logits.shape[0]} must equal B*K={B}*{K} from doc_scores"
+            )
+        logits = logits.view(B, K, logits.shape[1], logits.shape[2])  # split B*K: always a view
+    elif logits.dim() == 4:
+        if tuple(logits.shape[:2]) != (B, K):
+            raise ValueError(
+                f"logits [B, K, T, V] must have B, K = {B}, {K} from doc_scores, "
+                f"got {tuple(logits.shape)}"
+            )
+    else:
+        raise ValueError(
+            f"logits must have shape [B, K, T, V] or [B*K, T, V], got {tuple(logits.shape)}"
+        )
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary of at least 1 entry (V >= 1)")
+    if K < 1:
+        raise ValueError("doc_scores must have at least one passage (K >= 1)")
+    T, V = logits.shape[2], logits.shape[3]
+
+    if targets is not None:
+        targets = _as_tensor("targets", targets)
+        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+            raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+        if tuple(targets.shape) != (B, T):
+            raise ValueError(f"targets must have shape [B, T] = [{B}, {T}], got {tuple(targets.shape)}")
+        if targets.device != logits.device:
+            raise ValueError(
+                f"targets must be on the logits' device {logits.device}, got {targets.device}"
+            )
+        targets = targets.long()
+        if check_target_values and targets.numel():
+            bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
+            if bool(bad.any()):
+                value = int(targets[bad][0])
+                raise ValueError(
+                    f"targets must lie in [0, V={V}) or equal ignore_index={ignore_index}, "
+                    f"found {value}"
+                )
+    return LossInputs(logits, doc_scores, targets)
+
+
+def reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Reduce a per-question loss ``[B]``: none -> [B], sum -> [], mean -> [] (sum / B)."""
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.mean()

@@ -1,0 +1,84 @@
+"""Launchers for the C++ CPU kernels (csrc/). Also the contract every backend follows.
+
+Every launcher takes logits ``x`` as a ``[B, K, T, V]`` view whose last dimension is contiguous
+(the op layer copies otherwise), validated by the op layer. Statistics are float32; gradients
+are written once, in the logits' dtype, into ``out`` (which may be ``x`` itself for
+``inplace_grad``). Nothing here allocates a ``[B, K, T, V]`` temporary.
+
+    row_stats(x, y, ignore_index)        -> lse, x_tgt, x_sum       each [B, K, T]
+        lse = logsumexp_v x, x_tgt = x[..., y] (0 where y is ignored or y is None),
+        x_sum = sum_v x.
+    row_grad(x, y, ignore_index, lse, c_p, c_y, c_1, out)
+        out = c_p * exp(x - lse) + c_y * onehot(y) + c_1                (c_*: [B, K, T])
+    token_smooth_stats(x, a, lse)        -> sum_m [B, T], rho [B, K, T]
+        M[b,t,v] = logsumexp_k (a + x - lse); sum_m = sum_v M;
+        rho = sum_v R with R = exp(a + x - lse - M)
+    token_smooth_grad(x, y, ignore_index, a, lse, c_p, c_y, c_1, c_r, out)
+        out = c_p * P + c_y * onehot(y) + c_1 + c_r[b, t] * R           (c_r: [B, T])
+    token_marginal(x, a, lse)            -> M [B, T, V] float32
+    token_marginal_grad(x, a, lse, m, g_m, out) -> c [B, K, T]
+        c = sum_v R * g_m; out = R * g_m - P * c
+
+``a`` is the passage log-prior ``[B, K]`` float32 (``-inf`` for a missing passage).
+"""
+from __future__ import annotations
+
+import torch
+
+from rag_fast import _ext
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _stats_like(x: torch.Tensor) -> torch.Tensor:
+    B, K, T, _ = x.shape
+    return torch.empty((B, K, T), dtype=torch.float32, device=x.device)
+
+
+def _view_args(x: torch.Tensor) -> tuple[int, ...]:
+    B, K, T, V = x.shape
+    return (x.data_ptr(), _DTYPE_CODE[x.dtype], B, K, T, V, x.stride(0), x.stride(1), x.stride(2))
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def row_stats(
+    x: torch.Tensor, y: torch.Tensor | None, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lse, x_tgt, x_sum = _stats_like(x), _stats_like(x), _stats_like(x)
+    y_keep = None if y is None else y.contiguous()  # alive for the whole call
+    y_ptr = 0 if y_keep is None else y_keep.data_ptr()
+    _ext.get().row_stats(
+        *_view_args(x), y_ptr, ignore_index, lse.data_ptr(), x_tgt.data_ptr(), x_sum.data_ptr()
+    )
+    return lse, x_tgt, x_sum
+
+
+def row_grad(
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    ignore_index: int,
+    lse: torch.Tensor,
+    c_p: torch.Tensor,
+    c_y: torch.Tensor,
+    c_1: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    y_keep = None if y is None else y.contiguous()
+    lse, c_p, c_y, c_1 = _f32(lse), _f32(c_p), _f32(c_y), _f32(c_1)
+    _ext.get().row_grad(
+        *_view_args(x),
+        0 if y_keep is None else y_keep.data_ptr(),
+        ignore_index,
+        lse.data_ptr(),
+        c_p.data_ptr(),
+        c_y.data_ptr(),
+        c_1.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+    )
+    return out
