@@ -2,6 +2,7 @@
 // the kernels in kernels.cpp. Pointers arrive as integers (torch.Tensor.data_ptr()).
 #include <pybind11/pybind11.h>
 
+#include "beam_step.h"
 #include "kernels.h"
 
 namespace py = pybind11;
@@ -60,4 +61,84 @@ PYBIND11_MODULE(_C, m) {
         kernels().row_grad(a);
       },
       "out = c_p * softmax(x) + c_y * onehot(y) + c_1, per row (see csrc/kernels.h).");
+  m.def(
+      "token_smooth_stats",
+      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
+         int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t sum_m, uintptr_t rho) {
+        TokenSmoothStatsArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
+                                  ptr<const float>(a), ptr<const float>(lse), ptr<float>(sum_m),
+                                  ptr<float>(rho)};
+        py::gil_scoped_release release;
+        kernels().token_smooth_stats(args);
+      },
+      "sum_v of the RAG-Token marginal M per (b, t), and rho = sum_v R per row.");
+  m.def(
+      "token_smooth_grad",
+      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
+         int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t a,
+         uintptr_t lse, uintptr_t c_p, uintptr_t c_y, uintptr_t c_1, uintptr_t c_r,
+         uintptr_t out, int64_t ob, int64_t ok, int64_t ot) {
+        TokenSmoothGradArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
+                                 ptr<const int64_t>(targets),
+                                 ignore_index,
+                                 ptr<const float>(a),
+                                 ptr<const float>(lse),
+                                 ptr<const float>(c_p),
+                                 ptr<const float>(c_y),
+                                 ptr<const float>(c_1),
+                                 ptr<const float>(c_r),
+                                 ptr<void>(out),
+                                 ob,
+                                 ok,
+                                 ot};
+        py::gil_scoped_release release;
+        kernels().token_smooth_grad(args);
+      },
+      "out = c_p * P + c_y * onehot(y) + c_1 + c_r * R (see csrc/kernels.h).");
+  m.def(
+      "token_marginal",
+      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
+         int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t marginal) {
+        TokenMarginalArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
+                               ptr<const float>(a), ptr<const float>(lse),
+                               ptr<float>(marginal)};
+        py::gil_scoped_release release;
+        kernels().token_marginal(args);
+      },
+      "RAG-Token marginal log-probs M [B, T, V] (see csrc/kernels.h).");
+  m.def(
+      "token_marginal_grad",
+      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
+         int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t marginal,
+         uintptr_t grad_marginal, uintptr_t c, uintptr_t out, int64_t ob, int64_t ok,
+         int64_t ot) {
+        TokenMarginalGradArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
+                                   ptr<const float>(a),
+                                   ptr<const float>(lse),
+                                   ptr<const float>(marginal),
+                                   ptr<const float>(grad_marginal),
+                                   ptr<float>(c),
+                                   ptr<void>(out),
+                                   ob,
+                                   ok,
+                                   ot};
+        py::gil_scoped_release release;
+        kernels().token_marginal_grad(args);
+      },
+      "c = sum_v R * g and out = R * g - P * c, the marginal's backward (see csrc/kernels.h).");
+  m.def(
+      "rag_token_beam_step",
+      [](uintptr_t x, int dtype, int64_t B, int64_t W, int64_t K, int64_t V, int64_t sb,
+         int64_t sw, int64_t sk, uintptr_t log_prior, uintptr_t beam_scores, uintptr_t bias,
+         int64_t n, uintptr_t out_scores, uintptr_t out_beams, uintptr_t out_tokens) {
+        BeamStepArgs a{ptr<const void>(x),         static_cast<DType>(dtype),
+                       B, W, K, V, sb, sw, sk,
+                       ptr<const float>(log_prior), ptr<const float>(beam_scores),
+                       ptr<const float>(bias),      n,
+                       ptr<float>(out_scores),      ptr<int64_t>(out_beams),
+                       ptr<int64_t>(out_tokens)};
+        py::gil_scoped_release release;
+        beam_step_kernels().beam_step(a);
+      },
+      "Fused RAG-Token beam step: top-n (score, beam, token) per question (see csrc/beam_step.h).");
 }

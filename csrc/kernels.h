@@ -49,8 +49,66 @@ struct RowGradArgs {
   int64_t ob, ok, ot;
 };
 
+// RAG-Token kernels hold the K rows of one (b, t) together, tile by tile over v. With the
+// passage log-prior a (float32 [B, K] contiguous, -inf for a missing passage) and lse from
+// row_stats (float32 [B, K, T] contiguous):
+//   M[b,t,v]   = logsumexp_k (a[b,k] + x[b,k,t,v] - lse[b,k,t])     marginal log-probs
+//   R[b,k,t,v] = exp(a + x - lse - M)                               passage posterior
+//   P[b,k,t,v] = exp(x - lse)                                       token distribution
+// Outputs indexed [B, T] are contiguous float32; `out` has the logits' dtype and element
+// strides (ob, ok, ot), stride 1 along v, and may alias x.
+
+// sum_m[b,t] = sum_v M,  rho[b,k,t] = sum_v R.
+struct TokenSmoothStatsArgs {
+  LogitsView x;
+  const float* a;
+  const float* lse;
+  float* sum_m;
+  float* rho;
+};
+
+// out = c_p * P + c_y * onehot(y) + c_1 + c_r[b,t] * R   (c_p, c_y, c_1: [B, K, T]).
+struct TokenSmoothGradArgs {
+  LogitsView x;
+  const int64_t* targets;  // int64 [B, T] contiguous, or null: no one-hot term
+  int64_t ignore_index;
+  const float* a;
+  const float* lse;
+  const float* c_p;
+  const float* c_y;
+  const float* c_1;
+  const float* c_r;
+  void* out;
+  int64_t ob, ok, ot;
+};
+
+// m[b,t,v] = M, float32 [B, T, V] contiguous.
+struct TokenMarginalArgs {
+  LogitsView x;
+  const float* a;
+  const float* lse;
+  float* m;
+};
+
+// With m = M and g = dloss/dM (both float32 [B, T, V] contiguous):
+//   c[b,k,t] = sum_v R * g,  out = R * g - P * c.
+struct TokenMarginalGradArgs {
+  LogitsView x;
+  const float* a;
+  const float* lse;
+  const float* m;
+  const float* g;
+  float* c;
+  void* out;
+  int64_t ob, ok, ot;
+};
+
 using RowStatsFn = void (*)(const RowStatsArgs&);
 using RowGradFn = void (*)(const RowGradArgs&);
+using TokenSmoothStatsFn = void (*)(const TokenSmoothStatsArgs&);
+using TokenSmoothGradFn = void (*)(const TokenSmoothGradArgs&);
+using TokenMarginalFn = void (*)(const TokenMarginalArgs&);
+using TokenMarginalGradFn = void (*)(const TokenMarginalGradArgs&);
 
 // One table of kernels per instruction-set variant (csrc/dispatch.cpp picks one).
 struct KernelTable {
@@ -58,6 +116,10 @@ struct KernelTable {
   int vector_bytes;
   RowStatsFn row_stats;
   RowGradFn row_grad;
+  TokenSmoothStatsFn token_smooth_stats;
+  TokenSmoothGradFn token_smooth_grad;
+  TokenMarginalFn token_marginal;
+  TokenMarginalGradFn token_marginal_grad;
 };
 
 #define RAG_FAST_DECLARE_VARIANT(v) \

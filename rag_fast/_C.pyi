@@ -13,3 +13,26 @@ def row_grad(
     targets: int, ignore_index: int, lse: int, c_p: int, c_y: int, c_1: int,
     out: int, ob: int, ok: int, ot: int,
 ) -> None: ...
+def token_smooth_stats(
+    x: int, dtype: int, B: int, K: int, T: int, V: int, sb: int, sk: int, st: int,
+    a: int, lse: int, sum_m: int, rho: int,
+) -> None: ...
+def token_smooth_grad(
+    x: int, dtype: int, B: int, K: int, T: int, V: int, sb: int, sk: int, st: int,
+    targets: int, ignore_index: int, a: int, lse: int, c_p: int, c_y: int, c_1: int, c_r: int,
+    out: int, ob: int, ok: int, ot: int,
+) -> None: ...
+def token_marginal(
+    x: int, dtype: int, B: int, K: int, T: int, V: int, sb: int, sk: int, st: int,
+    a: int, lse: int, marginal: int,
+) -> None: ...
+def token_marginal_grad(
+    x: int, dtype: int, B: int, K: int, T: int, V: int, sb: int, sk: int, st: int,
+    a: int, lse: int, marginal: int, grad_marginal: int, c: int,
+    out: int, ob: int, ok: int, ot: int,
+) -> None: ...
+def rag_token_beam_step(
+    x: int, dtype: int, B: int, W: int, K: int, V: int, sb: int, sw: int, sk: int,
+    log_prior: int, beam_scores: int, bias: int, n: int,
+    out_scores: int, out_beams: int, out_tokens: int,
+) -> None: ...

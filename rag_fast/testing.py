@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from rag_fast.integrations.transformers import shift_targets_left  # noqa: F401 (re-export)
+
 
 def tiny_rag_config(
     vocab_size: int = 50,
@@ -42,13 +44,3 @@ def tiny_hf_rag(mode: str, seed: int = 0, **config_kwargs) -> torch.nn.Module:
         raise ValueError(f"mode must be 'token' or 'sequence', got {mode!r}")
     torch.manual_seed(seed)
     return classes[mode](tiny_rag_config(**config_kwargs)).eval()
-
-
-def shift_targets_left(target: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """The target alignment ``transformers``' ``get_nll`` uses: drop position 0, pad the end.
-
-    ``get_nll(seq_logits, doc_scores, target)`` equals our losses on
-    ``shift_targets_left(target, pad)`` with ``ignore_index=pad``.
-    """
-    pad = target.new_full((target.shape[0], 1), pad_token_id)
-    return torch.cat([target[:, 1:], pad], dim=1)

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 
-# Triton reads this at import time; the CPU interpreter is how Triton kernels run in tests.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
+import torch  # noqa: E402  (importing torch does not import triton)
+
+# Triton reads this when it is imported: without a GPU, its CPU interpreter is how the Triton
+# kernels run in tests (fp32, small shapes).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from utils import IN_CI, ext_available, triton_cpu_available  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     have = {
         "requires_ext": ext_available(),
         "requires_triton": torch.cuda.is_available() or triton_cpu_available(),

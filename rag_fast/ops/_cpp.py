@@ -82,3 +82,84 @@ def row_grad(
         out.stride(2),
     )
     return out
+
+
+def _pair_stats_like(x: torch.Tensor) -> torch.Tensor:
+    B, _, T, _ = x.shape
+    return torch.empty((B, T), dtype=torch.float32, device=x.device)
+
+
+def token_smooth_stats(
+    x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    a, lse = _f32(a), _f32(lse)
+    sum_m, rho = _pair_stats_like(x), _stats_like(x)
+    _ext.get().token_smooth_stats(
+        *_view_args(x), a.data_ptr(), lse.data_ptr(), sum_m.data_ptr(), rho.data_ptr()
+    )
+    return sum_m, rho
+
+
+def token_smooth_grad(
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    ignore_index: int,
+    a: torch.Tensor,
+    lse: torch.Tensor,
+    c_p: torch.Tensor,
+    c_y: torch.Tensor,
+    c_1: torch.Tensor,
+    c_r: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    y_keep = None if y is None else y.contiguous()
+    a, lse, c_p, c_y, c_1, c_r = _f32(a), _f32(lse), _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r)
+    _ext.get().token_smooth_grad(
+        *_view_args(x),
+        0 if y_keep is None else y_keep.data_ptr(),
+        ignore_index,
+        a.data_ptr(),
+        lse.data_ptr(),
+        c_p.data_ptr(),
+        c_y.data_ptr(),
+        c_1.data_ptr(),
+        c_r.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+    )
+    return out
+
+
+def token_marginal(x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    B, _, T, V = x.shape
+    a, lse = _f32(a), _f32(lse)
+    marginal = torch.empty((B, T, V), dtype=torch.float32, device=x.device)
+    _ext.get().token_marginal(*_view_args(x), a.data_ptr(), lse.data_ptr(), marginal.data_ptr())
+    return marginal
+
+
+def token_marginal_grad(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    lse: torch.Tensor,
+    m: torch.Tensor,
+    g_m: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    a, lse, m, g_m = _f32(a), _f32(lse), _f32(m), _f32(g_m)
+    c = _stats_like(x)
+    _ext.get().token_marginal_grad(
+        *_view_args(x),
+        a.data_ptr(),
+        lse.data_ptr(),
+        m.data_ptr(),
+        g_m.data_ptr(),
+        c.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+    )
+    return c

@@ -1,0 +1,15 @@
+"""RagModel over any Hugging Face seq2seq generator and question encoder, and its checkpoints."""
+from rag_fast.models.checkpoint import CheckpointError, from_transformers, load_rag_model, save_rag_model
+from rag_fast.models.rag_model import RagModel, RagOutput, Retrieved, Retriever, join_context
+
+__all__ = [
+    "CheckpointError",
+    "RagModel",
+    "RagOutput",
+    "Retrieved",
+    "Retriever",
+    "from_transformers",
+    "join_context",
+    "load_rag_model",
+    "save_rag_model",
+]

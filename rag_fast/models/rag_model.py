@@ -1,0 +1,408 @@
+"""RagModel: a question encoder, a retriever and a seq2seq generator trained jointly (paper sec. 2).
+
+Forward, for B questions and K passages each:
+
+    q[b]        = question_encoder(question[b])                  [B, d]   (gradient)
+    z[b, :], e  = retriever(q.detach(), K)                       passages, embeddings [B, K, d]
+    s[b, k]     = q[b] . e[b, k]   (-inf for a missing passage)  [B, K]   (gradient to q only)
+    x[b, k]     = generator(title / text // question, labels)    [B*K, T-1, V]
+    loss        = rag_token_nll | rag_sequence_nll (x, s, labels shifted left)
+
+The passage encoder and the index stay fixed (no gradient through the index). Targets follow
+``transformers``' RAG models: ``labels`` ``[B, T]`` are the decoder input as given, the loss
+target at position t is ``labels[t + 1]`` and padding (``pad_token_id`` or -100) is ignored, so
+the loss equals ``RagTokenForGeneration`` / ``RagSequenceForGeneration`` with the same weights.
+The decoder runs on ``labels[:, :-1]`` only: the last position's target is always padding.
+
+The LM head is applied by this module (see ``_seq2seq``) and the fused loss writes the logits'
+gradient into the logits' own buffer, so a training step holds one logits-sized tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from rag_fast.models import _seq2seq
+from rag_fast.ops import rag_sequence_nll, rag_token_nll
+
+MODES = ("token", "sequence")
+POOLINGS = ("auto", "cls", "mean")
+
+
+@dataclass
+class Retrieved:
+    """What a retriever returns for B questions.
+
+    passages: B lists of at most K passages (objects with ``title`` and ``text`` attributes, or
+        dicts with those keys); a shorter list means fewer passages were found.
+    embeddings: ``[B, K, d]`` float passage embeddings (rows past a question's passages are
+        ignored), the vectors the index was built from.
+    """
+
+    passages: list[list[Any]]
+    embeddings: torch.Tensor
+
+
+class Retriever(Protocol):
+    def retrieve(self, question_embeddings: torch.Tensor, k: int) -> Retrieved: ...
+
+
+@dataclass
+class RagOutput:
+    """loss: reduced loss (``[B]`` for reduction "none"); doc_scores ``[B, K]``;
+    passages: the passages used (None when contexts were passed in)."""
+
+    loss: torch.Tensor
+    doc_scores: torch.Tensor
+    passages: list[list[Any]] | None = None
+
+
+def passage_fields(passage: Any) -> tuple[str, str]:
+    """``(title, text)`` of a passage object or dict."""
+    if isinstance(passage, dict):
+        return str(passage.get("title", "")), str(passage["text"])
+    return str(getattr(passage, "title", "")), str(passage.text)
+
+
+def join_context(title: str, text: str, question: str, prefix: str = "") -> str:
+    """The generator input for one passage, exactly as ``transformers``' RagRetriever builds it:
+    ``title / text // question`` (title without surrounding quotes, double spaces collapsed)."""
+    title = title.removeprefix('"').removesuffix('"')
+    return (prefix + title + " / " + text + " // " + question).replace("  ", " ")
+
+
+def _tokenizer_size(tokenizer: Any) -> int:
+    return len(tokenizer)
+
+
+class RagModel(nn.Module):
+    """RAG-Token or RAG-Sequence over any Hugging Face seq2seq generator and question encoder.
+
+    Args:
+        generator: a ``*ForConditionalGeneration`` model (BART, T5, ...).
+        question_encoder: a module mapping ``(input_ids [B, L], attention_mask [B, L])`` to
+            ``[B, d]`` vectors, or to hidden states ``[B, L, d]`` pooled by ``question_pooling``
+            (DPR question encoders return ``[B, d]`` already). May be None when questions are
+            never encoded here (contexts and doc_scores passed to ``forward``).
+        retriever: an object with ``retrieve(q [B, d], k) -> Retrieved`` (e.g. a
+            ``rag_fast.retrieval`` Retriever); may be None when passages are passed in.
+        mode: "token" (paper eq. 2) or "sequence" (eq. 1).
+        n_docs: K, passages per question.
+        generator_tokenizer / question_tokenizer: Hugging Face tokenizers, needed when
+            questions or passages are given as text.
+        epsilon: label smoothing; exclude_bos: RAG-Sequence's ``exclude_bos_score``.
+        question_pooling: "auto" | "cls" | "mean" for encoders returning hidden states.
+        normalize_questions: L2-normalise question vectors (for cosine-trained encoders).
+        max_context_length: generator context tokens (truncated).
+
+    Raises:
+        ValueError: bad mode or n_docs, a generator RagModel cannot drive, or a generator
+            tokenizer with more tokens than the generator's vocabulary.
+    """
+
+    def __init__(
+        self,
+        generator: nn.Module,
+        question_encoder: nn.Module | None = None,
+        retriever: Retriever | None = None,
+        *,
+        mode: str = "token",
+        n_docs: int = 5,
+        generator_tokenizer: Any = None,
+        question_tokenizer: Any = None,
+        epsilon: float = 0.0,
+        exclude_bos: bool = False,
+        bos_token_id: int | None = None,
+        question_pooling: str = "auto",
+        normalize_questions: bool = False,
+        max_context_length: int = 128,
+        max_question_length: int = 64,
+        loss_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(n_docs, int) or n_docs < 1:
+            raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
+        if question_pooling not in POOLINGS:
+            raise ValueError(f"question_pooling must be one of {POOLINGS}, got {question_pooling!r}")
+        _seq2seq.check_seq2seq(generator)
+        V = _seq2seq.vocab_size(generator)
+        if generator_tokenizer is not None and _tokenizer_size(generator_tokenizer) > V:
+            raise ValueError(
+                f"generator_tokenizer has {_tokenizer_size(generator_tokenizer)} tokens but the "
+                f"generator's vocabulary has {V}: token ids would fall outside the LM head; "
+                "use the generator's own tokenizer or resize its embeddings"
+            )
+        pad = generator.config.pad_token_id
+        if pad is None:
+            raise ValueError("generator.config.pad_token_id must be set (it marks padding)")
+        self.generator = generator
+        self.question_encoder = question_encoder
+        self.retriever = retriever
+        self.mode = mode
+        self.n_docs = n_docs
+        self.generator_tokenizer = generator_tokenizer
+        self.question_tokenizer = question_tokenizer
+        self.epsilon = float(epsilon)
+        self.exclude_bos = bool(exclude_bos)
+        self.bos_token_id = bos_token_id if bos_token_id is not None else generator.config.bos_token_id
+        self.pad_token_id = int(pad)
+        self.question_pooling = question_pooling
+        self.normalize_questions = bool(normalize_questions)
+        self.max_context_length = int(max_context_length)
+        self.max_question_length = int(max_question_length)
+        self.loss_impl = loss_impl
+
+    # ----------------------------------------------------------------------------- config
+    def options(self) -> dict:
+        """The constructor options that define this model (saved with checkpoints)."""
+        return {
+            "mode": self.mode, "n_docs": self.n_docs, "epsilon": self.epsilon,
+            "exclude_bos": self.exclude_bos, "bos_token_id": self.bos_token_id,
+            "question_pooling": self.question_pooling,
+            "normalize_questions": self.normalize_questions,
+            "max_context_length": self.max_context_length,
+            "max_question_length": self.max_question_length, "loss_impl": self.loss_impl,
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return _seq2seq.vocab_size(self.generator)
+
+    # ----------------------------------------------------------------------- questions
+    def tokenize_questions(self, questions: Sequence[str]) -> dict:
+        if self.question_tokenizer is None:
+            raise ValueError("questions given as text need question_tokenizer=")
+        device = self.generator.device
+        enc = self.question_tokenizer(list(questions), padding=True, truncation=True,
+                                      max_length=self.max_question_length, return_tensors="pt")
+        return {"input_ids": enc["input_ids"].to(device),
+                "attention_mask": enc["attention_mask"].to(device)}
+
+    def encode_questions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """Question vectors ``[B, d]`` (with gradient) from token ids ``[B, L]``."""
+        if self.question_encoder is None:
+            raise ValueError("this RagModel has no question_encoder")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        out = self.question_encoder(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = out if isinstance(out, torch.Tensor) else out[0]
+        if hidden.dim() == 3:  # [B, L, d] hidden states: pool
+            if self.question_pooling == "cls":
+                hidden = hidden[:, 0]
+            else:
+                m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+                hidden = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+        elif hidden.dim() != 2:
+            raise ValueError(f"question_encoder output must be [B, d] or [B, L, d], got "
+                             f"{tuple(hidden.shape)}")
+        if self.normalize_questions:
+            hidden = nn.functional.normalize(hidden, dim=-1)
+        return hidden
+
+    # ----------------------------------------------------------------------- retrieval
+    def retrieve(self, question_embeddings: torch.Tensor) -> Retrieved:
+        """K passages per question from the retriever (no gradient through the index)."""
+        if self.retriever is None:
+            raise ValueError("this RagModel has no retriever: pass passages= and "
+                             "passage_embeddings=, or contexts and doc_scores, to forward()")
+        with torch.no_grad():
+            return self.retriever.retrieve(question_embeddings.detach(), self.n_docs)
+
+    def score_passages(
+        self, question_embeddings: torch.Tensor, passages: Sequence[Sequence[Any]],
+        passage_embeddings: torch.Tensor,
+    ) -> torch.Tensor:
+        """``s[b, k] = q[b] . e[b, k]`` ``[B, K]``, ``-inf`` past each question's passages.
+
+        Raises:
+            ValueError: batch sizes that differ, more than K passages, a question with none.
+        """
+        B, K = question_embeddings.shape[0], self.n_docs
+        if len(passages) != B:
+            raise ValueError(f"retrieved passages are for {len(passages)} questions but the "
+                             f"question batch has {B}")
+        if passage_embeddings.dim() != 3 or passage_embeddings.shape[0] != B:
+            raise ValueError(f"passage_embeddings must be [B={B}, K, d], got "
+                             f"{tuple(passage_embeddings.shape)}")
+        if passage_embeddings.shape[-1] != question_embeddings.shape[-1]:
+            raise ValueError(f"passage embeddings have dimension {passage_embeddings.shape[-1]} "
+                             f"but question embeddings {question_embeddings.shape[-1]}")
+        counts = [len(p) for p in passages]
+        for b, n in enumerate(counts):
+            if n == 0:
+                raise ValueError(f"question {b} has no retrieved passage")
+            if n > K or n > passage_embeddings.shape[1]:
+                raise ValueError(f"question {b} has {n} passages, more than n_docs={K} or "
+                                 f"than passage_embeddings provides ({passage_embeddings.shape[1]})")
+        e = passage_embeddings[:, :K].to(question_embeddings)
+        if e.shape[1] < K:  # pad to K rows; the padding is masked below
+            e = torch.cat([e, e.new_zeros(B, K - e.shape[1], e.shape[2])], dim=1)
+        scores = torch.bmm(question_embeddings.unsqueeze(1), e.transpose(1, 2)).squeeze(1)
+        missing = torch.arange(K, device=scores.device)[None, :] >= torch.tensor(
+            counts, device=scores.device)[:, None]
+        return scores.masked_fill(missing, float("-inf"))
+
+    def build_contexts(self, questions: Sequence[str], passages: Sequence[Sequence[Any]]) -> dict:
+        """Tokenised generator inputs ``[B*K, L]`` (a missing passage: the question alone)."""
+        if self.generator_tokenizer is None:
+            raise ValueError("passages given as text need generator_tokenizer=")
+        if len(questions) != len(passages):
+            raise ValueError(f"{len(questions)} questions but passages for {len(passages)}")
+        texts = []
+        for question, found in zip(questions, passages):
+            for k in range(self.n_docs):
+                if k < len(found):
+                    texts.append(join_context(*passage_fields(found[k]), question))
+                else:
+                    texts.append(question)
+        enc = self.generator_tokenizer(texts, padding=True, truncation=True,
+                                       max_length=self.max_context_length, return_tensors="pt")
+        device = self.generator.device
+        return {"input_ids": enc["input_ids"].to(device),
+                "attention_mask": enc["attention_mask"].to(device)}
+
+    # -------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        labels: torch.Tensor,
+        *,
+        questions: Sequence[str] | None = None,
+        question_input_ids: torch.Tensor | None = None,
+        question_attention_mask: torch.Tensor | None = None,
+        passages: Sequence[Sequence[Any]] | None = None,
+        passage_embeddings: torch.Tensor | None = None,
+        context_input_ids: torch.Tensor | None = None,
+        context_attention_mask: torch.Tensor | None = None,
+        doc_scores: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> RagOutput:
+        """The RAG loss of ``labels`` ``[B, T]`` (decoder input; target = labels shifted left).
+
+        Give either ``context_input_ids`` ``[B*K, L]`` + ``context_attention_mask`` + ``doc_scores``
+        ``[B, K]`` (as ``transformers``' RAG models accept), or the questions (``questions``
+        as text, or ``question_input_ids`` for the question encoder; text is needed to build the
+        contexts), optionally with ``passages`` + ``passage_embeddings`` ``[B, K, d]`` instead of
+        the retriever.
+
+        Raises:
+            ValueError: missing inputs, batch sizes that differ, labels out of the vocabulary.
+        """
+        if context_input_ids is not None:
+            if doc_scores is None or context_attention_mask is None:
+                raise ValueError("context_input_ids needs context_attention_mask and doc_scores")
+            return RagOutput(self.loss_from_contexts(context_input_ids, context_attention_mask,
+                                                     doc_scores, labels, reduction), doc_scores)
+        if questions is None:
+            raise ValueError("give questions (text) or context_input_ids + doc_scores")
+        if question_input_ids is None:
+            q_inputs = self.tokenize_questions(questions)
+            question_input_ids, question_attention_mask = (q_inputs["input_ids"],
+                                                           q_inputs["attention_mask"])
+        q = self.encode_questions(question_input_ids, question_attention_mask)
+        if q.shape[0] != len(questions):
+            raise ValueError(f"{len(questions)} questions but {q.shape[0]} question encodings")
+        if passages is None:
+            found = self.retrieve(q)
+            passages, passage_embeddings = found.passages, found.embeddings
+        elif passage_embeddings is None:
+            raise ValueError("passages= needs passage_embeddings= (to score them with gradient)")
+        scores = self.score_passages(q, passages, passage_embeddings)
+        ctx = self.build_contexts(questions, passages)
+        loss = self.loss_from_contexts(ctx["input_ids"], ctx["attention_mask"], scores, labels,
+                                       reduction)
+        return RagOutput(loss, scores, [list(p) for p in passages])
+
+    def prepare_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(decoder_input_ids [B, T-1], targets [B, T-1])`` from labels ``[B, T]``."""
+        if labels.dim() != 2 or labels.shape[1] < 2:
+            raise ValueError(f"labels must be [B, T] with T >= 2, got {tuple(labels.shape)}")
+        labels = labels.masked_fill(labels == -100, self.pad_token_id)
+        return labels[:, :-1], labels[:, 1:]
+
+    def loss_from_contexts(
+        self,
+        context_input_ids: torch.Tensor,
+        context_attention_mask: torch.Tensor,
+        doc_scores: torch.Tensor,
+        labels: torch.Tensor,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """The RAG loss given contexts ``[B*K, L]``, scores ``[B, K]`` and labels ``[B, T]``."""
+        B, K = self._check_batch(context_input_ids, doc_scores, labels)
+        decoder_input_ids, targets = self.prepare_labels(labels)
+        states = _seq2seq.decode(
+            self.generator,
+            decoder_input_ids.repeat_interleave(K, dim=0),
+            _seq2seq.encode(self.generator, context_input_ids, context_attention_mask),
+            context_attention_mask,
+        )  # [B*K, T-1, d]
+        logits = _seq2seq.lm_logits(_seq2seq.lm_head(self.generator), states)  # [B*K, T-1, V]
+        exclude_bos = False
+        if self.mode == "sequence" and self.exclude_bos and self.bos_token_id is not None:
+            # transformers' rule: drop BOS only if every target starts with it
+            exclude_bos = bool(targets[:, 0].eq(self.bos_token_id).all())
+        loss_fn = rag_token_nll if self.mode == "token" else rag_sequence_nll
+        return loss_fn(
+            logits, doc_scores, targets, n_docs=K, epsilon=self.epsilon,
+            ignore_index=self.pad_token_id, exclude_bos=exclude_bos, reduction=reduction,
+            impl=self.loss_impl,
+            # the logits are a temporary of this function: their buffer takes the gradient
+            inplace_grad=torch.is_grad_enabled(),
+        )
+
+    def _check_batch(self, context_input_ids, doc_scores, labels) -> tuple[int, int]:
+        if doc_scores.dim() != 2:
+            raise ValueError(f"doc_scores must be [B, K], got {tuple(doc_scores.shape)}")
+        B, K = doc_scores.shape
+        if K != self.n_docs:
+            raise ValueError(f"doc_scores has {K} passages per question, n_docs is {self.n_docs}")
+        if context_input_ids.dim() != 2 or context_input_ids.shape[0] != B * K:
+            raise ValueError(f"context_input_ids must be [B*K, L] = [{B}*{K}, L], got "
+                             f"{tuple(context_input_ids.shape)}")
+        if labels.shape[0] != B:
+            raise ValueError(f"labels are for {labels.shape[0]} questions, doc_scores for {B}")
+        V = self.vocab_size
+        real = labels[(labels != -100) & (labels != self.pad_token_id)]
+        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= V):
+            bad = int(real.max()) if int(real.max()) >= V else int(real.min())
+            raise ValueError(f"labels contain token id {bad}, outside the generator's "
+                             f"vocabulary [0, {V})")
+        return B, K
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str) -> None:
+        """Write a checkpoint directory atomically (see ``rag_fast.models.checkpoint``)."""
+        from rag_fast.models.checkpoint import save_rag_model
+
+        save_rag_model(self, path)
+
+    @classmethod
+    def load(cls, path: str, **kwargs) -> "RagModel":
+        """Load a checkpoint written by :meth:`save` (verified against its manifest)."""
+        from rag_fast.models.checkpoint import load_rag_model
+
+        return load_rag_model(path, **kwargs)
+
+    @classmethod
+    def from_transformers(cls, path_or_model: Any, **kwargs) -> "RagModel":
+        """A RagModel with the weights and options of a ``transformers`` RAG model or of its
+        ``save_pretrained`` directory (``RagTokenForGeneration`` / ``RagSequenceForGeneration``)."""
+        from rag_fast.models.checkpoint import from_transformers
+
+        return from_transformers(path_or_model, **kwargs)
+
+    def replace(self, **changes) -> "RagModel":
+        """A RagModel sharing these modules with some options changed (e.g. ``mode``)."""
+        retriever = changes.pop("retriever", self.retriever)
+        opts = {**self.options(), **changes}
+        return RagModel(self.generator, self.question_encoder, retriever,
+                        generator_tokenizer=self.generator_tokenizer,
+                        question_tokenizer=self.question_tokenizer, **opts)
+
+
+__all__ = ["RagModel", "RagOutput", "Retrieved", "Retriever", "join_context", "passage_fields"]

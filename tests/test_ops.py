@@ -1,0 +1,219 @@
+"""Every impl of the public ops against the float64 reference (forward and gradients), under the
+one tolerance rule of tests/utils.py, over shapes that hit every branch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rag_fast
+from rag_fast import reference as ref
+from utils import assert_close_rule, requires_ext, requires_triton
+
+IMPLS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("cpp", id="cpp", marks=requires_ext),
+    pytest.param("triton", id="triton", marks=requires_triton),
+]
+LOSSES = {
+    "token": (rag_fast.rag_token_nll, ref.rag_token_nll),
+    "sequence": (rag_fast.rag_sequence_nll, ref.rag_sequence_nll),
+}
+NEG_INF = float("-inf")
+
+
+def make_case(B, K, T, V, seed=0, dtype=torch.float32, ignore_frac=0.2, missing=False,
+              all_ignored_row=False, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, K, T, V, generator=g) * scale).to(dtype)
+    scores = torch.randn(B, K, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[torch.rand(B, T, generator=g) < ignore_frac] = -100
+    if missing and K > 1:
+        scores[0, -1] = NEG_INF  # a missing passage
+    if all_ignored_row:
+        targets[-1] = -100  # every target of the last question ignored
+    return logits, scores, targets
+
+
+def run(fn, logits, scores, targets, upstream, **kw):
+    """Loss and gradients (logits, scores) for the given upstream gradient."""
+    x = logits.clone().requires_grad_()
+    s = scores.clone().requires_grad_()
+    out = fn(x, s, targets, **kw) if targets is not None else fn(x, s, **kw)
+    out.backward(upstream.to(out.dtype))
+    return out.detach(), x.grad, s.grad
+
+
+def check_against_reference(kind, impl, logits, scores, targets, **kw):
+    """Compare impl with the fp64 oracle, and bound by the plain same-dtype reference."""
+    if kind == "marginal":
+        fn, ref_fn = rag_fast.rag_token_marginal, ref.rag_token_marginal
+        B, _, T, V = logits.shape
+        upstream = torch.randn(B, T, V, generator=torch.Generator().manual_seed(1))
+    else:
+        fn, ref_fn = LOSSES[kind]
+        upstream = torch.randn(logits.shape[0], generator=torch.Generator().manual_seed(1))
+        if kw.get("reduction", "none") != "none":
+            upstream = upstream[0]
+    dtype = logits.dtype
+    oracle = run(ref_fn, logits.double(), scores.double(), targets, upstream.double(), **kw)
+    plain = run(ref_fn, logits, scores, targets, upstream, **kw)
+    actual = run(fn, logits, scores, targets, upstream, impl=impl, **kw)
+    assert actual[1].dtype == dtype, "the logits' gradient must have the logits' dtype"
+    for name, a, p, o in zip(("output", "d logits", "d doc_scores"), actual, plain, oracle):
+        assert_close_rule(a, p, o, dtype, f"{kind}/{impl}/{name}")
+
+
+# Shapes and the branch each one is for.
+CASES = {
+    "basic": dict(B=2, K=3, T=5, V=7),
+    "vocab_one": dict(B=2, K=2, T=3, V=1),  # lse == x, P == 1
+    "one_passage": dict(B=2, K=1, T=4, V=9),  # K = 1: the marginal is the passage itself
+    "one_position": dict(B=3, K=3, T=1, V=11),  # T = 1
+    "all_ignored": dict(B=2, K=3, T=4, V=5, all_ignored_row=True),  # masked row: zero grads
+    "missing_passage": dict(B=2, K=4, T=3, V=13, missing=True),  # -inf score: weight 0
+    "vector_tail": dict(B=1, K=2, T=2, V=1000 + 3),  # vector loop plus a scalar tail
+}
+KINDS = [("token", 0.0), ("token", 0.1), ("sequence", 0.0), ("sequence", 0.1), ("marginal", 0.0)]
+
+
+def _kw(kind, eps):
+    return {} if kind == "marginal" else {"epsilon": eps}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind,eps", KINDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(impl, kind, eps, case):
+    logits, scores, targets = make_case(**CASES[case])
+    check_against_reference(kind, impl, logits, scores, None if kind == "marginal" else targets,
+                            **_kw(kind, eps))
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPLS if p.id != "triton"])  # too slow interpreted
+@pytest.mark.parametrize("kind,eps", KINDS)
+def test_full_vocabulary(impl, kind, eps):
+    # V = 50265 (BART): many vector blocks per row.
+    logits, scores, targets = make_case(B=1, K=2, T=2, V=50265)
+    check_against_reference(kind, impl, logits, scores, None if kind == "marginal" else targets,
+                            **_kw(kind, eps))
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPLS if p.id != "triton"])  # interpreter: fp32
+@pytest.mark.parametrize("kind,eps", KINDS)
+def test_bfloat16(impl, kind, eps):
+    logits, scores, targets = make_case(B=2, K=3, T=4, V=37, dtype=torch.bfloat16, missing=True)
+    check_against_reference(kind, impl, logits, scores, None if kind == "marginal" else targets,
+                            **_kw(kind, eps))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind,eps", KINDS)
+def test_non_contiguous(impl, kind, eps):
+    base, scores, targets = make_case(B=2, K=3, T=8, V=10)
+    # Row strides that are not (K*T*V, T*V, V): every other position (targets follow).
+    logits = base[:, :, ::2]
+    assert not logits.is_contiguous()
+    check_against_reference(kind, impl, logits, scores,
+                            None if kind == "marginal" else targets[:, ::2], **_kw(kind, eps))
+    # A vocabulary axis with stride 2: copied to a contiguous layout first.
+    wide, _, _ = make_case(B=2, K=3, T=4, V=20)
+    check_against_reference(kind, impl, wide[..., ::2], scores,
+                            None if kind == "marginal" else targets[:, :4], **_kw(kind, eps))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["token", "sequence"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_flat_layout_exclude_bos_and_reductions(impl, kind, reduction):
+    logits, scores, targets = make_case(B=3, K=2, T=4, V=6, seed=3)
+    fn, ref_fn = LOSSES[kind]
+    flat = logits.reshape(6, 4, 6)  # [B*K, T, V] with n_docs
+    kw = dict(n_docs=2, epsilon=0.1, exclude_bos=True, reduction=reduction)
+    torch.testing.assert_close(fn(flat, scores, targets, impl=impl, **kw),
+                               ref_fn(flat.double(), scores.double(), targets, **kw).float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPLS if p.id != "torch"])
+@pytest.mark.parametrize("kind,eps", [("token", 0.0), ("token", 0.1), ("sequence", 0.1)])
+def test_inplace_grad_writes_into_the_logits(impl, kind, eps):
+    logits, scores, targets = make_case(B=2, K=3, T=4, V=9, seed=4)
+    fn, _ = LOSSES[kind]
+    expected = run(fn, logits, scores, targets, torch.ones(2), impl=impl, epsilon=eps)[1]
+    leaf = logits.clone().requires_grad_()
+    x = leaf * 1.0  # non-leaf logits, like a language-model head's output
+    fn(x, scores, targets, impl=impl, epsilon=eps, inplace_grad=True).sum().backward()
+    torch.testing.assert_close(leaf.grad, expected)
+    torch.testing.assert_close(x.detach(), expected)  # the gradient now lives in the logits
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPLS if p.id != "torch"])
+@pytest.mark.parametrize("kind", ["token", "sequence"])
+def test_nan_logits_propagate(impl, kind):
+    logits, scores, targets = make_case(B=2, K=2, T=3, V=8, ignore_frac=0.0)
+    logits[1, 0, 1, 3] = float("nan")
+    loss = LOSSES[kind][0](logits, scores, targets, impl=impl, epsilon=0.1)
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[0])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 3), K=st.integers(1, 4), T=st.integers(1, 4), V=st.integers(1, 70),
+    eps=st.sampled_from([0.0, 0.1]), kind=st.sampled_from(["token", "sequence", "marginal"]),
+    missing=st.booleans(), seed=st.integers(0, 2**16),
+)
+def _property(impl, B, K, T, V, eps, kind, missing, seed):
+    logits, scores, targets = make_case(B, K, T, V, seed=seed, missing=missing)
+    check_against_reference(kind, impl, logits, scores, None if kind == "marginal" else targets,
+                            **_kw(kind, eps))
+
+
+@requires_ext
+def test_property_cpp():
+    _property("cpp")
+
+
+@requires_triton
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_property_triton(data):
+    B, K, T = (data.draw(st.integers(1, 2)) for _ in range(3))
+    V = data.draw(st.integers(1, 20))
+    kind = data.draw(st.sampled_from(["token", "sequence", "marginal"]))
+    eps = data.draw(st.sampled_from([0.0, 0.1]))
+    logits, scores, targets = make_case(B, K, T, V, seed=data.draw(st.integers(0, 999)),
+                                        missing=data.draw(st.booleans()))
+    check_against_reference(kind, "triton", logits, scores,
+                            None if kind == "marginal" else targets, **_kw(kind, eps))
+
+
+# ---- bad input --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fn", [rag_fast.rag_token_nll, rag_fast.rag_sequence_nll])
+def test_bad_input(impl, fn):
+    logits, scores, targets = make_case(B=2, K=3, T=4, V=5)
+    with pytest.raises(ValueError, match="logits must be a floating tensor"):
+        fn(logits.long(), scores, targets, impl=impl)
+    with pytest.raises(ValueError, match=r"targets must have shape \[B, T\]"):
+        fn(logits, scores, targets[:, :3], impl=impl)
+    with pytest.raises(ValueError, match=r"logits \[B, K, T, V\] must have B, K"):
+        fn(logits[:, :2], scores, targets, impl=impl)
+    bad = targets.clone()
+    bad[1, 2] = 5
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, V=5\)"):
+        fn(logits, scores, bad, impl=impl)
+    with pytest.raises(ValueError, match="doc_scores must be on the logits' device"):
+        fn(logits, scores.to("meta"), targets, impl=impl)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        fn(logits, scores, targets, impl="cuda")
+
+
+def test_explicit_impl_that_cannot_run_says_why():
+    logits, scores, targets = make_case(B=1, K=1, T=1, V=3)
+    with pytest.raises(ValueError, match="impl='cpp' supports logits of dtype"):
+        rag_fast.rag_token_nll(logits.half(), scores, targets, impl="cpp")
