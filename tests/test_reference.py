@@ -11,15 +11,15 @@ from rag_fast import reference as ref
 from rag_fast.testing import shift_targets_left, tiny_hf_rag
 
 PAD, BOS = 1, 0
-torch.set_default_dtype(torch.float64)
+F64 = torch.float64
 
 
 def _inputs(B=3, K=3, T=6, V=50, seed=0, bos_first=False, missing=False):
     """Random fp64 logits [B*K, T, V], scores [B, K] and HF-style (unshifted) targets with
     trailing padding of different lengths per question (position 1 always a real token)."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(B * K, T, V, generator=g) * 2
-    scores = torch.randn(B, K, generator=g)
+    logits = torch.randn(B * K, T, V, generator=g, dtype=F64) * 2
+    scores = torch.randn(B, K, generator=g, dtype=F64)
     if missing:
         scores[0, -1] = -float("inf")  # a question with a missing passage
     target = torch.randint(3, V, (B, T), generator=g)

@@ -2,9 +2,10 @@
 contract (rag_fast/ops/_cpp.py) written in plain PyTorch and evaluated in float64, under the
 tolerance rule of tests/utils.py; then the public ops end to end with impl="triton".
 
-On the CPU these run through Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), which
-uses 16-wide tiles there: V = 33 spans three tiles with a ragged tail, V = 7 one partial tile,
-V = 1 a single entry. Shapes stay tiny because the interpreter is slow.
+On the CPU these run through Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), whose
+tiles hold 64 elements: a row of V = 70 spans two tiles with a ragged tail, the K = 3 rows of
+one position with V = 33 three 16-column tiles, V = 7 one partial tile, V = 1 a single entry.
+Shapes stay tiny because the interpreter is slow.
 """
 from __future__ import annotations
 
@@ -21,12 +22,23 @@ IGNORE = -100
 NEG_INF = float("-inf")
 F32 = torch.float32
 
+
+@pytest.fixture(autouse=True)
+def float32_factories():
+    """Tensor factories here make float32 even if another test module changed the default."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(F32)
+    yield
+    torch.set_default_dtype(previous)
+
+
 # (B, K, T, V), logits layout, and the branch each case is for.
 CASES = {
     "one_passage": ((2, 1, 3, 7), False),  # K = 1 (BLOCK_K = 1), one ragged tile
-    "one_position": ((2, 3, 1, 33), True),  # T = 1, three tiles; strided rows
+    "one_position": ((2, 3, 1, 70), True),  # T = 1; strided rows; rows span two tiles
     "vocab_one": ((1, 3, 2, 1), True),  # V = 1: P = 1, M = a + 0
-    "missing_passage": ((2, 3, 2, 33), False),  # a = -inf for passage 2 of question 0
+    "missing_passage": ((2, 3, 2, 33), False),  # a = -inf for passage 2 of question 0;
+    # the K = 3 rows of a position span three tiles
 }
 
 
@@ -64,17 +76,17 @@ def rand_coeffs(shape, seed: int, expand_last: bool = False) -> torch.Tensor:
 # ---- the contract's formulas, in whatever dtype they are given -------------------------------
 
 
-def onehot(y: torch.Tensor, V: int, dtype: torch.dtype) -> torch.Tensor:
+def onehot(y: torch.Tensor, V: int, dtype: torch.dtype, ignore: int = IGNORE) -> torch.Tensor:
     """``[B, 1, T, V]``: one at the target, zero on ignored positions."""
-    valid = y != IGNORE
+    valid = y != ignore
     hot = torch.nn.functional.one_hot(torch.where(valid, y, 0), V).to(dtype)
     return (hot * valid[..., None])[:, None]
 
 
-def row_stats_formula(x, y):
+def row_stats_formula(x, y, ignore=IGNORE):
     B, K, T, V = x.shape
-    valid = (y != IGNORE)[:, None]
-    idx = torch.where(y != IGNORE, y, 0)[:, None, :, None].expand(B, K, T, 1)
+    valid = (y != ignore)[:, None]
+    idx = torch.where(y != ignore, y, 0)[:, None, :, None].expand(B, K, T, 1)
     x_tgt = torch.where(valid, x.gather(-1, idx).squeeze(-1), 0.0)
     return torch.logsumexp(x, -1), x_tgt, x.sum(-1)
 
@@ -112,6 +124,10 @@ def test_row_stats(case):
     x, y, _ = make_inputs(case)
     K = kernels()
     check(K.row_stats(x, y, IGNORE), *plain_and_oracle(row_stats_formula, x, y), "row_stats")
+    # Ascending rows: the running max grows with every tile, so the running sum is rescaled.
+    x_up = x.sort(-1).values * 4
+    check(K.row_stats(x_up, y, IGNORE), *plain_and_oracle(row_stats_formula, x_up, y),
+          "row_stats, ascending")
     # Without targets x_tgt is 0 (the marginal's forward).
     lse, x_tgt, _ = K.row_stats(x, None, IGNORE)
     assert (x_tgt == 0).all()
@@ -142,6 +158,29 @@ def test_row_grad(case, alias):
     out2 = kernels().row_grad(x2, None, IGNORE, lse, c_p, c_y, c_1, fresh_like(x2))
     expected = c_p[..., None] * torch.softmax(x2.double(), -1) + c_1[..., None].double()
     assert_close_rule(out2, expected.float(), expected, F32, "row_grad, no targets")
+
+
+def test_ignore_index_inside_vocabulary():
+    # transformers masks with pad_token_id, a real vocabulary entry: no target term there.
+    pad = 1
+    x, y, a = make_inputs("one_position")
+    y[:, 0] = pad
+    B, K_, T, V = x.shape
+    K = kernels()
+    stats = K.row_stats(x, y, pad)
+    assert (stats[1][:, :, 0] == 0).all()
+    check(stats, *plain_and_oracle(row_stats_formula, x, y, pad), "row_stats, pad")
+    lse = stats[0]
+    c_p, c_y, c_1 = (rand_coeffs((B, K_, T), s) for s in (1, 2, 3))
+    c_r = rand_coeffs((B, T), 4)
+    P, _, R = posteriors(x.double(), a.double(), lse.double())
+    hot = onehot(y, V, torch.float64, pad)
+    expected = c_p[..., None] * P + c_y[..., None] * hot + c_1[..., None]
+    out = K.row_grad(x, y, pad, lse, c_p, c_y, c_1, fresh_like(x))
+    assert_close_rule(out, expected.float(), expected, F32, "row_grad, pad")
+    expected = expected + c_r[:, None, :, None] * R
+    out = K.token_smooth_grad(x, y, pad, a, lse, c_p, c_y, c_1, c_r, fresh_like(x))
+    assert_close_rule(out, expected.float(), expected, F32, "token_smooth_grad, pad")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -30,12 +30,12 @@ import triton.language as tl
 
 from rag_fast.kernels import interpreter_enabled
 
-_NEG_INF = float("-inf")
-
-# Elements per tile. The interpreter runs each program in NumPy, so small tiles keep CPU tests
-# fast and make V = 33 span several tiles (the multi-tile and ragged-tail paths).
+# Elements per tile. On a GPU a tile is a register block per program. The interpreter runs
+# programs in NumPy at a fixed cost per operation and per tile, so its tiles are small enough
+# for tiny test shapes to cover several tiles and a ragged tail (V = 70 for a row; V = 33 for
+# K = 3 rows, 16 columns each) and no smaller, to keep V ~ 1000 quick.
 _MAX_TILE_GPU = 4096
-_MAX_TILE_INTERPRETER = 16
+_MAX_TILE_INTERPRETER = 64
 _MIN_BLOCK_V = 16
 
 
@@ -265,7 +265,7 @@ def _token_marginal_grad_kernel(
         in_row = v < V
         x, _, r = _marginal_tile(x_ptr, rows, shift, v, sx_v, in_k, in_row)
         g = tl.load(g_row + v, mask=in_row, other=0.0)
-        grad = r * g[None, :] - tl.exp(x - lse[:, None])
+        grad = r * g[None, :] - tl.exp(x - lse[:, None]) * c[:, None]
         tl.store(
             out_ptr + out_rows[:, None] + v[None, :] * so_v,
             grad.to(out_ptr.dtype.element_ty),
