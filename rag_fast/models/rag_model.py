@@ -47,7 +47,9 @@ class Retrieved:
 
 
 class Retriever(Protocol):
-    def retrieve(self, question_embeddings: torch.Tensor, k: int) -> Retrieved: ...
+    """``rag_fast.retrieval.Retriever`` fits (its RetrievedPassages are adapted)."""
+
+    def retrieve(self, question_embeddings: torch.Tensor, *, n_docs: int) -> Any: ...
 
 
 @dataclass
@@ -74,6 +76,23 @@ def join_context(title: str, text: str, question: str, prefix: str = "") -> str:
     return (prefix + title + " / " + text + " // " + question).replace("  ", " ")
 
 
+def _from_retrieved_passages(retriever: Any, found: Any) -> Retrieved:
+    """Adapt ``rag_fast.retrieval.RetrievedPassages`` (store rows ``ids`` ``[B, K]``, -1 where
+    missing, and ``doc_embeddings``) to :class:`Retrieved`, reading texts from the retriever's
+    store of the same knowledge version (a hot swap in between raises; retry)."""
+    if getattr(retriever, "version", found.version) != found.version:
+        raise RuntimeError("the retriever's index was swapped during retrieval; retry")
+    store = retriever.store
+    ids = found.ids.cpu()
+    # Retrieved keeps each question's passages first: move missing ones (-1) to the end
+    order = torch.sort((ids < 0).to(torch.int8), dim=1, stable=True).indices  # [B, K]
+    ids = ids.gather(1, order)
+    embeddings = found.doc_embeddings.gather(
+        1, order.to(found.doc_embeddings.device)[:, :, None].expand_as(found.doc_embeddings))
+    passages = [[store[int(i)] for i in row if int(i) >= 0] for row in ids.tolist()]
+    return Retrieved(passages, embeddings)
+
+
 def _tokenizer_size(tokenizer: Any) -> int:
     return len(tokenizer)
 
@@ -87,8 +106,9 @@ class RagModel(nn.Module):
             ``[B, d]`` vectors, or to hidden states ``[B, L, d]`` pooled by ``question_pooling``
             (DPR question encoders return ``[B, d]`` already). May be None when questions are
             never encoded here (contexts and doc_scores passed to ``forward``).
-        retriever: an object with ``retrieve(q [B, d], k) -> Retrieved`` (e.g. a
-            ``rag_fast.retrieval`` Retriever); may be None when passages are passed in.
+        retriever: an object with ``retrieve(q [B, d], n_docs=K)`` returning :class:`Retrieved`
+            or a ``rag_fast.retrieval`` RetrievedPassages (e.g. a ``rag_fast.retrieval``
+            Retriever); may be None when passages are passed in.
         mode: "token" (paper eq. 2) or "sequence" (eq. 1).
         n_docs: K, passages per question.
         generator_tokenizer / question_tokenizer: Hugging Face tokenizers, needed when
@@ -211,7 +231,10 @@ class RagModel(nn.Module):
             raise ValueError("this RagModel has no retriever: pass passages= and "
                              "passage_embeddings=, or contexts and doc_scores, to forward()")
         with torch.no_grad():
-            return self.retriever.retrieve(question_embeddings.detach(), self.n_docs)
+            found = self.retriever.retrieve(question_embeddings.detach(), n_docs=self.n_docs)
+        if isinstance(found, Retrieved):
+            return found
+        return _from_retrieved_passages(self.retriever, found)
 
     def score_passages(
         self, question_embeddings: torch.Tensor, passages: Sequence[Sequence[Any]],
@@ -283,39 +306,46 @@ class RagModel(nn.Module):
     ) -> RagOutput:
         """The RAG loss of ``labels`` ``[B, T]`` (decoder input; target = labels shifted left).
 
-        Give either ``context_input_ids`` ``[B*K, L]`` + ``context_attention_mask`` + ``doc_scores``
-        ``[B, K]`` (as ``transformers``' RAG models accept), or the questions (``questions``
-        as text, or ``question_input_ids`` for the question encoder; text is needed to build the
-        contexts), optionally with ``passages`` + ``passage_embeddings`` ``[B, K, d]`` instead of
-        the retriever.
+        Passage scores: ``doc_scores`` ``[B, K]`` if given (as ``transformers``' RAG models
+        accept), else ``q . e`` from the questions (``questions`` as text, or
+        ``question_input_ids``) and ``passage_embeddings`` ``[B, K, d]`` (with ``passages``, or
+        from the retriever). Contexts: ``context_input_ids`` ``[B*K, L]`` +
+        ``context_attention_mask`` if given, else built from the question and passage texts.
 
         Raises:
             ValueError: missing inputs, batch sizes that differ, labels out of the vocabulary.
         """
-        if context_input_ids is not None:
-            if doc_scores is None or context_attention_mask is None:
-                raise ValueError("context_input_ids needs context_attention_mask and doc_scores")
-            return RagOutput(self.loss_from_contexts(context_input_ids, context_attention_mask,
-                                                     doc_scores, labels, reduction), doc_scores)
-        if questions is None:
-            raise ValueError("give questions (text) or context_input_ids + doc_scores")
-        if question_input_ids is None:
-            q_inputs = self.tokenize_questions(questions)
-            question_input_ids, question_attention_mask = (q_inputs["input_ids"],
-                                                           q_inputs["attention_mask"])
-        q = self.encode_questions(question_input_ids, question_attention_mask)
-        if q.shape[0] != len(questions):
-            raise ValueError(f"{len(questions)} questions but {q.shape[0]} question encodings")
-        if passages is None:
-            found = self.retrieve(q)
-            passages, passage_embeddings = found.passages, found.embeddings
-        elif passage_embeddings is None:
-            raise ValueError("passages= needs passage_embeddings= (to score them with gradient)")
-        scores = self.score_passages(q, passages, passage_embeddings)
-        ctx = self.build_contexts(questions, passages)
-        loss = self.loss_from_contexts(ctx["input_ids"], ctx["attention_mask"], scores, labels,
-                                       reduction)
-        return RagOutput(loss, scores, [list(p) for p in passages])
+        if doc_scores is None:
+            if question_input_ids is None:
+                if questions is None:
+                    raise ValueError("give questions (text or question_input_ids) or doc_scores")
+                q_inputs = self.tokenize_questions(questions)
+                question_input_ids, question_attention_mask = (q_inputs["input_ids"],
+                                                               q_inputs["attention_mask"])
+            q = self.encode_questions(question_input_ids, question_attention_mask)
+            if questions is not None and q.shape[0] != len(questions):
+                raise ValueError(f"{len(questions)} questions but {q.shape[0]} question encodings")
+            if passage_embeddings is None:
+                if passages is not None:
+                    raise ValueError("passages= needs passage_embeddings= (to score them)")
+                found = self.retrieve(q)
+                passages, passage_embeddings = found.passages, found.embeddings
+            if passages is None:  # pre-tokenised contexts: every question has K passages
+                passages = [[None] * self.n_docs for _ in range(q.shape[0])]
+                if context_input_ids is None:
+                    raise ValueError("passage_embeddings without passages need context_input_ids")
+            doc_scores = self.score_passages(q, passages, passage_embeddings)
+        if context_input_ids is None:
+            if questions is None or passages is None:
+                raise ValueError("give context_input_ids, or questions and passages as text")
+            ctx = self.build_contexts(questions, passages)
+            context_input_ids, context_attention_mask = ctx["input_ids"], ctx["attention_mask"]
+        if context_attention_mask is None:
+            raise ValueError("context_input_ids needs context_attention_mask")
+        loss = self.loss_from_contexts(context_input_ids, context_attention_mask, doc_scores,
+                                       labels, reduction)
+        kept = None if passages is None else [list(p) for p in passages]
+        return RagOutput(loss, doc_scores, kept)
 
     def prepare_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(decoder_input_ids [B, T-1], targets [B, T-1])`` from labels ``[B, T]``."""

@@ -1,0 +1,112 @@
+"""Question-answer datasets from JSONL or TSV files.
+
+JSONL: one object per line with ``question`` (str) and ``answers`` (list of str, or one str;
+``answer`` is accepted too), optionally ``label``; blank lines are skipped.
+TSV: ``question<TAB>answers`` where answers is a JSON list (as DPR's NQ files) or the remaining
+columns, one answer each; a first line ``question<TAB>answers...`` is a header and skipped.
+
+Errors name the file and the line: a malformed JSONL line, a missing field, an empty dataset.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class QAExample:
+    question: str
+    answers: tuple[str, ...]
+    label: str | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def target(self) -> str:
+        """The text a model is trained to produce: the label if any, else the first answer."""
+        return self.label if self.label is not None else self.answers[0]
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be read as questions and answers."""
+
+
+def _answers(value, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
+        raise DatasetError(f"{where}: 'answers' must be a string or a non-empty list of strings")
+    return tuple(value)
+
+
+def _from_jsonl(path: str) -> list[QAExample]:
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: malformed JSON line ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            question = obj.get("question")
+            if not isinstance(question, str) or not question.strip():
+                raise DatasetError(f"{where}: missing or empty 'question'")
+            raw = obj.get("answers", obj.get("answer"))
+            label = obj.get("label")
+            if raw is None and label is None:
+                raise DatasetError(f"{where}: missing 'answers'")
+            answers = _answers(raw if raw is not None else str(label), where)
+            extra = {k: v for k, v in obj.items() if k not in ("question", "answers", "answer", "label")}
+            examples.append(QAExample(question, answers, None if label is None else str(label), extra))
+    return examples
+
+
+def _from_tsv(path: str) -> list[QAExample]:
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            line = line.rstrip("\n\r")
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            cols = line.split("\t")
+            if number == 1 and cols[0].strip().lower() == "question":
+                continue
+            if len(cols) < 2 or not cols[0].strip():
+                raise DatasetError(f"{where}: expected 'question<TAB>answers', got {len(cols)} column(s)")
+            if cols[1].lstrip().startswith("["):
+                try:
+                    raw = json.loads(cols[1])
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{where}: malformed JSON answer list ({e.msg})") from None
+            else:
+                raw = [c for c in cols[1:] if c.strip()]
+            examples.append(QAExample(cols[0], _answers(raw, where)))
+    return examples
+
+
+def load_qa(path: str, fmt: str | None = None) -> list[QAExample]:
+    """Questions and answers from ``path`` (format from ``fmt`` or the extension: .jsonl/.json
+    -> JSONL, .tsv/.txt -> TSV).
+
+    Raises:
+        DatasetError: unreadable format, a malformed line (with its line number), or no examples.
+        FileNotFoundError: no such file.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    if fmt is None:
+        ext = os.path.splitext(path)[1].lower()
+        fmt = {".jsonl": "jsonl", ".json": "jsonl", ".tsv": "tsv", ".txt": "tsv"}.get(ext)
+        if fmt is None:
+            raise DatasetError(f"{path}: cannot tell the format from '{ext}'; use .jsonl or .tsv")
+    if fmt not in ("jsonl", "tsv"):
+        raise DatasetError(f"unknown dataset format {fmt!r} (jsonl or tsv)")
+    examples = _from_jsonl(path) if fmt == "jsonl" else _from_tsv(path)
+    if not examples:
+        raise DatasetError(f"{path}: empty dataset (no examples)")
+    return examples

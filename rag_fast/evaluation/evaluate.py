@@ -1,0 +1,56 @@
+"""The evaluation loop: answer questions with a RagModel and score them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from rag_fast.evaluation.data import QAExample
+from rag_fast.evaluation.metrics import answer_metrics, label_accuracy, retrieval_recall
+
+
+@dataclass
+class EvalResult:
+    metrics: dict
+    predictions: list[str]
+    passages: list[list]
+
+
+def evaluate(
+    model,
+    examples: Sequence[QAExample],
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 16,
+) -> EvalResult:
+    """Greedy answers of ``model`` (a RagModel with a retriever and tokenizers) on ``examples``.
+
+    Returns metrics ``em``, ``f1``, ``bleu1``, ``rougeL``, ``recall@K`` (an answer string in one
+    of the K retrieved passages) and ``accuracy`` when examples carry labels.
+
+    Raises:
+        ValueError: no examples.
+    """
+    from rag_fast.models.decoding import greedy_decode
+
+    if not examples:
+        raise ValueError("no examples to evaluate (empty dataset)")
+    was_training = model.training
+    model.eval()
+    predictions, passages = [], []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(examples), batch_size):
+                batch = examples[start:start + batch_size]
+                out = greedy_decode(model, [e.question for e in batch], max_new_tokens=max_new_tokens)
+                predictions += out.texts
+                passages += out.passages
+    finally:
+        model.train(was_training)
+    answers = [list(e.answers) for e in examples]
+    metrics = answer_metrics(predictions, answers)
+    metrics[f"recall@{model.n_docs}"] = retrieval_recall(passages, answers)
+    if all(e.label is not None for e in examples):
+        metrics["accuracy"] = label_accuracy(predictions, [e.label for e in examples])
+    return EvalResult(metrics, predictions, passages)

@@ -1,0 +1,139 @@
+"""Answer metrics: exact match and F1 (SQuAD answer normalisation), BLEU-1 (sacrebleu),
+ROUGE-L (rouge-score), label accuracy, and retrieval recall@k.
+
+Every metric takes predictions and, per example, a list of acceptable answers; an example's
+score is its best over the answers (as in SQuAD and the RAG paper). Corpus values are means over
+examples, in [0, 1] (BLEU-1 and ROUGE-L included).
+"""
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from typing import Any, Sequence
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, drop punctuation and articles, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _check_pairs(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> None:
+    if len(predictions) != len(answers):
+        raise ValueError(f"{len(predictions)} predictions for {len(answers)} examples")
+    if not predictions:
+        raise ValueError("no examples to score (empty dataset)")
+    for i, a in enumerate(answers):
+        if isinstance(a, str) or not len(a):
+            raise ValueError(f"example {i}: answers must be a non-empty list of strings")
+
+
+def exact_match_one(prediction: str, answers: Sequence[str]) -> float:
+    p = normalize_answer(prediction)
+    return float(any(p == normalize_answer(a) for a in answers))
+
+
+def f1_one(prediction: str, answers: Sequence[str]) -> float:
+    def f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+        if not pred_tokens or not gold_tokens:
+            return float(pred_tokens == gold_tokens)
+        common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+        if common == 0:
+            return 0.0
+        precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+        return 2 * precision * recall / (precision + recall)
+
+    pred = normalize_answer(prediction).split()
+    return max(f1(pred, normalize_answer(a).split()) for a in answers)
+
+
+def exact_match(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
+    """Mean exact match after normalisation."""
+    _check_pairs(predictions, answers)
+    return sum(exact_match_one(p, a) for p, a in zip(predictions, answers)) / len(predictions)
+
+
+def f1(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
+    """Mean token F1 after normalisation."""
+    _check_pairs(predictions, answers)
+    return sum(f1_one(p, a) for p, a in zip(predictions, answers)) / len(predictions)
+
+
+def bleu1(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
+    """Mean sentence BLEU-1 (unigram precision with brevity penalty, sacrebleu), best answer."""
+    _check_pairs(predictions, answers)
+    import sacrebleu
+
+    metric = sacrebleu.BLEU(max_ngram_order=1, effective_order=True)
+    total = 0.0
+    for p, refs in zip(predictions, answers):
+        total += max(metric.sentence_score(p, [r]).score for r in refs) / 100.0
+    return total / len(predictions)
+
+
+def rouge_l(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
+    """Mean ROUGE-L F-measure (rouge-score), best answer."""
+    _check_pairs(predictions, answers)
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    total = 0.0
+    for p, refs in zip(predictions, answers):
+        total += max(scorer.score(r, p)["rougeL"].fmeasure for r in refs)
+    return total / len(predictions)
+
+
+def label_accuracy(predictions: Sequence[str], labels: Sequence[str]) -> float:
+    """Accuracy for classification-style targets (labels compared after normalisation)."""
+    if len(predictions) != len(labels):
+        raise ValueError(f"{len(predictions)} predictions for {len(labels)} labels")
+    if not predictions:
+        raise ValueError("no examples to score (empty dataset)")
+    hits = sum(normalize_answer(p) == normalize_answer(l) for p, l in zip(predictions, labels))
+    return hits / len(predictions)
+
+
+def _passage_text(passage: Any) -> str:
+    if isinstance(passage, str):
+        return passage
+    if isinstance(passage, dict):
+        return f"{passage.get('title', '')} {passage['text']}"
+    return f"{getattr(passage, 'title', '')} {passage.text}"
+
+
+def answer_in_passage(passage: Any, answers: Sequence[str]) -> bool:
+    """Does a normalised answer occur (as whole tokens) in the normalised passage text?"""
+    text = f" {normalize_answer(_passage_text(passage))} "
+    return any(f" {normalize_answer(a)} " in text for a in answers if normalize_answer(a))
+
+
+def retrieval_recall(
+    passages: Sequence[Sequence[Any]], answers: Sequence[Sequence[str]], k: int | None = None
+) -> float:
+    """Fraction of questions with an answer string in one of their top-``k`` passages.
+
+    Args:
+        passages: per question, retrieved passages best first (str, dict or objects with
+            ``title``/``text``).
+        answers: per question, a non-empty list of answer strings.
+        k: how many passages count (None: all).
+    """
+    if k is not None and k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if len(passages) != len(answers):
+        raise ValueError(f"retrieved passages for {len(passages)} questions, answers for "
+                         f"{len(answers)}")
+    if not passages:
+        raise ValueError("no examples to score (empty dataset)")
+    hits = sum(any(answer_in_passage(p, a) for p in found[:k]) for found, a in zip(passages, answers))
+    return hits / len(passages)
+
+
+def answer_metrics(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> dict:
+    """``{"em", "f1", "bleu1", "rougeL"}`` for generated answers."""
+    return {"em": exact_match(predictions, answers), "f1": f1(predictions, answers),
+            "bleu1": bleu1(predictions, answers), "rougeL": rouge_l(predictions, answers)}

@@ -1,0 +1,145 @@
+"""Metrics, dataset loading errors, the eval loop and the `eval` / `train` subcommands."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from rag_fast.evaluation import (DatasetError, bleu1, evaluate, exact_match, f1, label_accuracy,
+                                 load_qa, normalize_answer, retrieval_recall, rouge_l)
+
+
+def test_squad_normalisation_em_and_f1():
+    assert normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
+    assert normalize_answer("an apple, a pear") == "apple pear"
+    assert exact_match(["the Paris", "Lyon"], [["Paris"], ["Marseille", "lyon."]]) == 1.0
+    assert exact_match(["Paris"], [["London"]]) == 0.0
+    # tokens "new york" vs "new york city": P = 1, R = 2/3 -> F1 = 0.8
+    assert f1(["New York"], [["New York City"]]) == pytest.approx(0.8)
+    assert f1(["x"], [["y", "x"]]) == 1.0  # best over answers
+
+
+def test_bleu1_and_rouge_l_from_libraries():
+    # sacrebleu: 3/3 unigrams match, brevity penalty exp(1 - 5/3)
+    assert bleu1(["the cat sat"], [["the cat sat on mat"]]) == pytest.approx(0.5134, abs=1e-3)
+    # rouge-score: LCS 3, P = 1, R = 3/5 -> F = 0.75
+    assert rouge_l(["the cat sat"], [["the cat sat on mat"]]) == pytest.approx(0.75)
+    assert bleu1(["a b"], [["c d", "a b"]]) == pytest.approx(1.0)
+
+
+def test_label_accuracy_and_retrieval_recall():
+    assert label_accuracy(["SUPPORTS", "refutes"], ["supports", "supports"]) == 0.5
+    passages = [[{"title": "Paris", "text": "capital of France"}, "nothing"], ["x", "Lyon is big"]]
+    assert retrieval_recall(passages, [["France"], ["Lyon"]]) == 1.0
+    assert retrieval_recall(passages, [["France"], ["Lyon"]], k=1) == 0.5
+    assert retrieval_recall([["francesca"]], [["France"]]) == 0.0  # whole tokens only
+
+
+def test_metric_errors():
+    with pytest.raises(ValueError, match="empty dataset"):
+        exact_match([], [])
+    with pytest.raises(ValueError, match="2 predictions for 1 examples"):
+        f1(["a", "b"], [["a"]])
+    with pytest.raises(ValueError, match="non-empty list of strings"):
+        exact_match(["a"], ["a"])
+
+
+def test_load_jsonl_and_tsv(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"question": "q1", "answers": ["a", "b"]}\n\n{"question": "q2", "answer": "c", '
+                 '"label": "L"}\n')
+    data = load_qa(str(p))
+    assert [(e.question, e.answers, e.label) for e in data] == [("q1", ("a", "b"), None),
+                                                                ("q2", ("c",), "L")]
+    assert data[1].target == "L" and data[0].target == "a"
+    t = tmp_path / "d.tsv"
+    t.write_text('question\tanswers\nq1\t["a", "b"]\nq2\tc\td\n')
+    assert [e.answers for e in load_qa(str(t))] == [("a", "b"), ("c", "d")]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"question": "q", "answers": ["a"]}\n{"question": "q2", "answers": [\n', r"d.jsonl:2: malformed JSON"),
+    ('{"question": "q"}\n', r"d.jsonl:1: missing 'answers'"),
+    ('{"answers": ["a"]}\n', r"d.jsonl:1: missing or empty 'question'"),
+    ('[1, 2]\n', r"d.jsonl:1: expected a JSON object"),
+    ('\n\n', r"empty dataset"),
+])
+def test_bad_jsonl_names_the_line(tmp_path, content, message):
+    p = tmp_path / "d.jsonl"
+    p.write_text(content)
+    with pytest.raises(DatasetError, match=message):
+        load_qa(str(p))
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_qa(str(tmp_path / "none.jsonl"))
+    p = tmp_path / "d.csv"
+    p.write_text("q,a\n")
+    with pytest.raises(DatasetError, match="cannot tell the format"):
+        load_qa(str(p))
+    t = tmp_path / "d.tsv"
+    t.write_text("only a question\n")
+    with pytest.raises(DatasetError, match=r"d.tsv:1: expected 'question<TAB>answers'"):
+        load_qa(str(t))
+
+
+def _parser():
+    from rag_fast.evaluation.cli import register as register_eval
+    from rag_fast.training.cli import register as register_train
+
+    parser = argparse.ArgumentParser(prog="rag-fast")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register_eval(sub)
+    register_train(sub)
+    return parser
+
+
+def test_eval_subcommand_scores_predictions(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "q1", "answers": ["Paris"]}\n{"question": "q2", "answers": ["b c"]}\n')
+    preds = tmp_path / "p.txt"
+    preds.write_text("paris\nb\n")
+    args = _parser().parse_args(["eval", "--data", str(data), "--predictions", str(preds)])
+    assert args.func(args) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["em"] == 0.5 and metrics["f1"] == pytest.approx((1 + 2 / 3) / 2)
+    preds.write_text("paris\n")
+    with pytest.raises(ValueError, match="has 1 lines for 2 examples"):
+        args.func(args)
+
+
+def test_train_subcommand_config_errors(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"model": {}, "train": {}}')
+    args = _parser().parse_args(["train", "--config", str(cfg)])
+    with pytest.raises(ValueError, match="missing section 'data'"):
+        args.func(args)
+    cfg.write_text("{nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        args.func(args)
+
+
+def test_evaluate_loop_with_greedy_decoding():
+    # reuses the fixed retriever and word tokenizer of the model tests
+    from test_models import _FixedRetriever, _hf, _word_tokenizer
+
+    from rag_fast.evaluation import QAExample
+    from rag_fast.models import RagModel
+
+    tok = _word_tokenizer()
+    for mode in ("token", "sequence"):
+        hf = _hf(mode)
+        model = RagModel(hf.rag.generator, hf.rag.question_encoder, _FixedRetriever(16),
+                         mode=mode, n_docs=3, generator_tokenizer=tok, question_tokenizer=tok)
+        examples = [QAExample("what is x", ("passage",)), QAExample("what is y", ("nothing",))]
+        result = evaluate(model, examples, batch_size=2, max_new_tokens=3)
+        assert len(result.predictions) == 2
+        assert result.metrics["recall@3"] == 0.5  # "passage" is in question 0's passages
+        assert set(result.metrics) == {"em", "f1", "bleu1", "rougeL", "recall@3"}
+        assert all(0.0 <= v <= 1.0 for v in result.metrics.values())
+    with pytest.raises(ValueError, match="empty dataset"):
+        evaluate(model, [])
+    assert torch.is_grad_enabled()

@@ -1,0 +1,173 @@
+"""Training loop: a killed run resumes to the same parameters, DDP equals one process,
+schedules, accumulation, autocast and configuration errors."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from rag_fast.models import RagModel
+from rag_fast.testing import tiny_hf_rag
+from rag_fast.training import TrainConfig, Trainer, lr_lambda
+from rag_fast.training.distributed import spawn
+
+K, L, T, N = 2, 6, 5, 16
+
+
+def _no_dropout(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+
+
+def make_model(dropout: bool = True) -> RagModel:
+    """A tiny RAG-Token model whose question encoder is trained through the passage scores."""
+    hf = tiny_hf_rag("token", seed=0, n_docs=K)
+    model = RagModel.from_transformers(hf)
+    if not dropout:
+        _no_dropout(model)
+    return model
+
+
+def make_dataset() -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    data = []
+    for _ in range(N):
+        labels = torch.randint(3, 50, (T,), generator=g)
+        labels[0] = 0
+        data.append({"q": torch.randint(3, 99, (4,), generator=g),
+                     "e": torch.randn(K, 16, generator=g),
+                     "ctx": torch.randint(3, 50, (K, L), generator=g), "labels": labels})
+    return data
+
+
+def collate(examples: list[dict]) -> dict:
+    return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def loss_fn(module, batch: dict) -> torch.Tensor:
+    ctx = batch["ctx"].flatten(0, 1)  # [B*K, L]
+    return module(batch["labels"], question_input_ids=batch["q"], passage_embeddings=batch["e"],
+                  context_input_ids=ctx, context_attention_mask=torch.ones_like(ctx)).loss
+
+
+def config(**kw) -> TrainConfig:
+    base = dict(max_steps=6, micro_batch_size=4, lr=1e-2, warmup_steps=2, progress=False,
+                seed=3)
+    return TrainConfig(**{**base, **kw})
+
+
+def params(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _killed_run(out_dir: str) -> None:
+    def die(state):
+        if state.step == 3:  # step 3 is done but only step 2 was checkpointed
+            os._exit(17)
+
+    model = make_model()
+    Trainer(model, make_dataset(), collate, loss_fn,
+            config(output_dir=out_dir, checkpoint_every=2), on_step_end=die).train()
+
+
+def test_killed_run_resumes_to_same_parameters(tmp_path):
+    reference = make_model()
+    Trainer(reference, make_dataset(), collate, loss_fn, config()).train()
+
+    proc = multiprocessing.get_context("spawn").Process(target=_killed_run, args=(str(tmp_path),))
+    proc.start()
+    proc.join(300)
+    assert proc.exitcode == 17
+    assert os.listdir(tmp_path) == ["checkpoint-last.pt"]  # atomic: no temporaries left
+
+    resumed = make_model()
+    trainer = Trainer(resumed, make_dataset(), collate, loss_fn,
+                      config(output_dir=str(tmp_path), checkpoint_every=2))
+    assert trainer.resume()
+    assert trainer.state.step == 2
+    trainer.train()
+    for name, value in params(reference).items():
+        torch.testing.assert_close(params(resumed)[name], value, rtol=0, atol=0, msg=name)
+
+
+def _ddp_worker(rank: int, world_size: int, out: str) -> None:
+    torch.set_num_threads(1)
+    model = make_model(dropout=False)
+    Trainer(model, make_dataset(), collate, loss_fn, ddp_config(micro_batch_size=2)).train()
+    if rank == 0:
+        torch.save(params(model), out)
+
+
+def ddp_config(micro_batch_size: int) -> TrainConfig:
+    # adam_eps: with the default 1e-8, Adam turns rounding noise in near-zero gradients (the
+    # tiny question encoder's) into lr-sized updates, so runs that sum in a different order
+    # drift apart by ~1e-3 although their gradients agree to float precision.
+    return config(micro_batch_size=micro_batch_size, max_steps=4, adam_eps=1e-3,
+                  find_unused_parameters=False)
+
+
+def test_two_process_ddp_equals_one_process_same_global_batch(tmp_path):
+    single = make_model(dropout=False)
+    Trainer(single, make_dataset(), collate, loss_fn, ddp_config(micro_batch_size=4)).train()
+    out = str(tmp_path / "ddp.pt")
+    spawn(_ddp_worker, 2, out)
+    ddp = torch.load(out)
+    for name, value in params(single).items():
+        torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert any((v != params(make_model())[n]).any() for n, v in ddp.items())  # it trained
+
+
+def test_accumulation_equals_large_batch():
+    big = make_model(dropout=False)
+    Trainer(big, make_dataset(), collate, loss_fn,
+            config(max_steps=2, micro_batch_size=8, adam_eps=1e-3)).train()
+    acc = make_model(dropout=False)
+    Trainer(acc, make_dataset(), collate, loss_fn,
+            config(max_steps=2, micro_batch_size=4, grad_accum=2, adam_eps=1e-3)).train()
+    for name, value in params(big).items():  # adam_eps: see ddp_config
+        torch.testing.assert_close(params(acc)[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_bf16_autocast_and_gradient_checkpointing_train():
+    model = make_model()
+    trainer = Trainer(model, make_dataset(), collate, loss_fn,
+                      config(max_steps=4, precision="bf16", gradient_checkpointing=True,
+                             log_every=1, lr=3e-3))
+    state = trainer.train()
+    losses = [loss for _, loss in state.history]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert model.generator.is_gradient_checkpointing
+
+
+def test_progress_bar_and_periodic_eval(capsys):
+    model = make_model()
+    calls = []
+    trainer = Trainer(model, make_dataset(), collate, loss_fn,
+                      config(max_steps=2, progress=True, eval_every=1),
+                      eval_fn=lambda m: calls.append(1) or {"em": 0.5})
+    state = trainer.train()
+    assert len(calls) == 2 and state.evals[-1] == (2, {"em": 0.5})
+    err = capsys.readouterr().err
+    assert "ex_per_s" in err and "loss" in err
+
+
+def test_schedule_warmup_then_linear_decay():
+    f = lr_lambda(TrainConfig(max_steps=10, warmup_steps=2))
+    assert [round(f(s), 3) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+
+
+def test_bad_training_input():
+    with pytest.raises(ValueError, match="training dataset is empty"):
+        Trainer(make_model(), [], collate, loss_fn, config())
+    with pytest.raises(ValueError, match="precision must be one of"):
+        config(precision="fp8")
+    with pytest.raises(ValueError, match="unknown training options"):
+        TrainConfig.from_dict({"max_step": 3})
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        Trainer(make_model(), make_dataset()[:3], collate, loss_fn, config())
