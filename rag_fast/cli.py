@@ -1,0 +1,256 @@
+"""The ``rag-fast`` command.
+
+    rag-fast index build --passages FILE --encoder NAME [--preset ivfpq] --out DIR [--shard i/n]
+    rag-fast index search DIR "question" [-k 5]
+    rag-fast index info DIR
+
+Each top-level command is a registrar in :data:`COMMANDS` that adds its sub-parser and sets
+``func``; a new command (``train``, ``eval``, ``generate``) is one more ``@command`` function.
+Errors the user can fix (bad arguments, missing or corrupt files) print one line and exit 2.
+
+An index directory holds ``manifest.json`` (the encoder and the checksums of the parts),
+``passages/`` (a PassageStore) and ``index/`` (a DenseIndex). It is assembled under a
+temporary name and renamed at the end, so an interrupted build leaves nothing at ``--out``.
+With ``--shard i/n`` a process only encodes its shard into ``DIR.staging/``; a final run
+without ``--shard`` finds the complete set of shards there and builds the index from them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable
+
+BUNDLE_KIND = "rag_fast.index_bundle"
+COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
+
+
+def command(name: str):
+    """Register ``fn(subparsers)`` as the registrar of top-level command ``name``."""
+    def register(fn: Callable[[argparse._SubParsersAction], None]):
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+# ---- index ---------------------------------------------------------------------------------
+@command("index")
+def _register_index(subparsers: argparse._SubParsersAction) -> None:
+    from rag_fast.retrieval.index import PRESETS
+
+    index = subparsers.add_parser("index", help="build, query and describe passage indexes")
+    sub = index.add_subparsers(dest="index_command", required=True, metavar="{build,search,info}")
+
+    build = sub.add_parser("build", help="encode passages and build an index directory")
+    build.add_argument("--passages", required=True, metavar="FILE",
+                       help="DPR .tsv (id, text, title), .jsonl, .txt or a directory of .txt documents")
+    build.add_argument("--encoder", required=True, metavar="NAME",
+                       help="Hugging Face passage encoder (name or local folder)")
+    build.add_argument("--query-encoder", metavar="NAME", default=None,
+                       help="question encoder for `index search` (default: --encoder)")
+    build.add_argument("--preset", default="ivfpq", metavar="PRESET",
+                       help=f"one of {', '.join(PRESETS)} or a faiss factory string (default ivfpq)")
+    build.add_argument("--out", required=True, metavar="DIR", help="output index directory")
+    build.add_argument("--shard", default=None, metavar="i/n",
+                       help="only encode shard i of n (0-based) into DIR.staging/")
+    build.add_argument("--split", type=int, default=None, metavar="WORDS",
+                       help="split passages into WORDS-word chunks (raw .txt documents: 100)")
+    build.add_argument("--pooling", default="auto", choices=["auto", "cls", "mean", "pooler"])
+    build.add_argument("--max-length", type=int, default=256, help="encoder tokens per passage")
+    build.add_argument("--batch-size", type=int, default=64, help="passages per encoder batch")
+    build.add_argument("--device", default=None, help="encoder device (default: cuda if available)")
+    build.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    build.add_argument("--no-progress", action="store_true", help="no progress bars")
+    build.set_defaults(func=_index_build)
+
+    search = sub.add_parser("search", help="retrieve passages for a question")
+    search.add_argument("dir", metavar="DIR")
+    search.add_argument("question")
+    search.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
+    search.add_argument("--nprobe", type=int, default=None)
+    search.add_argument("--ef-search", type=int, default=None)
+    search.add_argument("--json", action="store_true", help="print JSON lines")
+    search.add_argument("--device", default=None)
+    search.set_defaults(func=_index_search)
+
+    info = sub.add_parser("info", help="describe an index directory")
+    info.add_argument("dir", metavar="DIR")
+    info.add_argument("--verify", action="store_true", help="check every file's SHA-256")
+    info.set_defaults(func=_index_info)
+
+
+def _staging(out: Path) -> Path:
+    return out.with_name(out.name + ".staging")
+
+
+def _staged_store(args, staging: Path, progress: bool):
+    from rag_fast.retrieval.passages import PassageStore
+
+    path = staging / "passages"
+    if not (path / "manifest.json").exists():
+        try:
+            return PassageStore.from_file(args.passages, path, split=args.split, progress=progress)
+        except (FileExistsError, OSError) as exc:  # another shard process won the race
+            if not (path / "manifest.json").exists():
+                raise exc
+    store = PassageStore.load(path)
+    if store.manifest.get("source") != str(args.passages):
+        raise ValueError(f"--passages {args.passages!r} differs from the passages staged in {staging} "
+                         f"({store.manifest.get('source')!r}); delete {staging} to start over")
+    return store
+
+
+def _complete_shards(staging: Path, count: int) -> list[Path] | None:
+    """The shard files of the largest n for which all n are staged, else None."""
+    from rag_fast.retrieval.encoders import shard_rows
+
+    found = {}
+    for f in staging.glob("embeddings-*-of-*.npy"):
+        i, n = (int(v) for v in f.stem.removeprefix("embeddings-").split("-of-"))
+        found.setdefault(n, {})[i] = f
+    for n in sorted(found, reverse=True):
+        if len(found[n]) == n:
+            files = [found[n][i] for i in range(n)]
+            import numpy as np
+
+            for i, f in enumerate(files):
+                lo, hi = shard_rows(count, (i, n))
+                if np.load(f, mmap_mode="r").shape[0] != hi - lo:
+                    raise ValueError(f"--shard: staged {f} has the wrong number of rows for "
+                                     f"{count} passages; delete {staging} and encode again")
+            return files
+    return None
+
+
+def _index_build(args) -> int:
+    import numpy as np
+
+    from rag_fast.retrieval._files import atomic_directory, describe_files, write_json
+    from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard
+    from rag_fast.retrieval.index import DenseIndex
+
+    out = Path(args.out)
+    progress = not args.no_progress
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
+    shard = parse_shard(args.shard) if args.shard is not None else None
+    staging = _staging(out)
+    staging.mkdir(parents=True, exist_ok=True)
+    store = _staged_store(args, staging, progress)
+    encoder = Encoder(args.encoder, pooling=args.pooling, max_length=args.max_length, device=args.device)
+    if shard is not None:
+        i, n = shard
+        path = encode_passages(encoder, store, staging / f"embeddings-{i}-of-{n}.npy", shard,
+                               args.batch_size, progress)
+        print(f"encoded shard {i}/{n} -> {path}; run without --shard once all {n} shards exist")
+        return 0
+    shards = _complete_shards(staging, len(store))
+    if shards is None:
+        shards = [encode_passages(encoder, store, staging / "embeddings-0-of-1.npy", None,
+                                  args.batch_size, progress)]
+    embeddings = [np.load(f, mmap_mode="r") for f in shards]
+    query_encoder = Encoder(args.query_encoder, pooling=args.pooling, max_length=args.max_length,
+                            device="cpu") if args.query_encoder else encoder
+    if query_encoder.dim != encoder.dim:
+        raise ValueError(f"--query-encoder has dimension {query_encoder.dim}, --encoder {encoder.dim}")
+    index = DenseIndex.build(embeddings, args.preset, progress=progress)
+    with atomic_directory(out, overwrite=args.overwrite) as tmp:
+        shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
+        index.save(tmp / "index")
+        files = ["passages/manifest.json", "index/manifest.json"]
+        write_json(tmp / "manifest.json", {
+            "kind": BUNDLE_KIND, "format": 1, "passages_source": str(args.passages),
+            "encoder": encoder.describe(), "query_encoder": query_encoder.describe(),
+            "files": describe_files(tmp, files),
+        })
+    shutil.rmtree(staging, ignore_errors=True)
+    print(f"built {index.factory} over {len(index)} passages ({index.dim}-d) -> {out}")
+    return 0
+
+
+def _load_bundle(directory: str, verify: bool = False):
+    from rag_fast.retrieval._files import read_manifest
+    from rag_fast.retrieval.index import DenseIndex
+    from rag_fast.retrieval.passages import PassageStore
+
+    root = Path(directory)
+    manifest = read_manifest(root, BUNDLE_KIND, verify=True)
+    store = PassageStore.load(root / "passages", verify=verify)
+    index = DenseIndex.load(root / "index", verify=verify, expected_dim=manifest["encoder"]["dim"])
+    return manifest, store, index
+
+
+def _index_search(args) -> int:
+    from rag_fast.retrieval.encoders import Encoder
+
+    manifest, store, index = _load_bundle(args.dir)
+    spec = manifest["query_encoder"]
+    encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],
+                      max_length=spec["max_length"], device=args.device)
+    if not args.question.strip():
+        raise ValueError("question must not be empty")
+    q = encoder.encode_queries([args.question])
+    kwargs = {"nprobe": args.nprobe, "ef_search": args.ef_search}
+    scores, ids = index.search(q, args.k, **{key: v for key, v in kwargs.items() if v is not None})
+    for rank, (score, row) in enumerate(zip(scores[0].tolist(), ids[0].tolist()), 1):
+        if row < 0:
+            continue
+        p = store[row]
+        if args.json:
+            print(json.dumps({"rank": rank, "score": score, "row": row, "id": p.id,
+                              "title": p.title, "text": p.text}))
+        else:
+            text = p.text if len(p.text) <= 200 else p.text[:197] + "..."
+            print(f"{rank:>3}  {score:8.4f}  [{p.id}] {p.title}\n     {text}")
+    return 0
+
+
+def _index_info(args) -> int:
+    manifest, store, index = _load_bundle(args.dir, verify=args.verify)
+    d = index.describe()
+    lines = {
+        "directory": str(Path(args.dir).resolve()),
+        "passages": f"{len(store)} (from {manifest.get('passages_source')})",
+        "encoder": f"{manifest['encoder']['name']} ({manifest['encoder']['pooling']} pooling, "
+                   f"normalize={manifest['encoder']['normalize']})",
+        "dimension": d["dim"],
+        "metric": d["metric"],
+        "preset": f"{d['preset']} ({d['factory']})",
+        "search defaults": ", ".join(f"{k}={v}" for k, v in d["params"].items()),
+        "bytes/vector": f"{index.index_bytes() / len(index):.1f} (+{2 * d['dim']} fp16 vectors)",
+        "faiss": f"{d['faiss_version']} (built with {json.loads((Path(args.dir) / 'index' / 'manifest.json').read_text())['faiss_version']})",
+        "checksums": "verified" if args.verify else "sizes checked (--verify for SHA-256)",
+    }
+    width = max(len(k) for k in lines)
+    for key, value in lines.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+# ---- entry point ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rag-fast", description="Fast Retrieval-Augmented Generation.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for register in COMMANDS.values():
+        register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rag_fast.retrieval._files import StorageError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, StorageError) as exc:
+        print(f"rag-fast: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rag-fast: interrupted; nothing was written at the output path", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

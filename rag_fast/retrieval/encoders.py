@@ -1,0 +1,227 @@
+"""Encoders: any Hugging Face encoder turned into passage and question embeddings.
+
+Pooling is CLS, mean over real tokens, or DPR's pooler output; ``"auto"`` reads a
+sentence-transformers pooling config when the model folder has one (MiniLM: mean, then L2
+normalisation), uses the pooler for DPR checkpoints and CLS otherwise. Passage encoding sorts
+each shard by length so batches carry little padding, runs in fp16 (or bf16) on a GPU, and
+writes an fp16 ``.npy`` (memory-mapped, written atomically) for rows ``[N*i/n, N*(i+1)/n)``
+of shard ``i`` of ``n``, so many processes or machines can encode one corpus.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rag_fast.retrieval.passages import PassageStore
+
+POOLINGS = ("auto", "cls", "mean", "pooler")
+
+
+def parse_shard(shard: str | tuple[int, int] | None) -> tuple[int, int]:
+    """``"i/n"`` or ``(i, n)`` -> ``(i, n)`` with ``0 <= i < n``; None -> ``(0, 1)``.
+
+    Raises:
+        ValueError: naming ``shard`` and the expected form.
+    """
+    if shard is None:
+        return 0, 1
+    try:
+        i, n = (int(v) for v in (shard.split("/") if isinstance(shard, str) else shard))
+    except (ValueError, TypeError):
+        raise ValueError(f"shard must look like 'i/n' (shard i of n, 0-based), got {shard!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"shard must satisfy 0 <= i < n, got i={i}, n={n}")
+    return i, n
+
+
+def shard_rows(count: int, shard: tuple[int, int]) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of shard ``i`` of ``n`` over ``count`` rows (contiguous, balanced)."""
+    i, n = shard
+    return count * i // n, count * (i + 1) // n
+
+
+def _sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
+    """(pooling, normalize) from a sentence-transformers folder, or None if it is not one."""
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
+    pooling = "cls"
+    for m in modules:
+        if m.get("type", "").endswith("Pooling"):
+            try:
+                cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
+            except (OSError, ValueError):
+                cfg = {}
+            pooling = "mean" if cfg.get("pooling_mode_mean_tokens") else "cls"
+    return pooling, normalize
+
+
+class Encoder:
+    """A Hugging Face encoder with pooling: texts -> ``[N, d]`` embeddings.
+
+    Args:
+        name_or_path: model name or local folder (``AutoModel``/``AutoTokenizer``; DPR context
+            and question encoders are recognised).
+        pooling: ``"auto" | "cls" | "mean" | "pooler"``.
+        normalize: L2-normalise embeddings; None -> the sentence-transformers config, else False.
+        max_length: tokens per text (longer texts are truncated).
+        device: torch device; None -> CUDA when available, else CPU.
+        dtype: model dtype on a GPU (``torch.float16`` default, or ``torch.bfloat16``); the
+            CPU always runs fp32.
+
+    Raises:
+        ValueError: an unknown ``pooling`` or a bad ``max_length``.
+    """
+
+    def __init__(
+        self,
+        name_or_path: str,
+        pooling: str = "auto",
+        normalize: bool | None = None,
+        max_length: int = 256,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        import transformers
+
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
+        self.name = str(name_or_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            dtype = torch.float32
+        elif dtype is None:
+            dtype = torch.float16
+        config = transformers.AutoConfig.from_pretrained(name_or_path)
+        self.is_dpr = config.model_type == "dpr"
+        if self.is_dpr:  # AutoModel maps every DPR checkpoint to the question encoder.
+            arch = (config.architectures or ["DPRQuestionEncoder"])[0]
+            model_cls = getattr(transformers, arch)
+        else:
+            model_cls = transformers.AutoModel
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+        self.model = model_cls.from_pretrained(name_or_path).to(self.device, dtype).eval()
+        st = _sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
+        if pooling == "auto":
+            pooling = "pooler" if self.is_dpr else (st[0] if st else "cls")
+        self.pooling = pooling
+        self.normalize = bool(st[1]) if normalize is None and st else bool(normalize)
+        self.max_length = max_length
+        self.dim = int(getattr(config, "projection_dim", 0) or config.hidden_size)
+
+    def describe(self) -> dict:
+        """What a saved index records about the encoder that built it."""
+        return {"name": self.name, "pooling": self.pooling, "normalize": self.normalize,
+                "max_length": self.max_length, "dim": self.dim}
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Pooled embeddings of tokenised inputs ``[B, L]`` -> ``[B, d]`` in the model dtype
+        (differentiable: use this to train the question encoder)."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        if self.pooling == "pooler":
+            pooled = out.pooler_output
+        elif self.pooling == "mean":
+            mask = attention_mask.unsqueeze(-1).to(out.last_hidden_state.dtype)  # [B, L, 1]
+            pooled = (out.last_hidden_state * mask).sum(1) / mask.sum(1).clamp_min(1)
+        else:
+            pooled = out.last_hidden_state[:, 0]
+        return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+
+    def _tokenize(self, texts: Sequence[str], titles: Sequence[str] | None) -> dict:
+        if titles is not None and self.is_dpr:  # DPR encodes (title, text) as a text pair.
+            enc = self.tokenizer(list(titles), list(texts), truncation="only_second",
+                                 max_length=self.max_length, padding=True, return_tensors="pt")
+        else:
+            if titles is not None:
+                texts = [f"{t}. {x}" if t else x for t, x in zip(titles, texts)]
+            enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length,
+                                 padding=True, return_tensors="pt")
+        return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+
+    @torch.no_grad()
+    def encode(
+        self,
+        texts: Sequence[str],
+        titles: Sequence[str] | None = None,
+        batch_size: int = 64,
+        progress: bool = False,
+    ) -> torch.Tensor:
+        """Encode texts (and optional titles) -> ``[N, d]`` float32 on the CPU, in input order.
+
+        Texts are encoded longest first so each batch pads little.
+
+        Raises:
+            ValueError: empty ``texts``, titles of another length, a bad ``batch_size``.
+        """
+        if len(texts) == 0:
+            raise ValueError("texts must contain at least one text")
+        if titles is not None and len(titles) != len(texts):
+            raise ValueError(f"titles must have one entry per text ({len(texts)}), got {len(titles)}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        order = np.argsort([-len(t) for t in texts], kind="stable")
+        out = torch.empty(len(texts), self.dim, dtype=torch.float32)
+        for start in tqdm(range(0, len(texts), batch_size), desc="encoding", disable=not progress):
+            rows = order[start : start + batch_size]
+            enc = self._tokenize([texts[i] for i in rows], None if titles is None else [titles[i] for i in rows])
+            out[torch.from_numpy(rows)] = self.embed(**enc).float().cpu()
+        return out
+
+    def encode_queries(self, questions: Sequence[str], batch_size: int = 64) -> torch.Tensor:
+        """Question embeddings ``[B, d]`` float32 on the CPU (no gradient)."""
+        if isinstance(questions, str):
+            raise ValueError("questions must be a list of strings, got a single str")
+        return self.encode(questions, batch_size=batch_size)
+
+
+def encode_passages(
+    encoder: Encoder,
+    store: PassageStore,
+    out: str | Path,
+    shard: str | tuple[int, int] | None = None,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> Path:
+    """Encode shard ``i`` of ``n`` of ``store`` into an fp16 ``.npy`` at ``out`` (atomically).
+
+    The file holds ``[hi - lo, d]`` float16 for store rows ``[lo, hi)`` (see :func:`shard_rows`);
+    concatenating the shards in order gives the embeddings of the whole store. Batches are
+    length-sorted within the shard; the rows are written back in store order.
+
+    Returns:
+        ``out`` as a Path.
+    """
+    i, n = parse_shard(shard)
+    lo, hi = shard_rows(len(store), (i, n))
+    if hi <= lo:
+        raise ValueError(f"shard {i}/{n} of a {len(store)}-passage store is empty; use fewer shards")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        emb = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(hi - lo, encoder.dim))
+        order = lo + np.argsort(-store.text_lengths()[lo:hi], kind="stable")
+        bar = tqdm(total=hi - lo, desc=f"encoding shard {i}/{n}", unit=" psg", disable=not progress)
+        with torch.no_grad():
+            for start in range(0, len(order), batch_size):
+                rows = order[start : start + batch_size]
+                enc = encoder._tokenize([store.text(r) for r in rows], [store.title(r) for r in rows])
+                emb[rows - lo] = encoder.embed(**enc).float().cpu().numpy()
+                bar.update(len(rows))
+        bar.close()
+        emb.flush()
+        del emb
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out

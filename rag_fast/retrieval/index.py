@@ -1,0 +1,556 @@
+"""DenseIndex: maximum inner product search over passage embeddings with FAISS.
+
+Presets:
+    exact   flat inner product (BLAS); the reference every other preset is measured against.
+    hnsw    graph search (HNSW32 over the float vectors); ``ef_search`` per call.
+    ivfpq   (default) an inverted file over a 4-bit fast-scan product quantiser, whose
+            candidates are re-ranked exactly from the stored fp16 vectors. The compressed
+            codes make the scan cheap (about d/16 bytes per vector) and re-ranking makes the
+            top-k exact among the ``k * rerank`` candidates; ``nprobe`` and ``rerank`` per call.
+    any other string is a faiss factory string (inner product metric).
+
+Every index keeps the vectors themselves as fp16 in a faiss scalar-quantiser store
+(``vectors.faiss``): its codes are the IEEE fp16 bytes, so the same memory is both faiss's
+re-ranking store and :attr:`DenseIndex.embeddings` (a ``[N, d]`` float16 numpy view), and on
+load it is memory-mapped, not read into RAM. The trade-off: the fp16 copy costs 2 bytes per
+dimension beside the index (needed anyway for exact passage scores), and re-ranking reads
+``k * rerank`` random rows per query.
+
+On a GPU: faiss GPU when faiss has it (sharded over every GPU); exact torch search on the GPU
+otherwise or for index types faiss cannot move (fast-scan PQ); the GPU's limits on k and
+nprobe (2048) are respected. Saved as a directory (``manifest.json`` with dimension, metric,
+count, preset, parameters, faiss version and SHA-256 checksums) written atomically.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import faiss
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rag_fast.retrieval._files import (
+    MANIFEST,
+    StorageError,
+    atomic_directory,
+    describe_files,
+    read_manifest,
+    write_json,
+)
+
+INDEX_KIND = "rag_fast.dense_index"
+FORMAT = 1
+PRESETS = ("exact", "hnsw", "ivfpq")
+GPU_MAX_K = 2048  # faiss GPU's largest k and nprobe
+_INDEX_FILE, _VECTORS_FILE = "index.faiss", "vectors.faiss"
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def _warn_once(key: str, message: str) -> None:
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def faiss_gpu_count() -> int:
+    """Number of GPUs faiss can use (0 for faiss-cpu)."""
+    return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+
+
+def preset_factory(preset: str, n: int, d: int) -> tuple[str, int]:
+    """(faiss factory string, default re-rank factor) of a preset for ``n`` vectors of ``d``.
+
+    ivfpq: ``nlist`` is the power of two nearest ``sqrt(n)`` (but at most ``n / 39`` so that
+    k-means has 39 points per centroid) and the PQ has ``M`` 4-bit sub-quantisers with
+    ``d / M`` near 8 (the largest even divisor of ``d`` up to ``d / 8``).
+    """
+    if preset == "exact":
+        return "Flat", 1
+    if preset == "hnsw":
+        return "HNSW32", 1
+    if preset == "ivfpq":
+        if n < 39 * 16:
+            raise ValueError(f"preset 'ivfpq' needs at least {39 * 16} vectors to train its "
+                             f"quantisers, got {n}; use preset 'exact' for small corpora")
+        nlist = 2 ** round(math.log2(max(1.0, math.sqrt(n))))
+        nlist = max(1, min(nlist, 2 ** int(math.log2(max(1, n // 39)))))
+        m = next((m for m in range(max(2, d // 8), 0, -1) if d % m == 0 and m % 2 == 0), 1)
+        return f"IVF{nlist},PQ{m}x4fs", 8
+    raise ValueError(f"preset must be one of {PRESETS} or a faiss factory string, got {preset!r}")
+
+
+def _check_int(name: str, value: object, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _rows(embeddings, start: int, stop: int) -> np.ndarray:
+    """Rows ``[start, stop)`` of an array, tensor or list of shards, as float32 numpy."""
+    if isinstance(embeddings, (list, tuple)):
+        parts, offset = [], 0
+        for shard in embeddings:
+            lo, hi = max(start - offset, 0), min(stop - offset, len(shard))
+            if lo < hi:
+                parts.append(_rows(shard, lo, hi))
+            offset += len(shard)
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+    chunk = embeddings[start:stop]
+    if isinstance(chunk, torch.Tensor):
+        chunk = chunk.detach().to("cpu", torch.float32).numpy()
+    return np.ascontiguousarray(chunk, dtype=np.float32)
+
+
+def _shape(embeddings) -> tuple[int, int]:
+    if isinstance(embeddings, (list, tuple)):
+        if not embeddings:
+            raise ValueError("embeddings: the corpus is empty (an empty list of shards)")
+        shapes = [_shape(s) for s in embeddings]
+        if len({d for _, d in shapes}) != 1:
+            raise ValueError(f"embeddings shards must share one dimension, got {[d for _, d in shapes]}")
+        return sum(n for n, _ in shapes), shapes[0][1]
+    shape = tuple(getattr(embeddings, "shape", ()))
+    if len(shape) != 2:
+        raise ValueError(f"embeddings must have shape [N, d], got {shape}")
+    return int(shape[0]), int(shape[1])
+
+
+def exact_search(
+    vectors: np.ndarray | torch.Tensor,
+    queries: torch.Tensor,
+    k: int,
+    chunk: int = 16384,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k inner product in torch, chunked over the vectors (any device).
+
+    Args:
+        vectors: ``[N, d]`` (fp16 or fp32; numpy or a tensor on ``queries.device``).
+        queries: ``[B, d]`` float tensor.
+    Returns:
+        scores ``[B, k]`` float32 and ids ``[B, k]`` int64, on ``queries.device``.
+    """
+    q = queries.float()
+    best_s = torch.full((q.shape[0], 0), -math.inf, device=q.device)
+    best_i = torch.zeros((q.shape[0], 0), dtype=torch.int64, device=q.device)
+    for start in range(0, len(vectors), chunk):
+        block = vectors[start : start + chunk]
+        if isinstance(block, np.ndarray):  # a float32 copy: the vectors may be a read-only map
+            block = torch.from_numpy(np.array(block, dtype=np.float32))
+        s = q @ block.to(q.device, torch.float32).T  # [B, chunk]
+        top_s, top_i = s.topk(min(k, s.shape[1]), dim=1)
+        best_s, pos = torch.cat([best_s, top_s], 1).topk(min(k, best_s.shape[1] + top_s.shape[1]), dim=1)
+        best_i = torch.cat([best_i, top_i + start], 1).gather(1, pos)
+    return best_s, best_i
+
+
+class DenseIndex:
+    """Inner-product index over ``N`` vectors of dimension ``d`` (rows are passage ids).
+
+    Build with :meth:`build`, open with :meth:`load`. :meth:`search` is thread-safe (per-call
+    parameters never touch shared state).
+    """
+
+    def __init__(self, base, vectors, preset: str, factory: str, params: dict, meta: dict | None = None,
+                 source: Path | None = None):
+        self._base = base  # the faiss index of the preset
+        self._vectors = vectors  # faiss IndexScalarQuantizer(fp16): the exact vectors
+        self.preset, self.factory, self.meta, self.source = preset, factory, dict(meta or {}), source
+        self.params = dict(params)  # defaults: nprobe, ef_search, rerank
+        self._ivf = None
+        try:
+            self._ivf = faiss.extract_index_ivf(base)
+        except RuntimeError:
+            pass
+        self._hnsw = isinstance(faiss.downcast_index(base), faiss.IndexHNSW)
+        self._refine = faiss.IndexRefine(base, vectors) if self.params.get("rerank", 1) > 1 else None
+        n, d = vectors.ntotal, vectors.d
+        # The fp16 store's codes, viewed (not copied) as [N, d] float16.
+        raw = faiss.rev_swig_ptr(vectors.codes.data(), n * d * 2) if n else np.zeros(0, np.uint8)
+        self.embeddings: np.ndarray = raw.view(np.float16).reshape(n, d)
+        self.embeddings.flags.writeable = False
+        self._gpu: tuple[str, object] | None = None
+        self._param_cache: dict[tuple, object] = {}
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        embeddings: np.ndarray | torch.Tensor | Sequence[np.ndarray],
+        preset: str = "ivfpq",
+        *,
+        rerank: int | None = None,
+        nprobe: int | None = None,
+        ef_search: int | None = None,
+        train_size: int | None = None,
+        batch_size: int = 65536,
+        seed: int = 0,
+        progress: bool = True,
+        meta: dict | None = None,
+    ) -> "DenseIndex":
+        """Build an index over ``embeddings`` ``[N, d]`` (float numpy, memmap, tensor, or a list
+        of such shards in row order).
+
+        Trains on ``train_size`` rows sampled with ``seed`` (default: enough for k-means, at
+        most 2**17), then adds in batches of ``batch_size`` with a progress bar.
+
+        Args:
+            preset: ``"exact" | "hnsw" | "ivfpq"`` or a faiss factory string.
+            rerank: candidates per result re-ranked exactly (``k * rerank`` are fetched); 1 or
+                less turns re-ranking off. Default: 8 for ivfpq, off otherwise.
+            nprobe, ef_search: default search parameters (see :meth:`search`, :meth:`tune`).
+        Raises:
+            ValueError: empty or non-2-D ``embeddings``, NaN/inf rows, bad parameters.
+        """
+        n, d = _shape(embeddings)
+        if n == 0 or d == 0:
+            raise ValueError(f"embeddings: the corpus is empty (shape [{n}, {d}]); expected N >= 1 rows")
+        batch_size = _check_int("batch_size", batch_size)
+        if preset in PRESETS:
+            factory, default_rerank = preset_factory(preset, n, d)
+        else:
+            factory, default_rerank = preset, 1
+        try:
+            base = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
+        except RuntimeError as exc:
+            raise ValueError(f"preset {preset!r} is not a preset {PRESETS} nor a valid faiss "
+                             f"factory string: {str(exc).strip().splitlines()[-1]}") from None
+        rerank = default_rerank if rerank is None else _check_int("rerank", rerank, 0)
+        params = {"rerank": max(1, rerank)}
+        ivf = None
+        try:
+            ivf = faiss.extract_index_ivf(base)
+        except RuntimeError:
+            pass
+        if ivf is not None:
+            params["nprobe"] = _check_int("nprobe", nprobe) if nprobe else max(1, ivf.nlist // 64)
+        if isinstance(base, faiss.IndexHNSW):
+            params["ef_search"] = _check_int("ef_search", ef_search) if ef_search else 64
+
+        vectors = faiss.IndexScalarQuantizer(d, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        if not base.is_trained:
+            need = max(39 * (ivf.nlist if ivf is not None else 256), 2**16)
+            size = min(n, _check_int("train_size", train_size) if train_size else min(need, 2**17))
+            rng = np.random.default_rng(seed)
+            rows = np.sort(rng.choice(n, size=size, replace=False))
+            sample = np.concatenate([_rows(embeddings, int(r), int(r) + 1) for r in rows]) \
+                if size < n // 4 else _rows(embeddings, 0, n)[rows]
+            _check_finite("embeddings", sample)
+            if progress:
+                tqdm.write(f"training {factory} on {size} vectors")
+            base.train(sample)
+        for start in tqdm(range(0, n, batch_size), desc=f"adding ({factory})", unit=" batch",
+                          disable=not progress):
+            chunk = _rows(embeddings, start, min(start + batch_size, n))
+            _check_finite("embeddings", chunk, offset=start)
+            vectors.add(chunk)
+            base.add(chunk)
+        return cls(base, vectors, preset, factory, params, meta)
+
+    # ---- properties -----------------------------------------------------------------------
+    @property
+    def ntotal(self) -> int:
+        return int(self._vectors.ntotal)
+
+    def __len__(self) -> int:
+        return self.ntotal
+
+    @property
+    def dim(self) -> int:
+        return int(self._vectors.d)
+
+    @property
+    def faiss_index(self):
+        """The faiss index :meth:`search` calls (IndexRefine over the preset when re-ranking)."""
+        return self._refine if self._refine is not None else self._base
+
+    def index_bytes(self) -> int:
+        """Serialized size of the search structure, without the fp16 vectors beside it."""
+        return int(faiss.serialize_index(self._base).size)
+
+    def describe(self) -> dict:
+        return {"preset": self.preset, "factory": self.factory, "count": self.ntotal, "dim": self.dim,
+                "metric": "inner_product", "params": dict(self.params), "faiss_version": faiss.__version__}
+
+    # ---- search ---------------------------------------------------------------------------
+    def search_parameters(self, k: int, nprobe: int | None = None, ef_search: int | None = None,
+                          rerank: int | None = None):
+        """faiss SearchParameters for one call (None -> the index defaults), cached: they are
+        read-only once built, so concurrent searches share them."""
+        nprobe = self.params.get("nprobe") if nprobe is None else _check_int("nprobe", nprobe)
+        ef = self.params.get("ef_search") if ef_search is None else _check_int("ef_search", ef_search)
+        if self._refine is None:
+            if rerank is not None and rerank > 1:
+                raise ValueError("rerank: this index was built without re-ranking (rerank=1)")
+            factor = None
+        else:
+            rerank = self.params["rerank"] if rerank is None else _check_int("rerank", rerank)
+            factor = max(1, min(rerank, self.ntotal // k))
+        key = (nprobe, max(ef, k) if ef else None, factor)
+        params = self._param_cache.get(key)
+        if params is None:
+            params = self._make_parameters(*key)
+            self._param_cache[key] = params
+        return params
+
+    def _make_parameters(self, nprobe: int | None, ef: int | None, factor: int | None):
+        base_params = None
+        if self._ivf is not None:
+            base_params = faiss.SearchParametersIVF(nprobe=min(nprobe, self._ivf.nlist))
+        elif self._hnsw:
+            base_params = faiss.SearchParametersHNSW(efSearch=ef)
+        if factor is None:
+            return base_params
+        refine = faiss.IndexRefineSearchParameters(k_factor=float(factor))
+        if base_params is not None:
+            refine.base_index_params = base_params
+            refine._base_params = base_params  # keep the Python object alive with its parent
+        return refine
+
+    def _validate(self, queries, k) -> np.ndarray:
+        if isinstance(queries, torch.Tensor):
+            if not queries.is_floating_point():
+                raise ValueError(f"queries must be a floating tensor, got dtype {queries.dtype}")
+            q = queries.detach()
+        elif isinstance(queries, np.ndarray):
+            if not np.issubdtype(queries.dtype, np.floating):
+                raise ValueError(f"queries must be a floating array, got dtype {queries.dtype}")
+            q = queries
+        else:
+            raise ValueError(f"queries must be a numpy array or torch tensor [B, d], got {type(queries).__name__}")
+        if q.ndim != 2:
+            raise ValueError(f"queries must have shape [B, d={self.dim}], got {tuple(q.shape)}")
+        if q.shape[1] != self.dim:
+            raise ValueError(f"queries must have d={self.dim} columns (the index dimension), got {q.shape[1]}")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if k > self.ntotal:
+            raise ValueError(f"k={k} must be <= the number of indexed vectors ({self.ntotal})")
+        return q
+
+    def search(
+        self,
+        queries: np.ndarray | torch.Tensor,
+        k: int,
+        *,
+        nprobe: int | None = None,
+        ef_search: int | None = None,
+        rerank: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray] | tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` inner products for each query.
+
+        Args:
+            queries: ``[B, d]`` floating numpy array or torch tensor (any device).
+            k: results per query, ``1 <= k <= ntotal``.
+            nprobe: inverted lists visited (IVF indexes); ef_search: HNSW beam width;
+            rerank: candidates per result re-ranked exactly. None -> the index defaults.
+        Returns:
+            scores ``[B, k]`` float32 (descending) and ids ``[B, k]`` int64, numpy for numpy
+            queries, tensors on the queries' device for torch queries. A slot with no result
+            (possible with small ``nprobe``) has id -1 and score ``-inf``.
+        Raises:
+            ValueError: naming ``queries`` (type, shape, dimension, NaN/inf), ``k``, ``nprobe``,
+                ``ef_search`` or ``rerank``.
+        """
+        q = self._validate(queries, k)
+        is_torch = isinstance(q, torch.Tensor)
+        if self._gpu is not None and is_torch and q.is_cuda:
+            return self._search_gpu(q, k, nprobe, ef_search, rerank)
+        q_np = q.to("cpu", torch.float32).numpy() if is_torch else q
+        q_np = np.ascontiguousarray(q_np, dtype=np.float32)
+        _check_finite("queries", q_np)
+        params = self.search_parameters(k, nprobe, ef_search, rerank)
+        scores, ids = self.faiss_index.search(q_np, k, params=params)
+        _mark_missing(scores, ids)
+        if is_torch:
+            return torch.from_numpy(scores).to(q.device), torch.from_numpy(ids).to(q.device)
+        return scores, ids
+
+    # ---- GPU ------------------------------------------------------------------------------
+    def to(self, device: str | torch.device) -> "DenseIndex":
+        """Search CUDA queries on ``device`` from now on (``"cpu"`` goes back).
+
+        faiss GPU (sharded over all GPUs) when faiss has GPU support and can move this index
+        type; otherwise exact torch search over the fp16 vectors on the GPU, said once.
+        """
+        device = torch.device(device)
+        if device.type == "cpu":
+            self._gpu = None
+            return self
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"device must be 'cpu' or an available CUDA device, got {device}")
+        if faiss_gpu_count() > 0:
+            try:
+                import faiss.contrib.torch_utils  # noqa: F401  (torch tensors without copies)
+
+                options = faiss.GpuMultipleClonerOptions()
+                options.shard, options.useFloat16 = True, True
+                self._gpu = ("faiss", faiss.index_cpu_to_all_gpus(self._base, co=options))
+                return self
+            except RuntimeError as exc:
+                _warn_once(f"gpu-{self.factory}", f"faiss GPU cannot hold {self.factory!r} ({exc}); "
+                           "searching exactly with torch on the GPU instead")
+        else:
+            _warn_once("faiss-cpu", "faiss has no GPU support (pip install faiss-gpu for IVF-PQ on "
+                       "the GPU); searching exactly with torch on the GPU instead")
+        self._gpu = ("torch", torch.from_numpy(np.ascontiguousarray(self.embeddings)).to(device))
+        return self
+
+    def _search_gpu(self, q: torch.Tensor, k: int, nprobe, ef_search, rerank):
+        kind, obj = self._gpu
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError("queries contain NaN or inf")
+        if kind == "torch" or k > GPU_MAX_K:
+            vectors = obj if kind == "torch" else self.embeddings
+            return exact_search(vectors, q, k, chunk=1 << 20)
+        params = None
+        if self._ivf is not None:
+            nprobe = self.params["nprobe"] if nprobe is None else _check_int("nprobe", nprobe)
+            params = faiss.SearchParametersIVF(nprobe=min(nprobe, GPU_MAX_K, self._ivf.nlist))
+        scores, ids = obj.search(q.float().contiguous(), k, params=params)
+        scores = torch.where(ids < 0, torch.full_like(scores, -math.inf), scores)
+        return scores, ids
+
+    # ---- tuning ---------------------------------------------------------------------------
+    def tune(
+        self,
+        target_recall: float = 0.95,
+        queries: np.ndarray | torch.Tensor | None = None,
+        k: int = 10,
+        n_queries: int = 1000,
+        rerank_factors: Sequence[int] = (1, 2, 4, 8, 16),
+        seed: int = 0,
+    ) -> dict:
+        """Pick the fastest ``nprobe`` (IVF) or ``ef_search`` (HNSW), and re-rank factor, whose
+        recall@k against exact search on held-out ``queries`` reaches ``target_recall``; make
+        it the default and return it.
+
+        Args:
+            queries: ``[Q, d]`` held-out queries; None -> ``n_queries`` stored vectors (seeded).
+        Returns:
+            ``{"nprobe" | "ef_search", "rerank", "recall", "ms_per_query", "reached"}``;
+            ``reached`` is False when no setting got there (the best recall is kept).
+        """
+        if not 0.0 < float(target_recall) <= 1.0:
+            raise ValueError(f"target_recall must be in (0, 1], got {target_recall!r}")
+        k = _check_int("k", k)
+        if queries is None:
+            rows = np.random.default_rng(seed).choice(self.ntotal, min(n_queries, self.ntotal), replace=False)
+            queries = self.embeddings[np.sort(rows)].astype(np.float32)
+        q = np.ascontiguousarray(self._validate(queries, k) if isinstance(queries, np.ndarray)
+                                 else self._validate(queries, k).cpu().numpy(), dtype=np.float32)
+        _check_finite("queries", q)
+        truth = exact_search(self.embeddings, torch.from_numpy(q), k)[1].numpy()
+        if self._ivf is not None:
+            knob, grid = "nprobe", [2**i for i in range(int(math.log2(self._ivf.nlist)) + 1)]
+        elif self._hnsw:
+            knob, grid = "ef_search", [max(k, 2**i) for i in range(4, 12)]
+        else:
+            return {"recall": recall_at_k(self.search(q, k)[1], truth), "reached": True,
+                    "ms_per_query": _time_ms(lambda: self.search(q, k)) / len(q)}
+        factors = [f for f in rerank_factors if f >= 1] if self._refine is not None else [None]
+        best, fallback = None, None
+        for factor in factors:
+            for value in grid:
+                kw = {knob: value, "rerank": factor}
+                rec = recall_at_k(self.search(q, k, **kw)[1], truth)
+                if fallback is None or rec > fallback["recall"]:
+                    fallback = {**kw, "recall": rec, "reached": False, "ms_per_query": math.nan}
+                if rec >= target_recall:
+                    ms = _time_ms(lambda: self.search(q, k, **kw)) / len(q)
+                    if best is None or ms < best["ms_per_query"]:
+                        best = {**kw, "recall": rec, "reached": True, "ms_per_query": ms}
+                    break
+        choice = best or fallback
+        self.params[knob] = choice[knob]
+        if choice.get("rerank") is not None:
+            self.params["rerank"] = choice["rerank"]
+        return {key: v for key, v in choice.items() if v is not None}
+
+    # ---- persistence ----------------------------------------------------------------------
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write ``path/`` (index.faiss, vectors.faiss, manifest.json) atomically.
+
+        Raises:
+            FileExistsError: ``path`` exists and ``overwrite`` is False.
+        """
+        with atomic_directory(path, overwrite) as tmp:
+            faiss.write_index(self._base, str(tmp / _INDEX_FILE))
+            faiss.write_index(self._vectors, str(tmp / _VECTORS_FILE))
+            manifest = {"kind": INDEX_KIND, "format": FORMAT, **self.describe(), "meta": self.meta,
+                        "files": describe_files(tmp, [_INDEX_FILE, _VECTORS_FILE])}
+            write_json(tmp / MANIFEST, manifest)
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, verify: bool = True, expected_dim: int | None = None,
+             mmap: bool = True) -> "DenseIndex":
+        """Open a saved index; the fp16 vectors are memory-mapped when ``mmap`` (and faiss can).
+
+        Args:
+            verify: check every file's SHA-256 (sizes are always checked).
+            expected_dim: raise unless the index has this dimension (e.g. the encoder's).
+        Raises:
+            StorageError: missing, truncated, corrupt, or inconsistent with its manifest.
+            ValueError: ``expected_dim`` differs from the index dimension.
+        """
+        root = Path(path)
+        manifest = read_manifest(root, INDEX_KIND, verify)
+        d, n = manifest["dim"], manifest["count"]
+        if expected_dim is not None and expected_dim != d:
+            raise ValueError(f"expected_dim={expected_dim} does not match the index dimension {d} "
+                             f"of {str(root)!r} (built with another encoder?)")
+        flag = getattr(faiss, "IO_FLAG_MMAP_IFC", 0) if mmap else 0
+        try:
+            base = faiss.read_index(str(root / _INDEX_FILE))
+            vectors = faiss.read_index(str(root / _VECTORS_FILE), flag)
+        except RuntimeError as exc:
+            raise StorageError(f"faiss cannot read the index under {str(root)!r}: "
+                               f"{str(exc).strip().splitlines()[-1]}") from None
+        for name, idx in ((_INDEX_FILE, base), (_VECTORS_FILE, vectors)):
+            if idx.d != d or idx.ntotal != n:
+                raise StorageError(f"{root / name} holds {idx.ntotal} x {idx.d} vectors, the manifest "
+                                   f"says {n} x {d} (dimension mismatch or mixed-up files)")
+        if not isinstance(vectors, faiss.IndexScalarQuantizer) or vectors.code_size != 2 * d:
+            raise StorageError(f"{root / _VECTORS_FILE} is not an fp16 vector store")
+        index = cls(base, vectors, manifest["preset"], manifest["factory"], manifest["params"],
+                    manifest.get("meta"), source=root)
+        return index
+
+
+def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
+    """Mean over queries of ``|found_i ∩ truth_i| / k`` (``[Q, k]`` int ids each)."""
+    found, truth = np.asarray(found), np.asarray(truth)
+    hits = sum(len(set(f[f >= 0].tolist()) & set(t.tolist())) for f, t in zip(found, truth))
+    return hits / truth.size
+
+
+def _time_ms(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
+
+
+def _check_finite(name: str, x: np.ndarray, offset: int = 0) -> None:
+    # The sum is NaN or inf when any entry is (or on overflow): a cheap test, then locate.
+    if not np.isfinite(x.sum(dtype=np.float64)) and not np.isfinite(x).all():
+        row = int(np.argwhere(~np.isfinite(x))[0][0]) + offset
+        raise ValueError(f"{name} contain NaN or inf (row {row})")
+
+
+def _mark_missing(scores: np.ndarray, ids: np.ndarray) -> None:
+    missing = ids < 0
+    if missing.any():
+        scores[missing] = -np.inf

