@@ -229,6 +229,28 @@ def _index_info(args) -> int:
     return 0
 
 
+# ---- train, eval, generate: registrars live beside their code ------------------------------
+@command("train")
+def _register_train(subparsers: argparse._SubParsersAction) -> None:
+    from rag_fast.training.cli import register
+
+    register(subparsers)
+
+
+@command("eval")
+def _register_eval(subparsers: argparse._SubParsersAction) -> None:
+    from rag_fast.evaluation.cli import register
+
+    register(subparsers)
+
+
+@command("generate")
+def _register_generate(subparsers: argparse._SubParsersAction) -> None:
+    from rag_fast.generation.cli import register
+
+    register(subparsers)
+
+
 # ---- entry point ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rag-fast", description="Fast Retrieval-Augmented Generation.")
