@@ -1,6 +1,11 @@
 // Picks the kernel variant for this CPU once, and owns the thread count.
+#include <cstdint>
 #include <cstdlib>
 #include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "kernels.h"
 
@@ -52,6 +57,20 @@ int num_threads() {
   return omp_get_max_threads();
 #else
   return 1;
+#endif
+}
+
+void prefer_huge_pages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // Only whole 2 MiB pages inside the buffer; a hint, so failure is ignored.
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes)) &
+                        ~(kHuge - 1);
+  if (bytes > 0 && end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
 #endif
 }
 

@@ -1,6 +1,8 @@
 // rag_fast CPU kernels, compiled once per instruction set (RAG_FAST_VARIANT names the variant).
-// Every kernel reads the logits row by row (one row = one (b, k, t) over the vocabulary),
-// accumulates in fp32 registers and is multithreaded over rows with OpenMP.
+// Row kernels read the logits row by row (one row = one (b, k, t) over the vocabulary); the
+// RAG-Token kernels hold the K rows of one (b, t) together, tile by tile over the vocabulary.
+// All accumulate in fp32 registers (long sums flushed to double) and are multithreaded with
+// OpenMP over rows or (b, t) pairs.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -20,10 +22,20 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Rows are processed in blocks of this many elements: block max first, then one exp each.
 constexpr int64_t kBlock = 512;
+// The block loop prefetches this many elements ahead, so that DRAM reads overlap the exps.
+constexpr int64_t kPrefetch = 1024;
 
 inline const char* row_ptr(const LogitsView& x, int64_t b, int64_t k, int64_t t) {
   const int64_t elem = x.dtype == DType::kFloat32 ? 4 : 2;
   return static_cast<const char*>(x.data) + (b * x.sb + k * x.sk + t * x.st) * elem;
+}
+
+// A gradient output with the logits' shape and element strides (ob, ok, ot): see
+// prefer_huge_pages. In place (out == x) it is already resident.
+inline void prepare_out(const LogitsView& x, void* out, int64_t ob, int64_t ok, int64_t ot) {
+  if (out == x.data || x.B * x.K * x.T * x.V == 0) return;
+  const int64_t elem = x.dtype == DType::kFloat32 ? 4 : 2;
+  prefer_huge_pages(out, ((x.B - 1) * ob + (x.K - 1) * ok + (x.T - 1) * ot + x.V) * elem);
 }
 
 template <typename Elem>
@@ -43,6 +55,10 @@ inline float load1(const Elem* p) {
   }
 }
 
+// Rows per scheduling chunk: dynamic scheduling keeps both cores busy when another process
+// takes one for a while; chunks of at least ~16K elements keep its overhead negligible.
+inline int64_t row_chunk(int64_t V) { return V >= 16384 ? 1 : 16384 / (V > 0 ? V : 1); }
+
 struct RowStat {
   float lse, sum;
 };
@@ -50,22 +66,27 @@ struct RowStat {
 // One pass over a row: running (max, sum of exp) per lane, rescaled once per block.
 template <typename Elem>
 RowStat row_lse_sum(const Elem* row, int64_t V) {
-  vfloat m = vsplat(kNegInf), s = vfloat{}, total = vfloat{};
+  vfloat m = vsplat(kNegInf), s = vfloat{};
+  double total = 0.0;  // sum of x, flushed from fp32 lanes once per block
   float ms = kNegInf, ss = 0.f, ts = 0.f;  // scalar tail
   const int64_t vec_end = V - V % kLanes;
   for (int64_t start = 0; start < vec_end; start += kBlock) {
     const int64_t stop = start + kBlock < vec_end ? start + kBlock : vec_end;
-    vfloat bm = vsplat(kNegInf);
+    vfloat bm = vsplat(kNegInf), bt{};
     for (int64_t i = start; i < stop; i += kLanes) {
       vfloat v = load(row + i);
       bm = vmax(bm, v);
-      total += v;
+      bt += v;
     }
+    total += hsum(bt);
     vfloat nm = vmax(m, bm);
     // Lanes still at -inf keep a zero sum (avoid exp(-inf - -inf) = NaN).
     vfloat safe = nm == vsplat(kNegInf) ? vfloat{} : nm;
     s = s * vexp(m - safe);
-    for (int64_t i = start; i < stop; i += kLanes) s += vexp(load(row + i) - safe);
+    for (int64_t i = start; i < stop; i += kLanes) {
+      __builtin_prefetch(row + i + kPrefetch);
+      s += vexp(load(row + i) - safe);
+    }
     m = nm;
   }
   for (int64_t i = vec_end; i < V; ++i) {
@@ -79,7 +100,7 @@ RowStat row_lse_sum(const Elem* row, int64_t V) {
     }
   }
   // Combine lanes and tail. A NaN anywhere makes the sum NaN, and then the lse too.
-  const float tot = ts + hsum(total);
+  const float tot = static_cast<float>(total + ts);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   float gm = ms;
   for (int i = 0; i < kLanes; ++i) gm = m[i] > gm ? m[i] : gm;
@@ -95,7 +116,7 @@ template <typename Elem>
 void row_stats_impl(const RowStatsArgs& a) {
   const LogitsView& x = a.x;
   const int64_t rows = x.B * x.K * x.T;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, row_chunk(x.V))
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r % x.T, bk = r / x.T, k = bk % x.K, b = bk / x.K;
     const Elem* row = reinterpret_cast<const Elem*>(row_ptr(x, b, k, t));
@@ -135,8 +156,9 @@ inline void store1(Elem* p, float v) {
 template <typename Elem>
 void row_grad_impl(const RowGradArgs& a) {
   const LogitsView& x = a.x;
+  prepare_out(x, a.out, a.ob, a.ok, a.ot);
   const int64_t rows = x.B * x.K * x.T;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, row_chunk(x.V))
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r % x.T, bk = r / x.T, k = bk % x.K, b = bk / x.K;
     const Elem* in = reinterpret_cast<const Elem*>(row_ptr(x, b, k, t));
@@ -166,17 +188,14 @@ void row_grad(const RowGradArgs& a) {
 }
 
 // ---- RAG-Token kernels: the K rows of one (b, t) together ---------------------------------
-// Each (b, t) pair walks the vocabulary one vector at a time over all K rows (K vectors of
-// scratch stay in L1), so the marginal needs one exp per element and one log per vocabulary
-// entry. Sums over v are kept per tile in fp32 lanes and flushed to double once per tile.
+// Each (b, t) pair walks the vocabulary tile by tile. A tile of kTile entries is read once from
+// each of the K rows; P and e (below) for the K x kTile block stay in per-thread scratch (L1),
+// so every inner loop streams one row with per-row constants in registers. One exp per
+// element, one log and one division per vocabulary entry. Sums over v are kept in fp32 lanes
+// per tile and flushed to double once per tile.
 
-constexpr int64_t kTile = 2048;
-
-inline vint lane_index() {
-  vint idx;
-  for (int i = 0; i < kLanes; ++i) idx[i] = i;
-  return idx;
-}
+constexpr int64_t kTile = 256;
+constexpr int64_t kTileVecs = kTile / kLanes;
 
 // A row's last n < kLanes elements; the other lanes get `fill`.
 template <typename Elem>
@@ -189,59 +208,97 @@ template <typename Elem>
 inline void store_part(Elem* p, vfloat v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store1(p + i, v[i]);
 }
-template <bool Part, typename Elem>
-inline vfloat load_n(const Elem* p, int64_t n, float fill) {
-  if constexpr (Part) {
-    return load_part(p, n, fill);
-  } else {
-    return load(p);
-  }
-}
-template <bool Part, typename Elem>
-inline void store_n(Elem* p, vfloat v, int64_t n) {
-  if constexpr (Part) {
-    store_part(p, v, n);
-  } else {
-    store(p, v);
-  }
+
+inline bool any_lane(vint m) {
+  int32_t acc = 0;
+  for (int i = 0; i < kLanes; ++i) acc |= m[i];
+  return acc != 0;
 }
 
-// The K rows of one (b, t): pointers, z-shifts a_k - lse_k, and per-thread scratch.
+// Lanes [0, n) of v; the others 0.
+inline vfloat first_lanes(vfloat v, int64_t n) {
+  vint idx;
+  for (int i = 0; i < kLanes; ++i) idx[i] = i;
+  return idx < static_cast<int32_t>(n) ? v : vfloat{};
+}
+
+// One (b, t) pair: the K rows, their constants, and the scratch of one tile. For entries
+// v = start + j*kLanes + lane of the current tile:
+//   P[k][j] = exp(x_k - lse_k),  e[k][j] = R_k / inv[j],  M[j] = logsumexp_k (a_k + x_k - lse_k)
+// Lanes past the row's end read x = -inf: P = e = inv = 0 and M = -inf there.
 template <typename Elem>
-struct PairRows {
+struct PairTile {
   int64_t K;
   std::vector<const Elem*> row;
-  std::vector<float> shift, lse;
-  std::vector<vfloat> z, e;  // z_k = x_k + shift_k, then e_k = exp(z_k - max_k z_k)
+  std::vector<float> lse, shift, prior;  // shift = a - lse, prior = exp(a) (0: missing passage)
+  std::vector<vfloat> P, e;              // [K, kTileVecs]
+  std::vector<vfloat> s, inv, M;         // [kTileVecs]
 
-  explicit PairRows(int64_t K_) : K(K_), row(K_), shift(K_), lse(K_), z(K_), e(K_) {}
+  explicit PairTile(int64_t K_)
+      : K(K_), row(K_), lse(K_), shift(K_), prior(K_), P(K_ * kTileVecs), e(K_ * kTileVecs),
+        s(kTileVecs), inv(kTileVecs), M(kTileVecs) {}
 
   void bind(const LogitsView& x, const float* a, const float* lse_all, int64_t b, int64_t t) {
     for (int64_t k = 0; k < K; ++k) {
       row[k] = reinterpret_cast<const Elem*>(row_ptr(x, b, k, t));
       lse[k] = lse_all[(b * K + k) * x.T + t];
-      // A missing passage (a = -inf) gets z = -inf, hence e = 0 and R = 0 exactly.
       shift[k] = a[b * K + k] - lse[k];
+      prior[k] = std::exp(a[b * K + k]);
     }
   }
 
-  // Vocabulary entries [i, i + n): fills e, sets inv = 1 / sum_k e_k (0 where every z is
-  // -inf) and returns M = logsumexp_k z_k. NaN anywhere among the K entries gives NaN.
-  template <bool Part>
-  inline vfloat marginal(int64_t i, int64_t n, vfloat& inv) {
+  // Vectors [0, ceil(len / kLanes)) of the tile at `start` (len <= kTile). e = p_k P_k and
+  // M = log sum_k e, unless a lane's sum is below 2^-100 (every a + x - lse below about -69),
+  // where precision was lost: that vector is redone with a max shift. NaN in gives NaN out.
+  void marginal(int64_t start, int64_t len) {
+    const int64_t full = len / kLanes, rem = len % kLanes, nv = full + (rem ? 1 : 0);
+    std::fill(s.begin(), s.begin() + nv, vfloat{});
+    for (int64_t k = 0; k < K; ++k) {
+      const Elem* xr = row[k] + start;
+      vfloat* Pk = &P[k * kTileVecs];
+      vfloat* ek = &e[k * kTileVecs];
+      const vfloat l = vsplat(lse[k]), pr = vsplat(prior[k]);
+      for (int64_t j = 0; j < full; ++j) {
+        __builtin_prefetch(xr + j * kLanes + kTile);
+        Pk[j] = vexp(load(xr + j * kLanes) - l);
+        ek[j] = Pk[j] * pr;
+        s[j] += ek[j];
+      }
+      if (rem) {
+        Pk[full] = vexp(load_part(xr + full * kLanes, rem, kNegInf) - l);
+        ek[full] = Pk[full] * pr;
+        s[full] += ek[full];
+      }
+    }
+    for (int64_t j = 0; j < nv; ++j) {
+      if (__builtin_expect(any_lane(s[j] < vsplat(0x1p-100f)), 0)) {
+        shifted(start, j, j < full ? kLanes : rem);
+      } else {
+        inv[j] = vsplat(1.f) / s[j];
+        M[j] = vlog(s[j]);
+      }
+    }
+  }
+
+  // Vector j with e_k = exp(z_k - max_k z_k), z_k = x_k + shift_k (z = -inf for a missing
+  // passage, so e = 0 exactly); inv = 0 and M = -inf where every z is -inf.
+  void shifted(int64_t start, int64_t j, int64_t n) {
     vfloat mx = vsplat(kNegInf);
     for (int64_t k = 0; k < K; ++k) {
-      z[k] = load_n<Part>(row[k] + i, n, kNegInf) + vsplat(shift[k]);
-      mx = vmax(mx, z[k]);
+      const Elem* xv = row[k] + start + j * kLanes;
+      vfloat z = (n == kLanes ? load(xv) : load_part(xv, n, kNegInf)) + vsplat(shift[k]);
+      e[k * kTileVecs + j] = z;
+      mx = vmax(mx, z);
     }
     const vfloat safe = mx == vsplat(kNegInf) ? vfloat{} : mx;
-    vfloat s{};
+    vfloat sum{};
     for (int64_t k = 0; k < K; ++k) {
-      e[k] = vexp(z[k] - safe);
-      s += e[k];
+      vfloat& ek = e[k * kTileVecs + j];
+      ek = vexp(ek - safe);
+      sum += ek;
     }
-    inv = s == vfloat{} ? vfloat{} : vsplat(1.f) / s;
-    return safe + vlog(s);
+    inv[j] = sum == vfloat{} ? vfloat{} : vsplat(1.f) / sum;
+    M[j] = safe + vlog(sum);
   }
 };
 
@@ -271,10 +328,8 @@ void token_smooth_stats_impl(const TokenSmoothStatsArgs& a) {
   const int64_t K = x.K, T = x.T, V = x.V, pairs = x.B * x.T;
 #pragma omp parallel
   {
-    PairRows<Elem> p(K);
-    std::vector<vfloat> rho_tile(K);
+    PairTile<Elem> p(K);
     std::vector<double> rho(K);
-    const vint lanes = lane_index();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t q = 0; q < pairs; ++q) {
       const int64_t b = q / T, t = q % T;
@@ -282,22 +337,20 @@ void token_smooth_stats_impl(const TokenSmoothStatsArgs& a) {
       double sum_m = 0.0;
       std::fill(rho.begin(), rho.end(), 0.0);
       for (int64_t start = 0; start < V; start += kTile) {
-        const int64_t stop = std::min(start + kTile, V);
-        const int64_t vec_stop = stop - (stop - start) % kLanes;
-        vfloat sm{}, inv;
-        std::fill(rho_tile.begin(), rho_tile.end(), vfloat{});
-        for (int64_t i = start; i < vec_stop; i += kLanes) {
-          sm += p.template marginal<false>(i, kLanes, inv);
-          for (int64_t k = 0; k < K; ++k) rho_tile[k] += p.e[k] * inv;
-        }
-        if (vec_stop < stop) {
-          const int64_t n = stop - vec_stop;
-          const vfloat m = p.template marginal<true>(vec_stop, n, inv);
-          sm += lanes < static_cast<int32_t>(n) ? m : vfloat{};  // pad lanes hold M = -inf
-          for (int64_t k = 0; k < K; ++k) rho_tile[k] += p.e[k] * inv;
-        }
+        const int64_t len = std::min(kTile, V - start);
+        const int64_t full = len / kLanes, rem = len % kLanes;
+        p.marginal(start, len);
+        vfloat sm{};
+        for (int64_t j = 0; j < full; ++j) sm += p.M[j];
+        if (rem) sm += first_lanes(p.M[full], rem);
         sum_m += hsum(sm);
-        for (int64_t k = 0; k < K; ++k) rho[k] += hsum(rho_tile[k]);
+        const int64_t nv = full + (rem ? 1 : 0);
+        for (int64_t k = 0; k < K; ++k) {
+          const vfloat* ek = &p.e[k * kTileVecs];
+          vfloat acc{};
+          for (int64_t j = 0; j < nv; ++j) acc += ek[j] * p.inv[j];
+          rho[k] += hsum(acc);
+        }
       }
       a.sum_m[q] = static_cast<float>(sum_m);
       for (int64_t k = 0; k < K; ++k) a.rho[(b * K + k) * T + t] = static_cast<float>(rho[k]);
@@ -309,54 +362,44 @@ template <typename Elem>
 void token_smooth_grad_impl(const TokenSmoothGradArgs& a) {
   const LogitsView& x = a.x;
   const int64_t K = x.K, T = x.T, V = x.V, pairs = x.B * x.T;
-  const int64_t vec_end = V - V % kLanes;
+  prepare_out(x, a.out, a.ob, a.ok, a.ot);
 #pragma omp parallel
   {
-    PairRows<Elem> p(K);
-    std::vector<Elem*> out(K);
-    std::vector<vfloat> cp(K), c1(K), lse(K);
+    PairTile<Elem> p(K);
+    std::vector<vfloat> w(kTileVecs);
     std::vector<float> x_y(K), r_y(K);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t q = 0; q < pairs; ++q) {
       const int64_t b = q / T, t = q % T;
       p.bind(x, a.a, a.lse, b, t);
-      const vfloat cr = vsplat(a.c_r[q]);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t r = (b * K + k) * T + t;
-        out[k] = static_cast<Elem*>(a.out) + b * a.ob + k * a.ok + t * a.ot;
-        cp[k] = vsplat(a.c_p[r]);
-        c1[k] = vsplat(a.c_1[r]);
-        lse[k] = vsplat(p.lse[k]);
-      }
+      const float cr = a.c_r[q];
       const int64_t y = a.targets ? a.targets[q] : a.ignore_index;
-      // The target entries are read before the vector loop may overwrite them (out may alias x).
+      // The target entries are read before the tiles may overwrite them (out may alias x).
       if (y != a.ignore_index) {
         for (int64_t k = 0; k < K; ++k) x_y[k] = load1(p.row[k] + y);
       }
-      vfloat inv;
-      for (int64_t i = 0; i < vec_end; i += kLanes) {
-        p.template marginal<false>(i, kLanes, inv);
-        const vfloat w = cr * inv;
+      for (int64_t start = 0; start < V; start += kTile) {
+        const int64_t len = std::min(kTile, V - start);
+        const int64_t full = len / kLanes, rem = len % kLanes;
+        p.marginal(start, len);  // reads the whole K x tile block before any write below
+        for (int64_t j = 0; j < full + (rem ? 1 : 0); ++j) w[j] = vsplat(cr) * p.inv[j];
         for (int64_t k = 0; k < K; ++k) {
-          const vfloat P = vexp(load(p.row[k] + i) - lse[k]);
-          store(out[k] + i, cp[k] * P + c1[k] + w * p.e[k]);
-        }
-      }
-      if (vec_end < V) {
-        const int64_t n = V - vec_end;
-        p.template marginal<true>(vec_end, n, inv);
-        const vfloat w = cr * inv;
-        for (int64_t k = 0; k < K; ++k) {
-          const vfloat P = vexp(load_part(p.row[k] + vec_end, n, kNegInf) - lse[k]);
-          store_part(out[k] + vec_end, cp[k] * P + c1[k] + w * p.e[k], n);
+          const int64_t r = (b * K + k) * T + t;
+          Elem* out = static_cast<Elem*>(a.out) + b * a.ob + k * a.ok + t * a.ot + start;
+          const vfloat* Pk = &p.P[k * kTileVecs];
+          const vfloat* ek = &p.e[k * kTileVecs];
+          const vfloat cp = vsplat(a.c_p[r]), c1 = vsplat(a.c_1[r]);
+          for (int64_t j = 0; j < full; ++j) store(out + j * kLanes, cp * Pk[j] + c1 + w[j] * ek[j]);
+          if (rem) store_part(out + full * kLanes, cp * Pk[full] + c1 + w[full] * ek[full], rem);
         }
       }
       if (y != a.ignore_index) {
         marginal_at(x_y, p.shift, r_y);
         for (int64_t k = 0; k < K; ++k) {
           const int64_t r = (b * K + k) * T + t;
+          Elem* out = static_cast<Elem*>(a.out) + b * a.ob + k * a.ok + t * a.ot;
           const float P = std::exp(x_y[k] - p.lse[k]);
-          store1(out[k] + y, a.c_p[r] * P + a.c_y[r] + a.c_1[r] + a.c_r[q] * r_y[k]);
+          store1(out + y, a.c_p[r] * P + a.c_y[r] + a.c_1[r] + cr * r_y[k]);
         }
       }
     }
@@ -367,78 +410,77 @@ template <typename Elem>
 void token_marginal_impl(const TokenMarginalArgs& a) {
   const LogitsView& x = a.x;
   const int64_t T = x.T, V = x.V, pairs = x.B * x.T;
-  const int64_t vec_end = V - V % kLanes;
+  prefer_huge_pages(a.m, pairs * V * 4);
 #pragma omp parallel
   {
-    PairRows<Elem> p(x.K);
+    PairTile<Elem> p(x.K);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t q = 0; q < pairs; ++q) {
       p.bind(x, a.a, a.lse, q / T, q % T);
-      float* m = a.m + q * V;
-      vfloat inv;
-      for (int64_t i = 0; i < vec_end; i += kLanes) vstore(m + i, p.template marginal<false>(i, kLanes, inv));
-      if (vec_end < V) store_part(m + vec_end, p.template marginal<true>(vec_end, V - vec_end, inv), V - vec_end);
+      for (int64_t start = 0; start < V; start += kTile) {
+        const int64_t len = std::min(kTile, V - start);
+        const int64_t full = len / kLanes, rem = len % kLanes;
+        float* m = a.m + q * V + start;
+        p.marginal(start, len);
+        for (int64_t j = 0; j < full; ++j) vstore(m + j * kLanes, p.M[j]);
+        if (rem) store_part(m + full * kLanes, p.M[full], rem);
+      }
     }
   }
-}
-
-// R_k at entries [i, i + n) from the saved marginal m: R = exp(x + shift - M).
-template <bool Part, typename Elem>
-inline vfloat posterior(const PairRows<Elem>& p, int64_t k, int64_t i, int64_t n, vfloat m) {
-  return vexp(load_n<Part>(p.row[k] + i, n, kNegInf) + vsplat(p.shift[k]) - m);
 }
 
 template <typename Elem>
 void token_marginal_grad_impl(const TokenMarginalGradArgs& a) {
   const LogitsView& x = a.x;
   const int64_t K = x.K, T = x.T, V = x.V, pairs = x.B * x.T;
-  const int64_t vec_end = V - V % kLanes;
+  prepare_out(x, a.out, a.ob, a.ok, a.ot);
 #pragma omp parallel
   {
-    PairRows<Elem> p(K);
-    std::vector<vfloat> acc(K);
+    PairTile<Elem> p(K);
     std::vector<double> c(K);
-    std::vector<Elem*> out(K);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t q = 0; q < pairs; ++q) {
       const int64_t b = q / T, t = q % T;
       p.bind(x, a.a, a.lse, b, t);
       const float* m = a.m + q * V;
       const float* g = a.g + q * V;
-      // Pass 1: c_k = sum_v R g (pad lanes: x = -inf, g = 0).
+      // Pass 1: c_k = sum_v R g with R = exp(x + shift - M) from the saved M.
       std::fill(c.begin(), c.end(), 0.0);
       for (int64_t start = 0; start < V; start += kTile) {
-        const int64_t stop = std::min(start + kTile, V);
-        const int64_t vstop = stop - (stop - start) % kLanes;
-        std::fill(acc.begin(), acc.end(), vfloat{});
-        for (int64_t i = start; i < vstop; i += kLanes) {
-          const vfloat mv = vload(m + i), gv = vload(g + i);
-          for (int64_t k = 0; k < K; ++k) acc[k] += posterior<false>(p, k, i, kLanes, mv) * gv;
+        const int64_t len = std::min(kTile, V - start);
+        const int64_t full = len / kLanes, rem = len % kLanes;
+        for (int64_t k = 0; k < K; ++k) {
+          const Elem* xr = p.row[k] + start;
+          const vfloat sh = vsplat(p.shift[k]);
+          vfloat acc{};
+          for (int64_t j = 0; j < full; ++j) {
+            const int64_t i = start + j * kLanes;
+            acc += vexp(load(xr + j * kLanes) + sh - vload(m + i)) * vload(g + i);
+          }
+          if (rem) {
+            const int64_t i = start + full * kLanes;
+            const vfloat z = load_part(xr + full * kLanes, rem, kNegInf) + sh;
+            acc += vexp(z - load_part(m + i, rem, 0.f)) * load_part(g + i, rem, 0.f);
+          }
+          c[k] += hsum(acc);
         }
-        if (vstop < stop) {
-          const int64_t n = stop - vstop;
-          const vfloat mv = load_part(m + vstop, n, 0.f), gv = load_part(g + vstop, n, 0.f);
-          for (int64_t k = 0; k < K; ++k) acc[k] += posterior<true>(p, k, vstop, n, mv) * gv;
-        }
-        for (int64_t k = 0; k < K; ++k) c[k] += hsum(acc[k]);
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        a.c[(b * K + k) * T + t] = static_cast<float>(c[k]);
-        out[k] = static_cast<Elem*>(a.out) + b * a.ob + k * a.ok + t * a.ot;
       }
       // Pass 2 (the K rows are still in cache): out = R g - P c.
       for (int64_t k = 0; k < K; ++k) {
-        const vfloat ck = vsplat(static_cast<float>(c[k])), lse = vsplat(p.lse[k]);
+        a.c[(b * K + k) * T + t] = static_cast<float>(c[k]);
+        Elem* out = static_cast<Elem*>(a.out) + b * a.ob + k * a.ok + t * a.ot;
+        const vfloat ck = vsplat(static_cast<float>(c[k])), sh = vsplat(p.shift[k]);
+        const vfloat lse = vsplat(p.lse[k]);
+        const int64_t vec_end = V - V % kLanes;
         for (int64_t i = 0; i < vec_end; i += kLanes) {
-          const vfloat mv = vload(m + i), gv = vload(g + i);
-          const vfloat P = vexp(load(p.row[k] + i) - lse);
-          store(out[k] + i, posterior<false>(p, k, i, kLanes, mv) * gv - P * ck);
+          const vfloat xv = load(p.row[k] + i);
+          store(out + i, vexp(xv + sh - vload(m + i)) * vload(g + i) - vexp(xv - lse) * ck);
         }
         if (vec_end < V) {
           const int64_t n = V - vec_end;
-          const vfloat mv = load_part(m + vec_end, n, 0.f), gv = load_part(g + vec_end, n, 0.f);
-          const vfloat P = vexp(load_part(p.row[k] + vec_end, n, kNegInf) - lse);
-          store_part(out[k] + vec_end, posterior<true>(p, k, vec_end, n, mv) * gv - P * ck, n);
+          const vfloat xv = load_part(p.row[k] + vec_end, n, kNegInf);
+          const vfloat R = vexp(xv + sh - load_part(m + vec_end, n, 0.f));
+          store_part(out + vec_end, R * load_part(g + vec_end, n, 0.f) - vexp(xv - lse) * ck, n);
         }
       }
     }

@@ -1,0 +1,230 @@
+"""The C++ launchers (rag_fast/ops/_cpp.py) against plain-torch formulas in float64.
+
+Each launcher is checked directly, below the autograd layer, with the tolerance rule of
+tests/utils.py: the "plain" version is the same formula in float32 (bf16 gradients rounded to
+bf16 at the end), the oracle the formula in float64. The generic (portable) SIMD variant runs in
+a subprocess with RAG_FAST_SIMD=generic.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from utils import assert_close_rule, requires_ext
+
+pytestmark = requires_ext
+IGNORE = -100
+
+# (B, K, T, V) and the branch each shape is for.
+SHAPES = [
+    (2, 3, 4, 7),  # V below one vector: only the masked tail path
+    (1, 1, 1, 1),  # one passage, one position, one vocabulary entry
+    (2, 4, 3, 1003),  # several tiles and a partial vector at the end
+    (1, 2, 2, 50265),  # BART's vocabulary: long sums (accumulation error)
+]
+
+
+def _inputs(B, K, T, V, dtype, seed=0, strided=False, missing=True):
+    """x [B, K, T, V] (row stride V + 5 when strided), a [B, K], y [B, T], lse [B, K, T]."""
+    g = torch.Generator().manual_seed(seed)
+    width = V + 5 if strided else V
+    x = (3 * torch.randn(B, K, T, width, generator=g)).to(dtype)[..., :V]
+    scores = torch.randn(B, K, generator=g)
+    if missing and K > 1:
+        scores[0, -1] = float("-inf")  # a missing passage: weight 0, never NaN
+    a = torch.log_softmax(scores, dim=1)
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[-1, 0] = IGNORE
+    if B > 1:
+        y[0, :] = IGNORE  # a question whose every target is ignored
+    from rag_fast.ops import _cpp
+
+    lse, _, _ = _cpp.row_stats(x, y, IGNORE)
+    return x, a, y, lse
+
+
+def _onehot(y, K, V):
+    mask = y != IGNORE
+    oh = torch.zeros(y.shape[0], K, y.shape[1], V, dtype=torch.float64)
+    idx = torch.where(mask, y, 0)[:, None, :, None].expand(-1, K, -1, 1)
+    oh.scatter_(-1, idx, 1.0)
+    return oh * mask[:, None, :, None]
+
+
+def _terms(x, a, lse, ftype):
+    """P, R, M in ftype (float64: the oracle; float32: the plain version)."""
+    z = a.to(ftype)[:, :, None, None] + x.to(ftype) - lse.to(ftype)[..., None]
+    M = torch.logsumexp(z, dim=1)  # [B, T, V]
+    R = torch.exp(z - M[:, None])
+    P = torch.exp(x.to(ftype) - lse.to(ftype)[..., None])
+    return P, R, M
+
+
+def _check(actual, formula, dtype, what):
+    """formula(ftype) -> tensor; the plain version is rounded to `dtype` (the output's)."""
+    oracle = formula(torch.float64)
+    plain = formula(torch.float32).to(dtype)
+    assert_close_rule(actual, plain, oracle, dtype, what)
+
+
+def _coefs(B, K, T, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g) for shape in [(B, K, T)] * 3 + [(B, T)]]
+
+
+def check_launchers(shape, dtype, strided=False):
+    """Every launcher on one case; also run by the generic-variant subprocess."""
+    from rag_fast.ops import _cpp
+
+    B, K, T, V = shape
+    x, a, y, lse = _inputs(B, K, T, V, dtype, strided=strided)
+    f32 = torch.float32
+
+    lse2, x_tgt, x_sum = _cpp.row_stats(x, y, IGNORE)
+    _check(lse2, lambda ft: torch.logsumexp(x.to(ft), -1), f32, "row_stats lse")
+    _check(x_sum, lambda ft: x.to(ft).sum(-1), f32, "row_stats x_sum")
+    safe = torch.where(y == IGNORE, 0, y)[:, None, :, None].expand(-1, K, -1, 1)
+    tgt = torch.where((y == IGNORE)[:, None], 0.0, x.gather(-1, safe).squeeze(-1).float())
+    assert torch.equal(x_tgt, tgt), "row_stats x_tgt"
+
+    sum_m, rho = _cpp.token_smooth_stats(x, a, lse)
+    _check(sum_m, lambda ft: _terms(x, a, lse, ft)[2].sum(-1), f32, "token_smooth_stats sum_m")
+    _check(rho, lambda ft: _terms(x, a, lse, ft)[1].sum(-1), f32, "token_smooth_stats rho")
+    if K > 1:
+        assert (rho[0, -1] == 0).all(), "a missing passage must get rho == 0 exactly"
+
+    marginal = _cpp.token_marginal(x, a, lse)
+    _check(marginal, lambda ft: _terms(x, a, lse, ft)[2], f32, "token_marginal")
+
+    c_p, c_y, c_1, c_r = _coefs(B, K, T)
+    oh = _onehot(y, K, V)
+
+    def coef(c, ft):
+        return c.to(ft)[..., None]
+
+    out = torch.empty_like(x)
+    _cpp.row_grad(x, y, IGNORE, lse, c_p, c_y, c_1, out)
+    _check(out, lambda ft: coef(c_p, ft) * _terms(x, a, lse, ft)[0] + coef(c_y, ft) * oh.to(ft)
+           + coef(c_1, ft), dtype, "row_grad")
+
+    def smooth_grad(ft):
+        P, R, _ = _terms(x, a, lse, ft)
+        return (coef(c_p, ft) * P + coef(c_y, ft) * oh.to(ft) + coef(c_1, ft)
+                + c_r.to(ft)[:, None, :, None] * R)
+
+    out = torch.empty_like(x)
+    _cpp.token_smooth_grad(x, y, IGNORE, a, lse, c_p, c_y, c_1, c_r, out)
+    _check(out, smooth_grad, dtype, "token_smooth_grad")
+
+    g_m = torch.randn(B, T, V, generator=torch.Generator().manual_seed(2))
+
+    def marginal_grad(ft):
+        P, R, _ = _terms(x, a, lse, ft)
+        c = (R * g_m.to(ft)[:, None]).sum(-1)
+        return c, R * g_m.to(ft)[:, None] - P * c[..., None]
+
+    out = torch.empty_like(x)
+    c = _cpp.token_marginal_grad(x, a, lse, marginal, g_m, out)
+    _check(c, lambda ft: marginal_grad(ft)[0], f32, "token_marginal_grad c")
+    _check(out, lambda ft: marginal_grad(ft)[1], dtype, "token_marginal_grad out")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_launchers_match_float64(shape, dtype):
+    check_launchers(shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_rows(dtype):
+    # Row stride V + 5: the kernels must use the given strides, not assume V.
+    check_launchers((2, 3, 3, 37), dtype, strided=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_into_aliased_and_strided_out(dtype):
+    from rag_fast.ops import _cpp
+
+    B, K, T, V = 2, 3, 4, 1003
+    x, a, y, lse = _inputs(B, K, T, V, dtype)
+    c_p, c_y, c_1, c_r = _coefs(B, K, T)
+    expected = _cpp.token_smooth_grad(x, y, IGNORE, a, lse, c_p, c_y, c_1, c_r,
+                                      torch.empty_like(x))
+    # inplace_grad: out is x itself (the target entries are read before they are overwritten).
+    inplace = x.clone()
+    _cpp.token_smooth_grad(inplace, y, IGNORE, a, lse, c_p, c_y, c_1, c_r, inplace)
+    assert torch.equal(inplace, expected)
+    # out with its own strides: [B, T, K, V] storage seen as [B, K, T, V].
+    out = torch.empty(B, T, K, V, dtype=dtype).transpose(1, 2)
+    _cpp.token_smooth_grad(x, y, IGNORE, a, lse, c_p, c_y, c_1, c_r, out)
+    assert torch.equal(out, expected)
+
+    g_m = torch.randn(B, T, V)
+    marginal = _cpp.token_marginal(x, a, lse)
+    expected = torch.empty_like(x)
+    c = _cpp.token_marginal_grad(x, a, lse, marginal, g_m, expected)
+    inplace = x.clone()
+    c2 = _cpp.token_marginal_grad(inplace, a, lse, marginal, g_m, inplace)
+    assert torch.equal(inplace, expected) and torch.equal(c, c2)
+
+
+def test_very_unlikely_entries_keep_their_log_prob():
+    # Every passage gives some entries a log-prob near -100: the marginal there must still be
+    # finite and exact (the kernels switch to a max-shifted sum for those vectors).
+    from rag_fast.ops import _cpp
+
+    B, K, T, V = 1, 3, 2, 300
+    x, a, _, _ = _inputs(B, K, T, V, torch.float32, missing=False)
+    x[..., 40:80] = -120.0
+    lse, _, _ = _cpp.row_stats(x, None, IGNORE)
+    marginal = _cpp.token_marginal(x, a, lse)
+    assert torch.isfinite(marginal).all()
+    _check(marginal, lambda ft: _terms(x, a, lse, ft)[2], torch.float32, "token_marginal")
+    sum_m, rho = _cpp.token_smooth_stats(x, a, lse)
+    _check(sum_m, lambda ft: _terms(x, a, lse, ft)[2].sum(-1), torch.float32, "sum_m")
+    _check(rho, lambda ft: _terms(x, a, lse, ft)[1].sum(-1), torch.float32, "rho")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_propagates(dtype):
+    from rag_fast.ops import _cpp
+
+    B, K, T, V = 2, 3, 2, 70
+    x, a, y, _ = _inputs(B, K, T, V, dtype)
+    x[1, 0, 1, 5] = float("nan")
+    lse, _, x_sum = _cpp.row_stats(x, y, IGNORE)
+    assert lse[1, 0, 1].isnan() and x_sum[1, 0, 1].isnan()
+    assert lse.isnan().sum() == 1
+    sum_m, rho = _cpp.token_smooth_stats(x, a, lse)
+    assert sum_m[1, 1].isnan() and sum_m.isnan().sum() == 1
+    assert rho[1, :, 1].isnan().all() and rho.isnan().sum() == K
+    marginal = _cpp.token_marginal(x, a, lse)
+    assert marginal[1, 1].isnan().all() and marginal.isnan().sum() == V
+    c_p, c_y, c_1, c_r = _coefs(B, K, T)
+    out = _cpp.token_smooth_grad(x, y, IGNORE, a, lse, c_p, c_y, c_1, c_r, torch.empty_like(x))
+    assert out[1, :, 1].isnan().all() and out.isnan().sum() == K * V
+
+
+def test_generic_variant_in_subprocess():
+    # The portable variant, forced with RAG_FAST_SIMD=generic, on the same checks.
+    script = (
+        "import torch, rag_fast._C as C, test_cpp_kernels as t\n"
+        "assert C.simd_level() == 'generic', C.simd_level()\n"
+        "for shape in t.SHAPES[:3]:\n"
+        "    for dtype in (torch.float32, torch.bfloat16):\n"
+        "        t.check_launchers(shape, dtype)\n"
+        "t.check_launchers((2, 3, 3, 37), torch.float32, strided=True)\n"
+        "print('ok')\n"
+    )
+    here = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, RAG_FAST_SIMD="generic",
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
