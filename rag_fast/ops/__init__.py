@@ -1,6 +1,7 @@
 """Fused RAG ops. Each takes ``impl="auto" | "cpp" | "triton" | "torch"``."""
 from rag_fast.ops.rag_sequence_nll import rag_sequence_nll
+from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
 from rag_fast.ops.rag_token_marginal import rag_token_marginal
 from rag_fast.ops.rag_token_nll import rag_token_nll
 
-__all__ = ["rag_sequence_nll", "rag_token_marginal", "rag_token_nll"]
+__all__ = ["rag_sequence_nll", "rag_token_beam_step", "rag_token_marginal", "rag_token_nll"]

@@ -1,0 +1,185 @@
+"""A lean incremental decoder over a Hugging Face BART-family generator (same weights).
+
+Why not call the generator's own forward: ``transformers`` copies the encoder outputs once per
+beam, recomputes the cross-attention keys/values per beam and re-gathers them at every step.
+Here the cross-attention keys/values are computed once per (question, passage) and shared by
+every decoder row that reads that passage: decoder rows are grouped as ``[E, Q]`` (E encoder
+rows, Q rows reading each, e.g. the W beams), and the Q queries of a group are attended
+together as one ``[Q, S]`` score block, so nothing is copied per beam. The self-attention cache
+is preallocated ``[E*Q, H, T_max, hd]`` and reordered in place by a gather.
+
+The math is the generator's: BART's post-layer-norm decoder (learned positions with offset 2,
+scaled embeddings, layernorm_embedding), ``lm_head`` plus ``final_logits_bias``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class UnsupportedGeneratorError(ValueError):
+    """The generator is not an encoder-decoder model this module can drive."""
+
+
+def check_generator(generator: torch.nn.Module) -> None:
+    """Raise UnsupportedGeneratorError unless ``generator`` is a BART-family seq2seq model."""
+    config = getattr(generator, "config", None)
+    if config is None or not getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedGeneratorError(
+            f"the generator must be an encoder-decoder model (config.is_encoder_decoder=True); "
+            f"got {type(generator).__name__}, which has no encoder to read the passages"
+        )
+    if getattr(config, "model_type", None) != "bart":
+        raise UnsupportedGeneratorError(
+            f"rag_fast.generation drives BART generators (model_type 'bart'); got "
+            f"{getattr(config, 'model_type', None)!r} ({type(generator).__name__})"
+        )
+    if not hasattr(generator, "get_encoder"):
+        raise UnsupportedGeneratorError(f"{type(generator).__name__} has no get_encoder()")
+    decoder = getattr(getattr(generator, "model", None), "decoder", None)
+    layers = getattr(decoder, "layers", None)
+    needed = ("self_attn", "encoder_attn", "self_attn_layer_norm", "encoder_attn_layer_norm",
+              "fc1", "fc2", "final_layer_norm")
+    if (
+        layers is None
+        or getattr(decoder, "layernorm_embedding", None) is None
+        or not all(hasattr(layer, name) for layer in layers for name in needed)
+        or not hasattr(generator, "lm_head")
+    ):
+        raise UnsupportedGeneratorError(
+            f"{type(generator).__name__} is not a BART-family generator (post-layer-norm decoder "
+            "with self_attn/encoder_attn/fc1/fc2); rag_fast.generation supports BART generators"
+        )
+
+
+@dataclass
+class CrossState:
+    """Cross-attention inputs shared by every decoder row reading an encoder row."""
+
+    keys: list[torch.Tensor]  # per layer [E, H, S, hd]
+    values: list[torch.Tensor]  # per layer [E, H, S, hd]
+    mask: torch.Tensor | None  # [E, 1, 1, S] bool (True: attend), or None
+
+
+class BartDecoder:
+    """Incremental and teacher-forced decoding with the weights of a BART generator."""
+
+    def __init__(self, generator: torch.nn.Module) -> None:
+        check_generator(generator)
+        self.generator = generator
+        self.decoder = generator.model.decoder
+        self.layers = list(self.decoder.layers)
+        attn = self.layers[0].self_attn
+        self.heads = attn.num_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.lm_weight = generator.lm_head.weight
+        self.lm_bias = getattr(generator, "final_logits_bias", None)
+        self.vocab_size = self.lm_weight.shape[0]
+
+    # encoder side -----------------------------------------------------------------------
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Encoder outputs ``[N, S, d]`` of ``input_ids [N, S]``."""
+        out = self.generator.get_encoder()(
+            input_ids=input_ids, attention_mask=attention_mask, return_dict=True
+        )
+        return out.last_hidden_state
+
+    def cross_state(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> CrossState:
+        """Per-layer cross-attention keys/values of encoder outputs ``hidden [E, S, d]``."""
+        E, S, _ = hidden.shape
+        keys, values = [], []
+        for layer in self.layers:
+            attn = layer.encoder_attn
+            keys.append(attn.k_proj(hidden).view(E, S, self.heads, self.head_dim).transpose(1, 2))
+            values.append(attn.v_proj(hidden).view(E, S, self.heads, self.head_dim).transpose(1, 2))
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            mask = attention_mask.bool()[:, None, None, :]
+        return CrossState(keys, values, mask)
+
+    def select_cross(self, cross: CrossState, rows: torch.Tensor) -> CrossState:
+        """The cross state of encoder rows ``rows`` (a gather, for a new grouping)."""
+        return CrossState(
+            [k.index_select(0, rows) for k in cross.keys],
+            [v.index_select(0, rows) for v in cross.values],
+            None if cross.mask is None else cross.mask.index_select(0, rows),
+        )
+
+    # decoder side -----------------------------------------------------------------------
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        emb = self.decoder.embed_tokens(tokens)  # includes BART's embed_scale
+        pos = F.embedding(positions + self.decoder.embed_positions.offset,
+                          self.decoder.embed_positions.weight)
+        return self.decoder.layernorm_embedding(emb + pos)
+
+    def _cross_attend(self, layer_idx: int, q: torch.Tensor, cross: CrossState, Q: int, T: int):
+        """q ``[E*Q, H, T, hd]`` -> ``[E*Q, T, H*hd]``, attending per group of Q rows."""
+        E = q.shape[0] // Q
+        # Fold the Q rows of a group and their positions into one query axis: [E, H, Q*T, hd].
+        qg = q.view(E, Q, self.heads, T, self.head_dim).transpose(1, 2).reshape(
+            E, self.heads, Q * T, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            qg, cross.keys[layer_idx], cross.values[layer_idx], attn_mask=cross.mask,
+            scale=self.scaling)
+        out = out.view(E, self.heads, Q, T, self.head_dim).permute(0, 2, 3, 1, 4)
+        return out.reshape(E * Q, T, self.heads * self.head_dim)
+
+    def _layers(self, h: torch.Tensor, cross: CrossState, Q: int, self_kv) -> torch.Tensor:
+        """Run every layer on ``h [R, T, d]``; ``self_kv(layer_idx, k, v) -> (k_all, v_all,
+        causal)`` supplies the self-attention keys/values (cache or the sequence itself)."""
+        R, T, _ = h.shape
+        for i, layer in enumerate(self.layers):
+            sa = layer.self_attn
+            q = sa.q_proj(h).view(R, T, self.heads, self.head_dim).transpose(1, 2)
+            k = sa.k_proj(h).view(R, T, self.heads, self.head_dim).transpose(1, 2)
+            v = sa.v_proj(h).view(R, T, self.heads, self.head_dim).transpose(1, 2)
+            k_all, v_all, causal = self_kv(i, k, v)
+            a = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=causal, scale=self.scaling)
+            h = layer.self_attn_layer_norm(h + sa.out_proj(a.transpose(1, 2).reshape(R, T, -1)))
+            ca = layer.encoder_attn
+            cq = ca.q_proj(h).view(R, T, self.heads, self.head_dim).transpose(1, 2)
+            h = layer.encoder_attn_layer_norm(h + ca.out_proj(self._cross_attend(i, cq, cross, Q, T)))
+            h = layer.final_layer_norm(h + layer.fc2(layer.activation_fn(layer.fc1(h))))
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: ``hidden [..., d]`` -> ``[..., V]`` (plus BART's final_logits_bias)."""
+        out = F.linear(hidden, self.lm_weight)
+        if self.lm_bias is not None:
+            out = out + self.lm_bias.view(-1)
+        return out
+
+    def new_cache(self, rows: int, max_len: int) -> list[torch.Tensor]:
+        """An empty self-attention cache: per layer one ``[2, rows, H, max_len, hd]`` buffer."""
+        p = self.lm_weight
+        return [torch.empty((2, rows, self.heads, max_len, self.head_dim), dtype=p.dtype,
+                            device=p.device) for _ in self.layers]
+
+    def step(self, tokens: torch.Tensor, pos: int, cache: list[torch.Tensor], cross: CrossState,
+             Q: int) -> torch.Tensor:
+        """One incremental step: ``tokens [E*Q]`` at position ``pos`` -> hidden ``[E*Q, d]``."""
+        positions = torch.full((1,), pos, dtype=torch.long, device=tokens.device)
+        h = self._embed(tokens[:, None], positions)
+
+        def self_kv(i, k, v):
+            cache[i][0, :, :, pos] = k[:, :, 0]
+            cache[i][1, :, :, pos] = v[:, :, 0]
+            return cache[i][0, :, :, : pos + 1], cache[i][1, :, :, : pos + 1], False
+
+        return self._layers(h, cross, Q, self_kv)[:, 0]
+
+    @staticmethod
+    def reorder_cache(cache: list[torch.Tensor], rows: torch.Tensor, length: int) -> None:
+        """Row r of the cache becomes old row ``rows[r]`` (positions ``< length``), in place."""
+        for buf in cache:
+            buf[:, :, :, :length] = buf[:, :, :, :length].index_select(1, rows)
+
+    def teacher_forced(self, tokens: torch.Tensor, cross: CrossState, Q: int) -> torch.Tensor:
+        """Hidden states ``[E*Q, T, d]`` of decoder inputs ``tokens [E*Q, T]`` (causal)."""
+        T = tokens.shape[1]
+        positions = torch.arange(T, device=tokens.device)
+        h = self._embed(tokens, positions)
+        return self._layers(h, cross, Q, lambda i, k, v: (k, v, T > 1))
