@@ -62,6 +62,24 @@ PYBIND11_MODULE(_C, m) {
       },
       "out = c_p * softmax(x) + c_y * onehot(y) + c_1, per row (see csrc/kernels.h).");
   m.def(
+      "token_smooth_forward",
+      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
+         int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t a,
+         uintptr_t lse, uintptr_t x_tgt, uintptr_t x_sum, uintptr_t sum_m, uintptr_t rho) {
+        TokenSmoothForwardArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
+                                    ptr<const int64_t>(targets),
+                                    ignore_index,
+                                    ptr<const float>(a),
+                                    ptr<float>(lse),
+                                    ptr<float>(x_tgt),
+                                    ptr<float>(x_sum),
+                                    ptr<float>(sum_m),
+                                    ptr<float>(rho)};
+        py::gil_scoped_release release;
+        kernels().token_smooth_forward(args);
+      },
+      "row_stats and token_smooth_stats in one read of the logits (see csrc/kernels.h).");
+  m.def(
       "token_smooth_stats",
       [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
          int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t sum_m, uintptr_t rho) {

@@ -209,18 +209,15 @@ inline void store_part(Elem* p, vfloat v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store1(p + i, v[i]);
 }
 
-inline bool any_lane(vint m) {
-  int32_t acc = 0;
-  for (int i = 0; i < kLanes; ++i) acc |= m[i];
-  return acc != 0;
+// Mask of lanes [0, n).
+inline vint lanes_below(int64_t n) {
+  vint idx;
+  for (int i = 0; i < kLanes; ++i) idx[i] = i;
+  return idx < static_cast<int32_t>(n);
 }
 
 // Lanes [0, n) of v; the others 0.
-inline vfloat first_lanes(vfloat v, int64_t n) {
-  vint idx;
-  for (int i = 0; i < kLanes; ++i) idx[i] = i;
-  return idx < static_cast<int32_t>(n) ? v : vfloat{};
-}
+inline vfloat first_lanes(vfloat v, int64_t n) { return lanes_below(n) ? v : vfloat{}; }
 
 // One (b, t) pair: the K rows, their constants, and the scratch of one tile. For entries
 // v = start + j*kLanes + lane of the current tile:
@@ -248,9 +245,9 @@ struct PairTile {
   }
 
   // Vectors [0, ceil(len / kLanes)) of the tile at `start` (len <= kTile). e = p_k P_k and
-  // M = log sum_k e, unless a lane's sum is below 2^-100 (every a + x - lse below about -69),
+  // M = log sum_k e (only if need_m; the shifted vectors always get M), unless a lane's sum is below 2^-100 (every a + x - lse below about -69),
   // where precision was lost: that vector is redone with a max shift. NaN in gives NaN out.
-  void marginal(int64_t start, int64_t len) {
+  void marginal(int64_t start, int64_t len, bool need_m = true) {
     const int64_t full = len / kLanes, rem = len % kLanes, nv = full + (rem ? 1 : 0);
     std::fill(s.begin(), s.begin() + nv, vfloat{});
     for (int64_t k = 0; k < K; ++k) {
@@ -275,7 +272,7 @@ struct PairTile {
         shifted(start, j, j < full ? kLanes : rem);
       } else {
         inv[j] = vsplat(1.f) / s[j];
-        M[j] = vlog(s[j]);
+        if (need_m) M[j] = vlog(s[j]);
       }
     }
   }
@@ -328,6 +325,7 @@ void token_smooth_stats_impl(const TokenSmoothStatsArgs& a) {
   const int64_t K = x.K, T = x.T, V = x.V, pairs = x.B * x.T;
 #pragma omp parallel
   {
+    FlushDenormals ftz;
     PairTile<Elem> p(K);
     std::vector<double> rho(K);
 #pragma omp for schedule(dynamic, 1)
@@ -358,6 +356,184 @@ void token_smooth_stats_impl(const TokenSmoothStatsArgs& a) {
   }
 }
 
+// ---- Fused RAG-Token forward with label smoothing: one read of the K rows of each (b, t) ----
+// Pass 1 streams each row once from memory in blocks of kBlock entries: block max, then
+// e = exp(x - block max) into a per-thread buffer [K, V] (K*V*4 bytes, cache resident) while the
+// row's lse, sum and target logit accumulate. Pass 2 walks the buffer block by block: with
+// c_k = a_k - lse_k + blockmax_k and G = max_k c_k, the marginal is
+//   M_v = G + log s_v,   s_v = sum_k exp(c_k - G) e_kv,   R_kv = exp(c_k - G) e_kv / s_v,
+// so no exp is recomputed: per entry one fma for s and one for rho, per v one log and one
+// division. A vector where some s_v < 2^-100 (every passage puts v more than ~69 below G) has
+// lost precision and is redone from the logits with the exact max over k (max_shifted_at).
+
+struct TokenForwardArgs {
+  const int64_t* targets;
+  int64_t ignore_index;
+  const float* a;
+  float *lse, *x_tgt, *x_sum, *sum_m, *rho;
+};
+
+// Vector j of the block at `start` from the K rows: e_k = exp(z_k - max_k z_k) with
+// z_k = x_k + shift_k (lanes past n read x = -inf). Returns M; inv = 1 / sum_k e_k (0 where
+// every z is -inf, M = -inf there). e must hold K vectors.
+template <typename Elem>
+inline vfloat max_shifted_at(const std::vector<const Elem*>& rows, const float* shift,
+                             int64_t at, int64_t n, vfloat* e, vfloat& inv) {
+  const int64_t K = static_cast<int64_t>(rows.size());
+  vfloat mx = vsplat(kNegInf);
+  for (int64_t k = 0; k < K; ++k) {
+    const Elem* xv = rows[k] + at;
+    e[k] = (n == kLanes ? load(xv) : load_part(xv, n, kNegInf)) + vsplat(shift[k]);
+    mx = vmax(mx, e[k]);
+  }
+  const vfloat safe = mx == vsplat(kNegInf) ? vfloat{} : mx;
+  vfloat sum{};
+  for (int64_t k = 0; k < K; ++k) {
+    e[k] = vexp(e[k] - safe);
+    sum += e[k];
+  }
+  inv = sum == vfloat{} ? vfloat{} : vsplat(1.f) / sum;
+  return safe + vlog(sum);
+}
+
+template <typename Elem>
+void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
+  const int64_t K = x.K, T = x.T, V = x.V, pairs = x.B * x.T;
+  const int64_t blocks = (V + kBlock - 1) / kBlock;
+  constexpr int64_t kBlockVecs = kBlock / kLanes;
+#pragma omp parallel
+  {
+    FlushDenormals ftz;
+    // exp(x - block max), block-major: block j of row k at (j * K + k) * kBlock, so that pass 2
+    // reads one contiguous K * kBlock run per block.
+    std::vector<float> e(blocks * K * kBlock);
+    std::vector<float> bmax(K * blocks);   // block maxima
+    std::vector<float> shift(K), w(K);
+    std::vector<double> rho(K);
+    std::vector<const Elem*> rows(K);
+    std::vector<vfloat> s(kBlockVecs), inv(kBlockVecs), slow(K), slow_rho(K);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t q = 0; q < pairs; ++q) {
+      const int64_t b = q / T, t = q % T;
+      const int64_t y = a.targets ? a.targets[q] : a.ignore_index;
+      // Pass 1: each row once from memory.
+      for (int64_t k = 0; k < K; ++k) {
+        const Elem* row = reinterpret_cast<const Elem*>(row_ptr(x, b, k, t));
+        rows[k] = row;
+        float m = kNegInf, sum = 0.f;
+        double total = 0.0;
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t start = blk * kBlock, len = std::min(kBlock, V - start);
+          const int64_t full = len / kLanes, rem = len % kLanes;
+          const Elem* xb = row + start;
+          float* eb = &e[(blk * K + k) * kBlock];
+          vfloat vm = vsplat(kNegInf), vt{};
+          for (int64_t j = 0; j < full; ++j) {
+            __builtin_prefetch(xb + j * kLanes + kPrefetch);
+            const vfloat v = load(xb + j * kLanes);
+            vm = vmax(vm, v);
+            vt += v;
+          }
+          if (rem) {
+            const vfloat v = load_part(xb + full * kLanes, rem, kNegInf);
+            vm = vmax(vm, v);
+            vt += first_lanes(v, rem);
+          }
+          total += hsum(vt);
+          const float bm = hmax(vm);
+          bmax[k * blocks + blk] = bm;
+          const vfloat safe = vsplat(bm == kNegInf ? 0.f : bm);
+          vfloat acc{};
+          for (int64_t j = 0; j < full; ++j) {
+            const vfloat ev = vexp(load(xb + j * kLanes) - safe);
+            vstore(eb + j * kLanes, ev);
+            acc += ev;
+          }
+          if (rem) {
+            const vfloat ev = vexp(load_part(xb + full * kLanes, rem, kNegInf) - safe);
+            vstore(eb + full * kLanes, ev);
+            acc += ev;
+          }
+          if (bm == kNegInf) continue;
+          const float bs = hsum(acc);
+          if (bm > m) {
+            sum = (m == kNegInf ? 0.f : sum * std::exp(m - bm)) + bs;
+            m = bm;
+          } else {
+            sum += bs * std::exp(bm - m);
+          }
+        }
+        // A NaN anywhere makes the sum NaN, and then lse (and everything after) too.
+        const float tot = static_cast<float>(total);
+        const int64_t r = (b * K + k) * T + t;
+        a.lse[r] = tot != tot ? tot : (m == kNegInf ? kNegInf : m + std::log(sum));
+        a.x_sum[r] = tot;
+        a.x_tgt[r] = y == a.ignore_index ? 0.f : load1(row + y);
+        shift[k] = a.a[b * K + k] - a.lse[r];
+        rho[k] = 0.0;
+      }
+      // Pass 2: the marginal from the buffer, block by block.
+      double sum_m = 0.0;
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t start = blk * kBlock, len = std::min(kBlock, V - start);
+        const int64_t full = len / kLanes, rem = len % kLanes, nv = full + (rem ? 1 : 0);
+        // c_k = shift_k + block max; -inf (missing passage, empty block) gives weight 0.
+        float G = kNegInf;
+        for (int64_t k = 0; k < K; ++k) {
+          w[k] = shift[k] + bmax[k * blocks + blk];
+          G = w[k] > G ? w[k] : G;
+        }
+        const float safe_g = G == kNegInf ? 0.f : G;
+        for (int64_t k = 0; k < K; ++k) w[k] = std::exp(w[k] - safe_g);
+        std::fill(s.begin(), s.begin() + nv, vfloat{});
+        std::fill(slow_rho.begin(), slow_rho.end(), vfloat{});
+        for (int64_t k = 0; k < K; ++k) {
+          const float* ek = &e[(blk * K + k) * kBlock];
+          const vfloat wk = vsplat(w[k]);
+          for (int64_t j = 0; j < nv; ++j) s[j] += wk * vload(ek + j * kLanes);
+        }
+        if (rem) s[full] = lanes_below(rem) ? s[full] : vsplat(1.f);  // past the end: M = G
+        vfloat sm{};
+        const vfloat g = vsplat(safe_g);
+        for (int64_t j = 0; j < nv; ++j) {
+          vfloat Mj;
+          if (__builtin_expect(any_lane(s[j] < vsplat(0x1p-100f)), 0)) {
+            const int64_t n = j < full ? kLanes : rem;
+            Mj = max_shifted_at(rows, shift.data(), start + j * kLanes, n, slow.data(), inv[j]);
+            for (int64_t k = 0; k < K; ++k) slow_rho[k] += slow[k] * inv[j];
+            inv[j] = vfloat{};  // rho of this vector is counted in slow_rho
+          } else {
+            inv[j] = vsplat(1.f) / s[j];
+            Mj = g + vlog(s[j]);
+          }
+          sm += j < full ? Mj : first_lanes(Mj, rem);
+        }
+        sum_m += hsum(sm);
+        for (int64_t k = 0; k < K; ++k) {
+          rho[k] += hsum(slow_rho[k]);
+          if (w[k] == 0.f) continue;  // exactly 0 for a missing passage
+          const float* ek = &e[(blk * K + k) * kBlock];
+          vfloat acc{};
+          for (int64_t j = 0; j < nv; ++j) acc += vload(ek + j * kLanes) * inv[j];
+          rho[k] += static_cast<double>(w[k]) * hsum(acc);
+        }
+      }
+      a.sum_m[q] = static_cast<float>(sum_m);
+      for (int64_t k = 0; k < K; ++k) a.rho[(b * K + k) * T + t] = static_cast<float>(rho[k]);
+    }
+  }
+}
+
+void token_smooth_forward(const TokenSmoothForwardArgs& a) {
+  const TokenForwardArgs f{a.targets, a.ignore_index, a.a, a.lse, a.x_tgt, a.x_sum, a.sum_m,
+                           a.rho};
+  if (a.x.dtype == DType::kFloat32) {
+    token_smooth_forward_impl<float>(a.x, f);
+  } else {
+    token_smooth_forward_impl<uint16_t>(a.x, f);
+  }
+}
+
 template <typename Elem>
 void token_smooth_grad_impl(const TokenSmoothGradArgs& a) {
   const LogitsView& x = a.x;
@@ -365,6 +541,7 @@ void token_smooth_grad_impl(const TokenSmoothGradArgs& a) {
   prepare_out(x, a.out, a.ob, a.ok, a.ot);
 #pragma omp parallel
   {
+    FlushDenormals ftz;
     PairTile<Elem> p(K);
     std::vector<vfloat> w(kTileVecs);
     std::vector<float> x_y(K), r_y(K);
@@ -381,7 +558,7 @@ void token_smooth_grad_impl(const TokenSmoothGradArgs& a) {
       for (int64_t start = 0; start < V; start += kTile) {
         const int64_t len = std::min(kTile, V - start);
         const int64_t full = len / kLanes, rem = len % kLanes;
-        p.marginal(start, len);  // reads the whole K x tile block before any write below
+        p.marginal(start, len, false);  // reads the whole K x tile block before any write
         for (int64_t j = 0; j < full + (rem ? 1 : 0); ++j) w[j] = vsplat(cr) * p.inv[j];
         for (int64_t k = 0; k < K; ++k) {
           const int64_t r = (b * K + k) * T + t;
@@ -413,6 +590,7 @@ void token_marginal_impl(const TokenMarginalArgs& a) {
   prefer_huge_pages(a.m, pairs * V * 4);
 #pragma omp parallel
   {
+    FlushDenormals ftz;
     PairTile<Elem> p(x.K);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t q = 0; q < pairs; ++q) {
@@ -436,6 +614,7 @@ void token_marginal_grad_impl(const TokenMarginalGradArgs& a) {
   prepare_out(x, a.out, a.ob, a.ok, a.ot);
 #pragma omp parallel
   {
+    FlushDenormals ftz;
     PairTile<Elem> p(K);
     std::vector<double> c(K);
 #pragma omp for schedule(dynamic, 1)
@@ -507,6 +686,7 @@ const KernelTable& table() {
       kLanes * 4,
       &row_stats,
       &row_grad,
+      &token_smooth_forward,
       &by_dtype<TokenSmoothStatsArgs, token_smooth_stats_impl<float>,
                 token_smooth_stats_impl<uint16_t>>,
       &by_dtype<TokenSmoothGradArgs, token_smooth_grad_impl<float>,

@@ -67,6 +67,22 @@ struct TokenSmoothStatsArgs {
   float* rho;
 };
 
+// row_stats and token_smooth_stats in one read of the logits (the K rows of each (b, t) are
+// read from memory once and kept, as exp(x - block max), in a per-thread K x V fp32 buffer):
+//   lse, x_tgt, x_sum as RowStatsArgs; sum_m[b,t] = sum_v M; rho[b,k,t] = sum_v R.
+// a: float32 [B, K] log-prior; targets: int64 [B, T] contiguous or null.
+struct TokenSmoothForwardArgs {
+  LogitsView x;
+  const int64_t* targets;
+  int64_t ignore_index;
+  const float* a;
+  float* lse;
+  float* x_tgt;
+  float* x_sum;
+  float* sum_m;
+  float* rho;
+};
+
 // out = c_p * P + c_y * onehot(y) + c_1 + c_r[b,t] * R   (c_p, c_y, c_1: [B, K, T]).
 struct TokenSmoothGradArgs {
   LogitsView x;
@@ -105,6 +121,7 @@ struct TokenMarginalGradArgs {
 
 using RowStatsFn = void (*)(const RowStatsArgs&);
 using RowGradFn = void (*)(const RowGradArgs&);
+using TokenSmoothForwardFn = void (*)(const TokenSmoothForwardArgs&);
 using TokenSmoothStatsFn = void (*)(const TokenSmoothStatsArgs&);
 using TokenSmoothGradFn = void (*)(const TokenSmoothGradArgs&);
 using TokenMarginalFn = void (*)(const TokenMarginalArgs&);
@@ -116,6 +133,7 @@ struct KernelTable {
   int vector_bytes;
   RowStatsFn row_stats;
   RowGradFn row_grad;
+  TokenSmoothForwardFn token_smooth_forward;
   TokenSmoothStatsFn token_smooth_stats;
   TokenSmoothGradFn token_smooth_grad;
   TokenMarginalFn token_marginal;

@@ -7,6 +7,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
 namespace rag_fast {
 
 #if defined(__AVX512F__)
@@ -79,10 +83,14 @@ inline float hsum(vfloat v) {
 }
 
 // exp(x) by range reduction x = n*ln2 + r, |r| <= ln2/2, and a degree-6 polynomial for
-// exp(r). Inputs below -87.3 give 0 (so exp(-inf) == 0), above 88.37 give +inf, NaN gives NaN.
+// exp(r). Inputs are clamped below at -88, where n = -127 makes the scale 2^n exactly 0: so
+// exp(-inf) == 0 and very negative inputs never produce subnormal intermediates (which cost a
+// microcode assist per vector on x86). Results below 2^-126 (x in [-87.7, -87.3]) come out
+// subnormal or 0. Above 88.37 gives +inf; NaN gives NaN.
 inline vfloat vexp(vfloat x) {
-  const vfloat hi = vsplat(88.3762626647949f), lo = vsplat(-87.3365448f);
-  vfloat xc = x > hi ? hi : x;
+  const vfloat hi = vsplat(88.3762626647949f);
+  const vfloat lo = vsplat(-88.0f);
+  vfloat xc = x > hi ? hi : x;  // NaN stays NaN: every comparison is false
   xc = xc < lo ? lo : xc;
   const vfloat magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   vfloat t = xc * vsplat(1.44269504088896341f) + magic;
@@ -95,20 +103,44 @@ inline vfloat vexp(vfloat x) {
   p = p * r + vsplat(1.6666665459e-1f);
   p = p * r + vsplat(5.0000001201e-1f);
   p = p * r * r + r + vsplat(1.0f);
-  vint ti, ni;
+  vint ti, mi;
   std::memcpy(&ti, &t, sizeof(ti));
-  vint mi;
   std::memcpy(&mi, &magic, sizeof(mi));
-  ni = ti - mi;  // n as an integer
-  vint scale_bits = (ni + 127) << 23;
+  vint scale_bits = ((ti - mi) + 127) << 23;  // 2^n; n = -127 gives +0
   vfloat scale;
   std::memcpy(&scale, &scale_bits, sizeof(scale));
   vfloat y = p * scale;
-  const vfloat inf = vsplat(std::numeric_limits<float>::infinity());
-  y = x < lo ? vfloat{} : y;
-  y = x > hi ? inf : y;
-  return y;  // NaN: every comparison is false and p is NaN
+  return x > hi ? vsplat(std::numeric_limits<float>::infinity()) : y;
 }
+
+// True when any lane of the comparison mask is set.
+inline bool any_lane(vint m) {
+#if defined(__AVX__)
+  if constexpr (kLanes == 8) {
+    __m256i mi;
+    std::memcpy(&mi, &m, sizeof(mi));
+    return !_mm256_testz_si256(mi, mi);
+  }
+#endif
+  int32_t acc = 0;
+  for (int i = 0; i < kLanes; ++i) acc |= m[i];
+  return acc != 0;
+}
+
+// Flushes subnormal results and operands to zero on this thread while in scope (x86 MXCSR
+// FTZ|DAZ; restored on exit). The token kernels multiply many tiny probabilities; subnormals
+// there cost a microcode assist per vector and carry no precision worth keeping (the marginal
+// switches to a max-shifted sum long before).
+class FlushDenormals {
+ public:
+#if defined(__SSE__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 // log(x): x = 2^e * f with f in [sqrt(1/2), sqrt(2)), then log(f) = 2 atanh(u), u = (f-1)/(f+1),
 // |u| <= 0.1716, by its odd series up to u^9 (truncation below 1e-9). log(0) = -inf,

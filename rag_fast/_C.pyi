@@ -13,6 +13,11 @@ def row_grad(
     targets: int, ignore_index: int, lse: int, c_p: int, c_y: int, c_1: int,
     out: int, ob: int, ok: int, ot: int,
 ) -> None: ...
+def token_smooth_forward(
+    x: int, dtype: int, B: int, K: int, T: int, V: int, sb: int, sk: int, st: int,
+    targets: int, ignore_index: int, a: int, lse: int, x_tgt: int, x_sum: int, sum_m: int,
+    rho: int,
+) -> None: ...
 def token_smooth_stats(
     x: int, dtype: int, B: int, K: int, T: int, V: int, sb: int, sk: int, st: int,
     a: int, lse: int, sum_m: int, rho: int,

@@ -77,6 +77,33 @@ def _coefs(B, K, T, seed=1):
     return [torch.randn(*shape, generator=g) for shape in [(B, K, T)] * 3 + [(B, T)]]
 
 
+def _lse(x, ft):
+    return torch.logsumexp(x.to(ft), -1)
+
+
+def check_smooth_forward(x, a, y):
+    """token_smooth_forward (the fused one-read forward) against the float64 formulas; its own
+    lse feeds the plain and oracle versions of sum_m and rho, as in the op."""
+    from rag_fast.ops import _cpp
+
+    B, K, T, V = x.shape
+    f32 = torch.float32
+    lse, x_tgt, x_sum, sum_m, rho = _cpp.token_smooth_forward(x, y, IGNORE, a)
+    _check(lse, lambda ft: _lse(x, ft), f32, "token_smooth_forward lse")
+    _check(x_sum, lambda ft: x.to(ft).sum(-1), f32, "token_smooth_forward x_sum")
+    assert torch.equal(x_tgt, _cpp.row_stats(x, y, IGNORE)[1]), "token_smooth_forward x_tgt"
+    _check(sum_m, lambda ft: _terms(x, a, _lse(x, ft), ft)[2].sum(-1), f32,
+           "token_smooth_forward sum_m")
+    _check(rho, lambda ft: _terms(x, a, _lse(x, ft), ft)[1].sum(-1), f32,
+           "token_smooth_forward rho")
+    missing = torch.isinf(a) & (a < 0)  # [B, K]
+    assert (rho[missing] == 0).all(), "a missing passage must get rho == 0 exactly"
+    # Without targets: x_tgt is 0, everything else unchanged.
+    lse2, x_tgt2, _, sum_m2, rho2 = _cpp.token_smooth_forward(x, None, IGNORE, a)
+    assert (x_tgt2 == 0).all()
+    assert torch.equal(lse2, lse) and torch.equal(sum_m2, sum_m) and torch.equal(rho2, rho)
+
+
 def check_launchers(shape, dtype, strided=False):
     """Every launcher on one case; also run by the generic-variant subprocess."""
     from rag_fast.ops import _cpp
@@ -97,6 +124,8 @@ def check_launchers(shape, dtype, strided=False):
     _check(rho, lambda ft: _terms(x, a, lse, ft)[1].sum(-1), f32, "token_smooth_stats rho")
     if K > 1:
         assert (rho[0, -1] == 0).all(), "a missing passage must get rho == 0 exactly"
+
+    check_smooth_forward(x, a, y)
 
     marginal = _cpp.token_marginal(x, a, lse)
     _check(marginal, lambda ft: _terms(x, a, lse, ft)[2], f32, "token_marginal")
@@ -188,6 +217,41 @@ def test_very_unlikely_entries_keep_their_log_prob():
     sum_m, rho = _cpp.token_smooth_stats(x, a, lse)
     _check(sum_m, lambda ft: _terms(x, a, lse, ft)[2].sum(-1), torch.float32, "sum_m")
     _check(rho, lambda ft: _terms(x, a, lse, ft)[1].sum(-1), torch.float32, "rho")
+    check_smooth_forward(x, a, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 5, 2, 50265), (2, 3, 3, 1003), (1, 1, 1, 300)])
+def test_peaked_logits(shape, dtype):
+    # Logits scaled by 30, as peaked as a trained model's: most entries have log-probs far
+    # below -87 under every passage, where exp underflows. The marginal there must still be
+    # exact (max-shifted path, relative to max_k (a + x - lse)), never -inf, in every kernel.
+    from rag_fast.ops import _cpp
+
+    B, K, T, V = shape
+    g = torch.Generator().manual_seed(3)
+    x = (30 * torch.randn(B, K, T, V, generator=g)).to(dtype)
+    scores = torch.randn(B, K, generator=g)
+    if K > 1:
+        scores[0, 0] = float("-inf")
+    a = torch.log_softmax(scores, dim=1)
+    y = torch.randint(0, V, (B, T), generator=g)
+    lse, _, _ = _cpp.row_stats(x, y, IGNORE)
+    marginal = _cpp.token_marginal(x, a, lse)
+    assert torch.isfinite(marginal).all()
+    assert float(marginal.min()) < -120  # far below exp's range: the underflow branch ran
+    _check(marginal, lambda ft: _terms(x, a, lse, ft)[2], torch.float32, "token_marginal")
+    check_smooth_forward(x, a, y)
+    c_p, c_y, c_1, c_r = _coefs(B, K, T)
+    oh = _onehot(y, K, V)
+
+    def smooth_grad(ft):
+        P, R, _ = _terms(x, a, lse, ft)
+        return (c_p.to(ft)[..., None] * P + c_y.to(ft)[..., None] * oh.to(ft)
+                + c_1.to(ft)[..., None] + c_r.to(ft)[:, None, :, None] * R)
+
+    out = _cpp.token_smooth_grad(x, y, IGNORE, a, lse, c_p, c_y, c_1, c_r, torch.empty_like(x))
+    _check(out, smooth_grad, dtype, "token_smooth_grad")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,6 +265,9 @@ def test_nan_propagates(dtype):
     assert lse[1, 0, 1].isnan() and x_sum[1, 0, 1].isnan()
     assert lse.isnan().sum() == 1
     sum_m, rho = _cpp.token_smooth_stats(x, a, lse)
+    assert sum_m[1, 1].isnan() and sum_m.isnan().sum() == 1
+    assert rho[1, :, 1].isnan().all() and rho.isnan().sum() == K
+    _, _, _, sum_m, rho = _cpp.token_smooth_forward(x, y, IGNORE, a)
     assert sum_m[1, 1].isnan() and sum_m.isnan().sum() == 1
     assert rho[1, :, 1].isnan().all() and rho.isnan().sum() == K
     marginal = _cpp.token_marginal(x, a, lse)

@@ -4,6 +4,7 @@
 # What they compute, for logits x [B, K, T, V] (stride 1 along V), passage log-prior a [B, K]:
 #   row_stats            L = logsumexp_v x, x[y], sum_v x            one program per row
 #   row_grad             c_p * P + c_y * onehot(y) + c_1             one program per row
+#   token_smooth_forward row_stats, then token_smooth_stats            (launcher only)
 #   token_smooth_stats   sum_v M and rho = sum_v R                   one program per (b, t)
 #   token_smooth_grad    row_grad's terms + c_r[b, t] * R            one program per (b, t)
 #   token_marginal       M = logsumexp_k (a + x - L)                 one program per (b, t)
@@ -361,6 +362,19 @@ def row_grad(
             HAS_Y=y is not None, BLOCK_V=block_v, num_warps=num_warps,
         )
     return out
+
+
+def token_smooth_forward(
+    x: torch.Tensor, y: torch.Tensor | None, ignore_index: int, a: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``row_stats`` then ``token_smooth_stats``: ``lse, x_tgt, x_sum, sum_m, rho``.
+
+    x: ``[B, K, T, V]``; y: ``[B, T]`` or None; a: ``[B, K]`` passage log-prior. Two programs
+    (a row pass, then a (b, t) pass); the C++ backend fuses them into one read.
+    """
+    lse, x_tgt, x_sum = row_stats(x, y, ignore_index)
+    sum_m, rho = token_smooth_stats(x, a, lse)
+    return lse, x_tgt, x_sum, sum_m, rho
 
 
 def token_smooth_stats(

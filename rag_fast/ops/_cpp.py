@@ -10,6 +10,8 @@ are written once, in the logits' dtype, into ``out`` (which may be ``x`` itself 
         x_sum = sum_v x.
     row_grad(x, y, ignore_index, lse, c_p, c_y, c_1, out)
         out = c_p * exp(x - lse) + c_y * onehot(y) + c_1                (c_*: [B, K, T])
+    token_smooth_forward(x, y, ignore_index, a) -> lse, x_tgt, x_sum, sum_m, rho
+        row_stats and token_smooth_stats together, in one read of the logits
     token_smooth_stats(x, a, lse)        -> sum_m [B, T], rho [B, K, T]
         M[b,t,v] = logsumexp_k (a + x - lse); sum_m = sum_v M;
         rho = sum_v R with R = exp(a + x - lse - M)
@@ -87,6 +89,27 @@ def row_grad(
 def _pair_stats_like(x: torch.Tensor) -> torch.Tensor:
     B, _, T, _ = x.shape
     return torch.empty((B, T), dtype=torch.float32, device=x.device)
+
+
+def token_smooth_forward(
+    x: torch.Tensor, y: torch.Tensor | None, ignore_index: int, a: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    lse, x_tgt, x_sum, rho = _stats_like(x), _stats_like(x), _stats_like(x), _stats_like(x)
+    sum_m = _pair_stats_like(x)
+    y_keep = None if y is None else y.contiguous()
+    a = _f32(a)
+    _ext.get().token_smooth_forward(
+        *_view_args(x),
+        0 if y_keep is None else y_keep.data_ptr(),
+        ignore_index,
+        a.data_ptr(),
+        lse.data_ptr(),
+        x_tgt.data_ptr(),
+        x_sum.data_ptr(),
+        sum_m.data_ptr(),
+        rho.data_ptr(),
+    )
+    return lse, x_tgt, x_sum, sum_m, rho
 
 
 def token_smooth_stats(

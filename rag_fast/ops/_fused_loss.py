@@ -2,8 +2,8 @@
 
 A RAG loss depends on the logits only through per-row statistics (lse, target logit, sum of
 logits: one read, see ``row_stats``), plus, for RAG-Token with label smoothing, the per-(b,t)
-sums of the marginal log-probs (``token_smooth_stats``, a pass that holds the K rows of one
-(b,t) together). The forward computes those statistics with a kernel, then the loss from them
+sums of the marginal log-probs (``token_smooth_forward`` computes both in one read, holding the
+K rows of one (b,t) together). The forward computes those statistics with a kernel, then the loss from them
 with ordinary PyTorch ops on ``O(B*K*T)`` scalars ("the small graph", given by each op file).
 
 The backward re-runs the small graph with autograd to get the gradient of the loss with respect
@@ -17,7 +17,8 @@ passage log-prior ``a`` and ``lse`` is exact (d sum_m / d a = rho, d sum_m / d l
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 
@@ -25,6 +26,25 @@ from rag_fast.ops._dispatch import backend
 
 # small_graph(lse, x_tgt, x_sum, sum_m, doc_scores) -> loss (reduced); all [B, K, T] or [B, T]
 SmallGraph = Callable[..., torch.Tensor]
+
+
+@contextlib.contextmanager
+def _small_graph_threads() -> Iterator[None]:
+    """Runs the small graph's ops (tensors of ``O(B*K*T)`` scalars) on the calling thread only.
+
+    Waking torch's intra-op thread pool costs more than such an op: microseconds on an idle
+    machine, but a scheduler tick (~4 ms) per op when the cores are busy, which can outweigh
+    the kernels. The kernels themselves keep every thread.
+    """
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def linearised_sum_m(
@@ -51,12 +71,17 @@ class FusedRagLossFunction(torch.autograd.Function):
         inplace_grad: bool,
     ) -> torch.Tensor:
         kernels = backend(impl)
-        lse, x_tgt, x_sum = kernels.row_stats(logits, targets, ignore_index)
-        sum_m = rho = a = None
+        sum_m = rho = None
         if needs_sum_m:
-            a = torch.log_softmax(doc_scores.detach().float(), dim=1)
-            sum_m, rho = kernels.token_smooth_stats(logits, a, lse)
-        loss = small_graph(lse, x_tgt, x_sum, sum_m, doc_scores.detach())
+            with _small_graph_threads():
+                a = torch.log_softmax(doc_scores.detach().float(), dim=1)
+            lse, x_tgt, x_sum, sum_m, rho = kernels.token_smooth_forward(
+                logits, targets, ignore_index, a
+            )
+        else:
+            lse, x_tgt, x_sum = kernels.row_stats(logits, targets, ignore_index)
+        with _small_graph_threads():
+            loss = small_graph(lse, x_tgt, x_sum, sum_m, doc_scores.detach())
         ctx.save_for_backward(logits, doc_scores, targets, lse, x_tgt, x_sum, sum_m, rho)
         ctx.small_graph, ctx.ignore_index, ctx.impl = small_graph, ignore_index, impl
         ctx.inplace_grad = inplace_grad
@@ -67,7 +92,8 @@ class FusedRagLossFunction(torch.autograd.Function):
         logits, doc_scores, targets, lse, x_tgt, x_sum, sum_m, rho = ctx.saved_tensors
         leaves = [t.detach().requires_grad_() for t in (lse, x_tgt, x_sum)]
         scores = doc_scores.detach().requires_grad_()
-        with torch.enable_grad():
+        a = None
+        with torch.enable_grad(), _small_graph_threads():
             sm = None
             if sum_m is not None:
                 leaves.append(sum_m.detach().requires_grad_())
@@ -75,9 +101,9 @@ class FusedRagLossFunction(torch.autograd.Function):
                 sm = linearised_sum_m(leaves[3], rho, a, leaves[0])
             loss = ctx.small_graph(*leaves[:3], sm, scores)
             grads = torch.autograd.grad(loss, leaves + [scores], grad_loss, allow_unused=True)
-        g_lse, g_tgt, g_sum, *g_rest = (
-            torch.zeros_like(t) if g is None else g for t, g in zip(leaves + [scores], grads)
-        )
+            g_lse, g_tgt, g_sum, *g_rest = (
+                torch.zeros_like(t) if g is None else g for t, g in zip(leaves + [scores], grads)
+            )
         g_scores = g_rest[-1] if ctx.needs_input_grad[1] else None
 
         g_logits = None
@@ -87,9 +113,8 @@ class FusedRagLossFunction(torch.autograd.Function):
             if sum_m is None:
                 kernels.row_grad(logits, targets, ctx.ignore_index, lse, g_lse, g_tgt, g_sum, out)
             else:
-                a = torch.log_softmax(doc_scores.detach().float(), dim=1)
                 kernels.token_smooth_grad(
-                    logits, targets, ctx.ignore_index, a, lse, g_lse, g_tgt, g_sum, g_rest[0], out
+                    logits, targets, ctx.ignore_index, a.detach(), lse, g_lse, g_tgt, g_sum, g_rest[0], out
                 )
             g_logits = out
         return g_logits, g_scores, None, None, None, None, None, None
