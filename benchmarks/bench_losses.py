@@ -87,8 +87,9 @@ def _call(fn, logits, scores, direction):
     s = scores.detach().requires_grad_()
 
     def forward_backward():
-        x.grad = s.grad = None
         fn(x, s).sum().backward()
-        return x.grad
+        grad = x.grad  # a fresh gradient every call, counted in the call's peak memory
+        x.grad = s.grad = None
+        return grad
 
     return forward_backward

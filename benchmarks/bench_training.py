@@ -7,8 +7,9 @@ the same labels, with the same optimizer settings; only the loss path differs. t
 log-softmax and the marginalisation's temporaries; RagModel computes the logits of the positions
 that have a target once and the fused loss writes their gradient in place.
 
-Cases: a small generator (d_model 256, 2+2 layers, V=50265) and, outside --quick, a
-BART-base-sized one (d_model 768, 6+6 layers); B=4, K=5, 64 context tokens, 32 target tokens.
+Cases: a small generator (d_model 256, 2+2 layers, V=50265) and a BART-base-sized one
+(d_model 768, 6+6 layers); B=4, K=5, 64 context tokens, 32 target tokens. ``--quick`` keeps
+the run near a minute: only the small generator, 16 target tokens, 1 warm-up + 3 timed steps.
 """
 from __future__ import annotations
 
@@ -45,21 +46,21 @@ def _hf_model(mode: str, size: dict):
     return cls(config).train()
 
 
-def _inputs():
+def _inputs(target: int):
     g = torch.Generator().manual_seed(0)
     contexts = torch.randint(3, VOCAB, (B * K, CONTEXT), generator=g)
-    labels = torch.randint(3, VOCAB, (B, TARGET), generator=g)
+    labels = torch.randint(3, VOCAB, (B, target), generator=g)
     labels[:, 0] = 0  # BOS
     scores = torch.randn(B, K, generator=g)
     return contexts, torch.ones_like(contexts), labels, scores
 
 
-def _step_fns(mode: str, size: dict):
+def _step_fns(mode: str, size: dict, target: int = TARGET):
     from rag_fast.models import RagModel
 
     hf = _hf_model(mode, size)
     ours = RagModel.from_transformers(hf)  # the same generator module: identical weights
-    contexts, mask, labels, scores = _inputs()
+    contexts, mask, labels, scores = _inputs(target)
     params = list(hf.rag.generator.parameters())
 
     def make(forward):
@@ -86,15 +87,15 @@ def run(ctx: Context) -> list[Row]:
     if ctx.device != "cpu":
         raise ValueError("bench_training runs on the CPU (the acceptance numbers are CPU numbers)")
     sizes = ["small"] if ctx.quick else ["small", "bart-base"]
-    # --quick: one warm-up and one timed step per provider (a small-generator step takes
-    # seconds on 2 cores); the peak-memory run is a third step
-    run_ctx = Context(ctx.device, ctx.quick, 1 if ctx.quick else ctx.repeats,
-                      1 if ctx.quick else ctx.warmup)
+    target = TARGET // 2 if ctx.quick else TARGET
     rows = []
     for size_name in sizes:
+        # a step takes about a second (small) or several (bart-base) on 2 cores: one warm-up
+        # step, and at most 3 (quick) or 5 timed steps; the peak-memory run is one more step
+        run_ctx = Context(ctx.device, ctx.quick, min(ctx.repeats, 3 if ctx.quick else 5), 1)
         for mode in ("token", "sequence"):
-            hf_step, ours_step = _step_fns(mode, SIZES[size_name])
-            case = f"{size_name} {mode} B={B} K={K} L={CONTEXT} T={TARGET}"
+            hf_step, ours_step = _step_fns(mode, SIZES[size_name], target)
+            case = f"{size_name} {mode} B={B} K={K} L={CONTEXT} T={target}"
             base = measure(hf_step, run_ctx)
             fast = measure(ours_step, run_ctx)
             for provider, m in (("transformers", base), ("rag_fast", fast)):

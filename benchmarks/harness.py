@@ -7,10 +7,16 @@ against the row's baseline measured in the same run.
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` above the allocation before the call;
 on the CPU, the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) above
-the resident set before the call, so it counts every allocator, not only torch's.
+the resident set before the call, so it counts every allocator, not only torch's. For that to
+see every large temporary, glibc must return freed large blocks to the system instead of
+keeping them resident for reuse: the harness fixes its mmap threshold at 1 MiB (which also turns
+off glibc's adaptive threshold), so every block of 1 MiB or more is mapped fresh and unmapped on
+free, for every provider alike.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import json
 import os
@@ -21,6 +27,24 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+
+
+def _fix_malloc_mmap_threshold(threshold: int = 1 << 20) -> bool:
+    """Make glibc map (and unmap) every allocation of ``threshold`` bytes or more."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+        return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(
+            libc.mallopt(m_trim_threshold, threshold)
+        )
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+MALLOC_FIXED = _fix_malloc_mmap_threshold()
 
 
 @dataclass
