@@ -1,16 +1,46 @@
 """rag_fast: fast Retrieval-Augmented Generation (Lewis et al., 2020).
 
-Public API:
+Public API (the heavier parts are imported on first use):
     rag_token_nll, rag_sequence_nll, rag_token_marginal   fused losses / marginal (rag_fast.ops)
+    rag_token_beam_step                                   fused RAG-Token beam step
     reference                                             the paper's math in plain PyTorch
     use_fused_losses                                      switch transformers' RAG models to them
+    PassageStore, Encoder, DenseIndex, Retriever          retrieval (rag_fast.retrieval)
+    RagModel                                              RAG-Token / RAG-Sequence model
+    rag_token_generate, rag_sequence_generate             decoding (rag_fast.generation)
+    Trainer, TrainConfig, evaluate                        training and evaluation
 """
+from __future__ import annotations
+
+import importlib
+
 from rag_fast import reference
 from rag_fast.integrations import use_fused_losses
-from rag_fast.ops import rag_sequence_nll, rag_token_marginal, rag_token_nll
-from rag_fast.ops import rag_token_beam_step
+from rag_fast.ops import rag_sequence_nll, rag_token_beam_step, rag_token_marginal, rag_token_nll
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "PassageStore": "rag_fast.retrieval",
+    "Encoder": "rag_fast.retrieval",
+    "DenseIndex": "rag_fast.retrieval",
+    "Retriever": "rag_fast.retrieval",
+    "RagModel": "rag_fast.models",
+    "rag_token_generate": "rag_fast.generation",
+    "rag_sequence_generate": "rag_fast.generation",
+    "Trainer": "rag_fast.training",
+    "TrainConfig": "rag_fast.training",
+    "evaluate": "rag_fast.evaluation",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rag_fast' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",
@@ -20,4 +50,5 @@ __all__ = [
     "rag_token_nll",
     "reference",
     "use_fused_losses",
+    *_LAZY,
 ]
