@@ -53,6 +53,8 @@ def lm_head(generator: nn.Module) -> LMHead:
     head = generator.get_output_embeddings()
     bias = head.bias
     final_bias = getattr(generator, "final_logits_bias", None)  # BART family: [1, V] buffer
+    if final_bias is not None and not final_bias.requires_grad and not bool(final_bias.any()):
+        final_bias = None  # all zeros (as BART initialises it): skip a [N, V] pass in the matmul
     if final_bias is not None:
         final_bias = final_bias.reshape(-1)
         bias = final_bias if bias is None else bias + final_bias

@@ -2,7 +2,7 @@
 
     {
       "model": {"checkpoint": "DIR"} | {"transformers": "DIR"},   plus RagModel option overrides
-      "retriever": {"path": "DIR"},          loaded with rag_fast.retrieval.load_retriever(DIR)
+      "retriever": {"path": "DIR"},          an index directory (`rag-fast index build --out DIR`)
       "data": {"train": "train.jsonl", "eval": "dev.jsonl"},
       "train": {TrainConfig fields; output_dir is where checkpoints and the final model go},
       "resume": true
@@ -35,13 +35,15 @@ def load_config(path: str) -> dict:
 
 
 def load_retriever(spec: dict | None):
+    """The Retriever of ``{"path": DIR, ...}`` (see ``rag_fast.models.retriever_io``), or None."""
     if not spec:
         return None
-    try:
-        from rag_fast.retrieval import load_retriever as load
-    except ImportError as e:
-        raise ValueError(f"retriever {spec} needs rag_fast.retrieval.load_retriever: {e}") from None
-    return load(spec["path"])
+    from rag_fast.models.retriever_io import load_retriever as load
+
+    if "path" not in spec:
+        raise ValueError(f"retriever needs 'path' (an index directory), got {spec}")
+    options = {k: v for k, v in spec.items() if k != "path"}
+    return load(spec["path"], **options)
 
 
 def build_model(spec: dict, retriever):
@@ -84,3 +86,15 @@ def register(subparsers) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, metavar="FILE", help="JSON training configuration")
     p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rag_fast.training.cli train ...`` (the same command as ``rag-fast train``)."""
+    parser = argparse.ArgumentParser(prog="rag-fast")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

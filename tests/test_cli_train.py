@@ -1,0 +1,115 @@
+"""`rag-fast train` and `rag-fast eval --model` end to end on a tiny setup: a saved RagModel
+(tiny BART generator, tiny BERT question encoder, word-level tokenizers), an index directory
+opened with load_retriever, JSONL data. Random weights and embeddings: this checks the plumbing,
+not the quality (see tests/test_examples.py for that)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rag_fast.evaluation import cli as eval_cli
+from rag_fast.models import RagModel, load_retriever
+from rag_fast.retrieval import DenseIndex, Passage, PassageStore, Retriever
+from rag_fast.training import cli as train_cli
+
+PASSAGES = [("p0", "vorin", "vorin lives in kelta ."), ("p1", "suma", "suma lives in brodo ."),
+            ("p2", "tarek", "tarek lives in miru ."), ("p3", "olun", "olun lives in kelta ."),
+            ("p4", "ruzan", "ruzan lives in zafe ."), ("p5", "peli", "peli lives in brodo .")]
+QA = [("where does vorin live ?", "kelta"), ("where does suma live ?", "brodo"),
+      ("where does tarek live ?", "miru"), ("where does olun live ?", "kelta")]
+DIM = 16
+
+
+def word_tokenizer(texts):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    split = pre_tokenizers.Whitespace()
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for text in texts:
+        for word, _ in split.pre_tokenize_str(text):
+            vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = split
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                       special_tokens=[("<s>", 0), ("</s>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import BartConfig, BartForConditionalGeneration, BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("cli_train")
+    tok = word_tokenizer([t for p in PASSAGES for t in p[1:]] + [q for q, _ in QA] + ["/ //"])
+    torch.manual_seed(0)
+    generator = BartForConditionalGeneration(BartConfig(
+        vocab_size=len(tok), d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=None,
+        forced_eos_token_id=None))
+    question_encoder = BertModel(BertConfig(vocab_size=len(tok), hidden_size=DIM,
+                                            num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=32, pad_token_id=1))
+    RagModel(generator, question_encoder, None, mode="token", n_docs=2, generator_tokenizer=tok,
+             question_tokenizer=tok, question_pooling="mean").save(str(root / "model0"))
+    # an index directory as `rag-fast index build` lays it out (random passage vectors)
+    index_dir = root / "index_dir"
+    PassageStore.create([Passage(*p) for p in PASSAGES], index_dir / "passages", progress=False)
+    vectors = np.random.default_rng(0).standard_normal((len(PASSAGES), DIM)).astype(np.float32)
+    DenseIndex.build(vectors, "exact", progress=False).save(index_dir / "index")
+    data = root / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in QA))
+    return root, index_dir, data
+
+
+def test_load_retriever_opens_an_index_directory(setup):
+    _, index_dir, _ = setup
+    retriever = load_retriever(index_dir, n_docs=2)
+    assert isinstance(retriever, Retriever) and len(retriever.store) == len(PASSAGES)
+    found = retriever.retrieve(torch.randn(3, DIM))
+    assert found.ids.shape == (3, 2) and found.doc_embeddings.shape == (3, 2, DIM)
+
+
+def test_load_retriever_errors(setup, tmp_path):
+    _, index_dir, _ = setup
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        load_retriever(tmp_path / "missing")
+    (tmp_path / "passages").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no index/"):
+        load_retriever(tmp_path)
+    (tmp_path / "index").mkdir()
+    (tmp_path / "manifest.json").write_text('{"kind": "something else"}')
+    with pytest.raises(ValueError, match="expected an index directory"):
+        load_retriever(tmp_path)
+
+
+def test_train_then_eval_commands(setup, capsys):
+    root, index_dir, data = setup
+    out = root / "run"
+    config = {
+        "model": {"checkpoint": str(root / "model0")},
+        "retriever": {"path": str(index_dir)},
+        "data": {"train": str(data), "eval": str(data)},
+        "train": {"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3, "output_dir": str(out),
+                  "checkpoint_every": 2, "eval_every": 3, "progress": False, "log_every": 1},
+    }
+    config_path = root / "train.json"
+    config_path.write_text(json.dumps(config))
+    before = RagModel.load(str(root / "model0")).state_dict()
+    assert train_cli.main(["train", "--config", str(config_path)]) == 0
+    trained = RagModel.load(str(out / "model"), retriever=load_retriever(index_dir))
+    changed = [k for k, v in trained.state_dict().items() if not torch.equal(v, before[k])]
+    assert any(k.startswith("generator.") for k in changed)
+    assert any(k.startswith("question_encoder.") for k in changed)  # trained jointly
+    capsys.readouterr()
+    assert eval_cli.main(["eval", "--data", str(data), "--model", str(out / "model"),
+                          "--retriever", str(index_dir), "--max-new-tokens", "3"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert {"em", "f1", "bleu1", "rougeL", "recall@2"} <= set(metrics)
+    assert all(0.0 <= metrics[k] <= 1.0 for k in ("em", "recall@2"))
