@@ -17,34 +17,14 @@ passage log-prior ``a`` and ``lse`` is exact (d sum_m / d a = rho, d sum_m / d l
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-from rag_fast.ops._dispatch import backend
+from rag_fast.ops._dispatch import backend, torch_single_threaded
 
 # small_graph(lse, x_tgt, x_sum, sum_m, doc_scores) -> loss (reduced); all [B, K, T] or [B, T]
 SmallGraph = Callable[..., torch.Tensor]
-
-
-@contextlib.contextmanager
-def _small_graph_threads() -> Iterator[None]:
-    """Runs the small graph's ops (tensors of ``O(B*K*T)`` scalars) on the calling thread only.
-
-    Waking torch's intra-op thread pool costs more than such an op: microseconds on an idle
-    machine, but a scheduler tick (~4 ms) per op when the cores are busy, which can outweigh
-    the kernels. The kernels themselves keep every thread.
-    """
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def linearised_sum_m(
@@ -72,15 +52,14 @@ class FusedRagLossFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         kernels = backend(impl)
         sum_m = rho = None
-        if needs_sum_m:
-            with _small_graph_threads():
+        with torch_single_threaded():
+            if needs_sum_m:
                 a = torch.log_softmax(doc_scores.detach().float(), dim=1)
-            lse, x_tgt, x_sum, sum_m, rho = kernels.token_smooth_forward(
-                logits, targets, ignore_index, a
-            )
-        else:
-            lse, x_tgt, x_sum = kernels.row_stats(logits, targets, ignore_index)
-        with _small_graph_threads():
+                lse, x_tgt, x_sum, sum_m, rho = kernels.token_smooth_forward(
+                    logits, targets, ignore_index, a
+                )
+            else:
+                lse, x_tgt, x_sum = kernels.row_stats(logits, targets, ignore_index)
             loss = small_graph(lse, x_tgt, x_sum, sum_m, doc_scores.detach())
         ctx.save_for_backward(logits, doc_scores, targets, lse, x_tgt, x_sum, sum_m, rho)
         ctx.small_graph, ctx.ignore_index, ctx.impl = small_graph, ignore_index, impl
@@ -89,11 +68,16 @@ class FusedRagLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        with torch_single_threaded():
+            return FusedRagLossFunction._backward(ctx, grad_loss)
+
+    @staticmethod
+    def _backward(ctx, grad_loss: torch.Tensor):
         logits, doc_scores, targets, lse, x_tgt, x_sum, sum_m, rho = ctx.saved_tensors
         leaves = [t.detach().requires_grad_() for t in (lse, x_tgt, x_sum)]
         scores = doc_scores.detach().requires_grad_()
         a = None
-        with torch.enable_grad(), _small_graph_threads():
+        with torch.enable_grad():
             sm = None
             if sum_m is not None:
                 leaves.append(sum_m.detach().requires_grad_())
@@ -113,8 +97,7 @@ class FusedRagLossFunction(torch.autograd.Function):
             if sum_m is None:
                 kernels.row_grad(logits, targets, ctx.ignore_index, lse, g_lse, g_tgt, g_sum, out)
             else:
-                kernels.token_smooth_grad(
-                    logits, targets, ctx.ignore_index, a.detach(), lse, g_lse, g_tgt, g_sum, g_rest[0], out
-                )
+                kernels.token_smooth_grad(logits, targets, ctx.ignore_index, a.detach(), lse,
+                                          g_lse, g_tgt, g_sum, g_rest[0], out)
             g_logits = out
         return g_logits, g_scores, None, None, None, None, None, None
