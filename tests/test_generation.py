@@ -86,6 +86,23 @@ def test_rag_sequence_thorough_same_ids_as_transformers(seed, settings):
     assert torch.equal(got, expected), f"\n{got}\n!=\n{expected}"
 
 
+@pytest.mark.parametrize("seed,settings", [
+    pytest.param(0, dict(num_beams=3, max_length=10), id="beam3-seed0"),
+    pytest.param(1, dict(num_beams=4, max_length=8, num_return_sequences=2), id="beam4-return2"),
+    pytest.param(2, dict(num_beams=3, max_length=9, min_length=5), id="beam3-min-length"),
+])
+def test_rag_sequence_thorough_pruned_rescoring_same_ids(seed, settings):
+    # Unpadded passages: the beams and the rescoring read the same encoder outputs, so the
+    # rescoring prunes (hypothesis, passage) pairs with the beams' scores as lower bounds.
+    model = _model("sequence", seed)
+    ids, _, scores = _inputs(seed)
+    ids = ids.masked_fill(ids == 1, 5)
+    mask = torch.ones_like(ids)
+    expected = _hf(model, ids, mask, scores, **settings)
+    got = rag_sequence_generate(model, ids, mask, scores, **settings)
+    assert torch.equal(got, expected), f"\n{got}\n!=\n{expected}"
+
+
 def test_rag_token_min_new_tokens_and_impls_agree():
     model = _model("token", 1)
     ids, mask, scores = _inputs(1)

@@ -13,10 +13,31 @@ scaled embeddings, layernorm_embedding), ``lm_head`` plus ``final_logits_bias``.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# An incremental step whose largest matmul is below this many flops (a few ms on one core)
+# runs on one intra-op thread: its ops are too small to gain from a second thread, and each
+# multi-threaded op waits at a barrier for every thread, which on shared, oversubscribed cores
+# costs milliseconds per op (measured: 2x slower decoding). The LM head keeps every thread.
+SINGLE_THREAD_STEP_FLOPS = 1e9
+
+
+@contextmanager
+def _single_thread(enabled: bool):
+    """Run the block with one intra-op thread, restoring the caller's setting afterwards."""
+    before = torch.get_num_threads()
+    if not enabled or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class UnsupportedGeneratorError(ValueError):
@@ -78,6 +99,8 @@ class BartDecoder:
         self.lm_weight = generator.lm_head.weight
         self.lm_bias = getattr(generator, "final_logits_bias", None)
         self.vocab_size = self.lm_weight.shape[0]
+        self.d_model = self.lm_weight.shape[1]
+        self.ffn_dim = max(layer.fc1.out_features for layer in self.layers)
 
     # encoder side -----------------------------------------------------------------------
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -162,14 +185,16 @@ class BartDecoder:
              Q: int) -> torch.Tensor:
         """One incremental step: ``tokens [E*Q]`` at position ``pos`` -> hidden ``[E*Q, d]``."""
         positions = torch.full((1,), pos, dtype=torch.long, device=tokens.device)
-        h = self._embed(tokens[:, None], positions)
 
         def self_kv(i, k, v):
             cache[i][0, :, :, pos] = k[:, :, 0]
             cache[i][1, :, :, pos] = v[:, :, 0]
             return cache[i][0, :, :, : pos + 1], cache[i][1, :, :, : pos + 1], False
 
-        return self._layers(h, cross, Q, self_kv)[:, 0]
+        small = 2.0 * tokens.shape[0] * self.d_model * self.ffn_dim < SINGLE_THREAD_STEP_FLOPS
+        with _single_thread(small):
+            h = self._embed(tokens[:, None], positions)
+            return self._layers(h, cross, Q, self_kv)[:, 0]
 
     @staticmethod
     def reorder_cache(cache: list[torch.Tensor], rows: torch.Tensor, length: int) -> None:

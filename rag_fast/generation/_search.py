@@ -145,13 +145,23 @@ def settings_from(
     )
 
 
-def eos_bias(s: DecodingSettings, cur_len: int, rows: int, vocab: int, device) -> torch.Tensor | None:
-    """The additive ``[rows, V]`` bias of the minimum-length rule at length ``cur_len``."""
-    if s.eos_token_id is None or cur_len >= s.min_length:
-        return None
-    bias = torch.zeros((rows, vocab), dtype=torch.float32, device=device)
-    bias[:, s.eos_token_id] = float("-inf")
-    return bias
+class MinLengthBias:
+    """The additive ``[rows, V]`` bias of the minimum-length rule (EOS banned), built once per
+    decoding and shared by every step that needs it, instead of a fresh ``[rows, V]`` each step."""
+
+    def __init__(self, s: DecodingSettings, rows: int, vocab: int, device) -> None:
+        self.s, self.rows, self.vocab, self.device = s, rows, vocab, device
+        self._bias: torch.Tensor | None = None
+
+    def at(self, cur_len: int) -> torch.Tensor | None:
+        """The bias at length ``cur_len``, or None when the rule no longer applies."""
+        if self.s.eos_token_id is None or cur_len >= self.s.min_length:
+            return None
+        if self._bias is None:
+            self._bias = torch.zeros((self.rows, self.vocab), dtype=torch.float32,
+                                     device=self.device)
+            self._bias[:, self.s.eos_token_id] = float("-inf")
+        return self._bias
 
 
 def forced_token(s: DecodingSettings, cur_len: int) -> int | None:

@@ -8,6 +8,10 @@ Thorough decoding, batched over all questions at once:
 3. every hypothesis scored against every passage by teacher forcing, in chunks of questions,
    reusing the encoder's cross-attention keys/values (no re-encoding, no retrieval) and taking
    only per-row normalisers and target logits from the logits (the fused row statistics);
+   position by position, with the beams' own scores as lower bounds, the LM head skips the
+   (hypothesis, passage) pairs whose share of a score is below float32 resolution and the
+   hypotheses that can no longer be among the answers (same scores where they matter,
+   fewer LM-head rows);
 4. ``log p(y|x) = logsumexp_k (log p(z_k|x) + log p(y|x, z_k))``, best first.
 
 The scoring follows ``transformers``' ``RagSequenceForGeneration.get_nll`` with
@@ -30,7 +34,7 @@ from rag_fast.generation._inputs import resolve_inputs
 from rag_fast.generation._search import (
     BeamState,
     DecodingSettings,
-    eos_bias,
+    MinLengthBias,
     forced_candidates,
     forced_token,
     settings_from,
@@ -40,6 +44,11 @@ from rag_fast.reference_decoding import select_top
 
 # Logits of at most this many bytes are materialised at once while rescoring.
 SCORE_CHUNK_BYTES = 256 * 2**20
+# Rescoring skips (hypothesis, passage) pairs whose share of a score is below exp(-PAIR_GAP)
+# (invisible in float32) and hypotheses that cannot reach the answers; BOUND_SLACK (nats)
+# absorbs the rounding between the beam search's sums and the rescoring's.
+PAIR_GAP = 40.0
+BOUND_SLACK = 1.0
 
 
 @torch.no_grad()
@@ -124,10 +133,19 @@ def rag_sequence_generate(
         # 3. Rescore against every passage with the context mask: the encoder outputs are
         # reused when that mask hides nothing, else encoded once more with it.
         score_mask = inp.context_attention_mask
-        if not bool(score_mask.bool().all()):
+        same_encoding = bool(score_mask.bool().all())
+        if not same_encoding:
             enc = dec.encode(ids, score_mask)
         cross = dec.cross_state(enc, score_mask)
-        scores = -_sequence_loss(dec, cross, uniq, valid, log_prior, pad, inp, impl)
+        lower = None
+        # The beams' log-probabilities bound the rescoring's when both read the same encoder
+        # outputs, no token was forced (a forced token counts 0 in the beam) and the positions
+        # after EOS are masked when rescoring.
+        forced = s.forced_bos_token_id is not None or s.forced_eos_token_id is not None
+        if same_encoding and not forced and s.fill_token_id == pad:
+            lower = _lower_bounds(owner, beam_logp.view(B, K * W), log_prior, W, uniq.shape[1])
+        scores = -_sequence_loss(dec, cross, uniq, valid, log_prior, pad, inp, impl,
+                                 lower=lower, keep=R)
     scores = scores.masked_fill(~valid, float("-inf"))
 
     # 4. Best first; questions with fewer hypotheses than R get padding rows.
@@ -161,6 +179,7 @@ def _greedy_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings
     logp = torch.zeros(E, device=device)
     unfinished = torch.ones(E, dtype=torch.bool, device=device)
     prior = torch.zeros((E, 1), device=device)
+    ban = MinLengthBias(s, E, V, device)
     t = 1
     for t in range(1, s.max_length):
         logits = dec.logits(dec.step(seq[:, t - 1], t - 1, cache, cross, Q=1))
@@ -170,7 +189,7 @@ def _greedy_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings
             step_logp = torch.zeros(E, device=device)
         else:
             sc, _, tok = rag_token_beam_step(logits.view(E, 1, 1, V), prior, prior,
-                                             eos_bias(s, t, E, V, device), num_candidates=1,
+                                             ban.at(t), num_candidates=1,
                                              impl=impl)
             nxt, step_logp = tok[:, 0], sc[:, 0]
         logp = logp + torch.where(unfinished, step_logp, torch.zeros_like(step_logp))
@@ -192,6 +211,7 @@ def _beam_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings, 
     cache = dec.new_cache(E * W, s.max_length)
     prior = torch.zeros((E, 1), device=device)
     base = (torch.arange(E, device=device) * W)[:, None]
+    ban = MinLengthBias(s, E * W, V, device)
     while not state.done:
         t = state.cur_len
         hidden = dec.step(state.running[:, :, t - 1].reshape(-1), t - 1, cache, cross, Q=W)
@@ -201,7 +221,7 @@ def _beam_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings, 
             cand = forced_candidates(state.running_scores, forced)
         else:
             cand = rag_token_beam_step(logits, prior, state.running_scores,
-                                       eos_bias(s, t, E * W, V, device), impl=impl)
+                                       ban.at(t), impl=impl)
         sources = state.advance(*cand)
         if not state.done:
             dec.reorder_cache(cache, (base + sources).reshape(-1), t)
@@ -238,6 +258,22 @@ def _dedupe(hyps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return uniq, first, owner
 
 
+def _lower_bounds(owner: torch.Tensor, beam_logp: torch.Tensor, log_prior: torch.Tensor, W: int,
+                  N: int) -> torch.Tensor:
+    """A lower bound ``[B, N]`` of every distinct hypothesis' RAG-Sequence score.
+
+    The beam of passage k that produced hypothesis n summed ``log p(y_t | y_<t, z_k)`` over its
+    tokens: the rescoring sums the same terms (or fewer, each <= 0) for that passage, so
+    ``score >= log p(z_k|x) + beam_logp``, up to rounding (``BOUND_SLACK`` covers it).
+    Slots without a hypothesis get ``-inf``.
+    """
+    B = owner.shape[0]
+    contrib = log_prior.repeat_interleave(W, dim=1) + beam_logp  # [B, K*W]
+    lower = torch.full((B, N), float("-inf"), device=owner.device)
+    lower.scatter_reduce_(1, owner, contrib, reduce="amax")
+    return lower - BOUND_SLACK
+
+
 def _lm_row_stats(dec: BartDecoder, hidden: torch.Tensor, impl: str):
     """Logits of ``hidden [U, K, d]`` -> ``(logits [U, K, V], lse [U, K], sum_v x [U, K])``."""
     logits = dec.logits(hidden)
@@ -250,9 +286,13 @@ def _lm_row_stats(dec: BartDecoder, hidden: torch.Tensor, impl: str):
 
 
 def _sequence_loss(dec: BartDecoder, cross: CrossState, uniq: torch.Tensor, valid: torch.Tensor,
-                   log_prior: torch.Tensor, pad: int, inp, impl: str) -> torch.Tensor:
+                   log_prior: torch.Tensor, pad: int, inp, impl: str,
+                   lower: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
     """``transformers``' RAG-Sequence loss (exclude_bos_score=True) of every hypothesis
     ``uniq [B, N, L]`` against the K passages of its question -> ``[B, N]``.
+
+    With score lower bounds ``lower [B, N]`` (and no label smoothing) the loss is exact only
+    where it can matter: see ``_pruned_log_likelihood``; the others get ``+inf``.
 
     The decoder runs on every (question, passage, hypothesis); the LM head only on the
     distinct prefixes of each question whose next target is a real token: hypotheses of a
@@ -288,6 +328,13 @@ def _sequence_loss(dec: BartDecoder, cross: CrossState, uniq: torch.Tensor, vali
     h_rep = hidden[b_idx[rep], :, n_idx[rep], t_idx[rep]]  # [U, K, d]
     y = targets[b_idx, n_idx, t_idx]  # [P]
 
+    if lower is not None and eps == 0:
+        at_one = mask[:, :, 1] if L > 1 else torch.zeros((B, N), dtype=torch.bool, device=device)
+        ll = _pruned_log_likelihood(dec, hidden, b_idx, n_idx, t_idx, inverse, rep, y,
+                                    use_bos, valid, at_one, log_prior, lower, keep, impl)
+        prior = log_prior[:, :, None]
+        return -torch.logsumexp(ll + prior * at_one.float()[:, None, :], dim=1)
+
     lp = torch.empty((keys.shape[0], K), device=device)  # log p(y | prefix, passage k)
     sv = torch.empty_like(lp) if eps > 0 else None  # sum_v log p(v | prefix, passage k)
     rows = max(1, SCORE_CHUNK_BYTES // (K * V * 4))
@@ -317,3 +364,68 @@ def _sequence_loss(dec: BartDecoder, cross: CrossState, uniq: torch.Tensor, vali
     smooth.index_add_(0, slot.reshape(-1), sv.reshape(-1))
     smooth = smooth.view(B, N, K).transpose(1, 2) + V * prior * at_one
     return (1.0 - eps) * nll + (eps / V) * -torch.logsumexp(smooth, dim=1)
+
+
+def _pruned_log_likelihood(dec: BartDecoder, hidden: torch.Tensor, b_idx: torch.Tensor,
+                           n_idx: torch.Tensor, t_idx: torch.Tensor, inverse: torch.Tensor,
+                           rep: torch.Tensor, y: torch.Tensor, use_bos: torch.Tensor,
+                           valid: torch.Tensor, at_one: torch.Tensor, log_prior: torch.Tensor,
+                           lower: torch.Tensor, keep: int, impl: str) -> torch.Tensor:
+    """``sum_t log p(y_t | y_<t, z_k)`` ``[B, K, N]``, position by position, with the LM head
+    run only on (prefix, passage) pairs that can still change the answer.
+
+    Every term is <= 0, so a partial sum bounds the full one from above. After each position:
+    - a pair (n, k) whose bound ``prior_k + partial`` is ``PAIR_GAP`` nats below the
+      hypothesis' lower bound adds less than ``exp(-PAIR_GAP)`` of the score, below float32
+      resolution: it is dropped (-inf), which leaves the score's float32 value unchanged;
+    - a hypothesis whose upper bound (logsumexp over passages) is below the ``keep``-th best
+      lower bound of its question cannot be among the ``keep`` answers: all its pairs drop.
+    Inputs are ``_sequence_loss``'s: ``hidden [B, K, N, L, d]``, per counted position p the
+    indices ``b_idx, n_idx, t_idx [P]``, its prefix ``inverse [P]`` (``rep [U]``: one position
+    of each prefix) and target ``y [P]``.
+    """
+    B, K, N, L, _ = hidden.shape
+    device = hidden.device
+    U = rep.shape[0]
+    prior = torch.where(at_one[:, :, None], log_prior[:, None, :], 0.0)  # [B, N, K] as added
+    S = torch.zeros(B * N, K, device=device)  # partial sums, rows (b, n)
+    alive = valid[:, :, None].expand(B, N, K).clone()
+    if N >= keep:
+        thr = torch.topk(lower, keep, dim=1).values[:, -1:]  # [B, 1]
+    else:
+        thr = torch.full((B, 1), float("-inf"), device=device)
+    weight = torch.where(use_bos[b_idx] & (t_idx == 0), 0.0, 1.0)
+    rows_per_chunk = max(1, SCORE_CHUNK_BYTES // (dec.vocab_size * 4))
+    for t in range(L):
+        sel = (t_idx == t).nonzero(as_tuple=True)[0]
+        if sel.numel() == 0:
+            continue
+        pb, pn, pu = b_idx[sel], n_idx[sel], inverse[sel]
+        need = alive[pb, pn]  # [p, K] pairs of each position still needed
+        wanted = torch.zeros((U, K), dtype=torch.int32, device=device)
+        wanted.index_add_(0, pu, need.int())
+        pair_u, pair_k = (wanted > 0).nonzero(as_tuple=True)  # M (prefix, passage) pairs
+        if pair_u.numel() == 0:
+            continue
+        row_of = torch.full((U, K), -1, dtype=torch.long, device=device)
+        row_of[pair_u, pair_k] = torch.arange(pair_u.numel(), device=device)
+        r = rep[pair_u]
+        h = hidden[b_idx[r], pair_k, n_idx[r], t]  # [M, d]
+        p_at, k_at = need.nonzero(as_tuple=True)  # every needed (position, passage)
+        row = row_of[pu[p_at], k_at]
+        lp = torch.empty(row.shape[0], device=device)
+        for r0 in range(0, h.shape[0], rows_per_chunk):
+            logits, lse, _ = _lm_row_stats(dec, h[r0:r0 + rows_per_chunk, None], impl)
+            here = ((row >= r0) & (row < r0 + rows_per_chunk)).nonzero(as_tuple=True)[0]
+            local = row[here] - r0
+            lp[here] = logits[local, 0, y[sel[p_at[here]]]] - lse[local, 0]
+            del logits
+        slot = (pb[p_at] * N + pn[p_at]) * K + k_at
+        S.view(-1).index_add_(0, slot, lp * weight[sel[p_at]])
+        # Prune with the bounds after position t.
+        bound = S.view(B, N, K) + prior  # upper bound of each pair's final term
+        alive &= bound >= lower[:, :, None] - PAIR_GAP
+        upper = torch.logsumexp(bound, dim=2)  # [B, N]
+        alive &= (upper >= thr - BOUND_SLACK)[:, :, None]
+    S = S.view(B, N, K).masked_fill(~alive, float("-inf"))
+    return S.transpose(1, 2)

@@ -20,7 +20,7 @@ from rag_fast.generation._inputs import resolve_inputs
 from rag_fast.generation._search import (
     BeamState,
     DecodingSettings,
-    eos_bias,
+    MinLengthBias,
     forced_candidates,
     forced_token,
     settings_from,
@@ -89,13 +89,14 @@ def _greedy(dec: BartDecoder, cross, log_prior, s: DecodingSettings, B: int, K: 
     seq = torch.full((B, 1), s.decoder_start_token_id, dtype=torch.long, device=device)
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
     zeros = torch.zeros((B, 1), device=device)
+    ban = MinLengthBias(s, B, V, device)
     for t in range(1, s.max_length):
         logits = _step_logits(dec, seq[:, -1:], t - 1, cache, cross, B, K, 1)
         forced = forced_token(s, t)
         if forced is not None:
             nxt = torch.full((B,), forced, dtype=torch.long, device=device)
         else:
-            _, _, tok = rag_token_beam_step(logits, log_prior, zeros, eos_bias(s, t, B, V, device),
+            _, _, tok = rag_token_beam_step(logits, log_prior, zeros, ban.at(t),
                                             num_candidates=1, impl=impl)
             nxt = tok[:, 0]
         if s.eos_token_id is not None:
@@ -112,6 +113,7 @@ def _beam(dec: BartDecoder, cross, log_prior, s: DecodingSettings, B: int, K: in
     state = BeamState(B, s, device)
     cache = dec.new_cache(B * K * W, s.max_length)
     base = (torch.arange(B * K, device=device) * W).view(B, K, 1)
+    ban = MinLengthBias(s, B * W, V, device)
     while not state.done:
         t = state.cur_len
         logits = _step_logits(dec, state.running[:, :, t - 1], t - 1, cache, cross, B, K, W)
@@ -120,7 +122,7 @@ def _beam(dec: BartDecoder, cross, log_prior, s: DecodingSettings, B: int, K: in
             cand = forced_candidates(state.running_scores, forced)
         else:
             cand = rag_token_beam_step(logits, log_prior, state.running_scores,
-                                       eos_bias(s, t, B * W, V, device), impl=impl)
+                                       ban.at(t), impl=impl)
         sources = state.advance(*cand)
         if not state.done:
             # Row (b, k, j) continues from row (b, k, sources[b, j]).
