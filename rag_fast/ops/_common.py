@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from rag_fast._validation import check_epsilon, check_loss_inputs, check_reduction
-from rag_fast.ops._dispatch import resolve_impl, torch_single_threaded
+from rag_fast.ops._dispatch import resolve_impl
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,6 @@ def prepare_loss(
     impl: str,
 ) -> PreparedLoss:
     """Validate the arguments of a RAG loss and pick its impl (raises ValueError)."""
-    with torch_single_threaded():  # only small tensors are touched here
-        return _prepare_loss(logits, doc_scores, targets, n_docs, epsilon, ignore_index,
-                             exclude_bos, reduction, impl)
-
-
-def _prepare_loss(logits, doc_scores, targets, n_docs, epsilon, ignore_index, exclude_bos,
-                  reduction, impl) -> PreparedLoss:
     check_epsilon(epsilon)
     check_reduction(reduction)
     # Target values are read on the host for CPU tensors; on a GPU that would synchronise, so

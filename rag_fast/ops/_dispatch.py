@@ -11,9 +11,7 @@ see ``rag_fast/ops/_cpp.py`` for their contract.
 """
 from __future__ import annotations
 
-import contextlib
 from types import ModuleType
-from typing import Iterator
 
 import torch
 
@@ -64,22 +62,3 @@ def backend(impl: str) -> ModuleType:
         return rag_losses
     raise ValueError(f"no kernel backend for impl={impl!r}")
 
-
-@contextlib.contextmanager
-def torch_single_threaded() -> Iterator[None]:
-    """Run the torch ops of a fused op (O(B*K*T) scalars) on the calling thread only.
-
-    Such ops cost microseconds, but some still enter torch's OpenMP pool, whose threads then
-    spin-wait for milliseconds and steal the cores from the next kernel (measured on 2 cores:
-    RAG-Token forward+backward 150 ms -> 80 ms). The C++ kernels run on their own OpenMP
-    runtime and keep every thread; the thread count is restored on exit.
-    """
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from rag_fast.ops._dispatch import backend, torch_single_threaded
+from rag_fast.ops._dispatch import backend
 
 # small_graph(lse, x_tgt, x_sum, sum_m, doc_scores) -> loss (reduced); all [B, K, T] or [B, T]
 SmallGraph = Callable[..., torch.Tensor]
@@ -52,15 +52,14 @@ class FusedRagLossFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         kernels = backend(impl)
         sum_m = rho = None
-        with torch_single_threaded():
-            if needs_sum_m:
-                a = torch.log_softmax(doc_scores.detach().float(), dim=1)
-                lse, x_tgt, x_sum, sum_m, rho = kernels.token_smooth_forward(
-                    logits, targets, ignore_index, a
-                )
-            else:
-                lse, x_tgt, x_sum = kernels.row_stats(logits, targets, ignore_index)
-            loss = small_graph(lse, x_tgt, x_sum, sum_m, doc_scores.detach())
+        if needs_sum_m:
+            a = torch.log_softmax(doc_scores.detach().float(), dim=1)
+            lse, x_tgt, x_sum, sum_m, rho = kernels.token_smooth_forward(
+                logits, targets, ignore_index, a
+            )
+        else:
+            lse, x_tgt, x_sum = kernels.row_stats(logits, targets, ignore_index)
+        loss = small_graph(lse, x_tgt, x_sum, sum_m, doc_scores.detach())
         ctx.save_for_backward(logits, doc_scores, targets, lse, x_tgt, x_sum, sum_m, rho)
         ctx.small_graph, ctx.ignore_index, ctx.impl = small_graph, ignore_index, impl
         ctx.inplace_grad = inplace_grad
@@ -68,11 +67,6 @@ class FusedRagLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        with torch_single_threaded():
-            return FusedRagLossFunction._backward(ctx, grad_loss)
-
-    @staticmethod
-    def _backward(ctx, grad_loss: torch.Tensor):
         logits, doc_scores, targets, lse, x_tgt, x_sum, sum_m, rho = ctx.saved_tensors
         leaves = [t.detach().requires_grad_() for t in (lse, x_tgt, x_sum)]
         scores = doc_scores.detach().requires_grad_()

@@ -11,17 +11,16 @@ import torch
 
 from rag_fast import reference
 from rag_fast._validation import check_loss_inputs
-from rag_fast.ops._dispatch import backend, resolve_impl, torch_single_threaded
+from rag_fast.ops._dispatch import backend, resolve_impl
 
 
 class RagTokenMarginalFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, doc_scores: torch.Tensor, impl: str) -> torch.Tensor:
         kernels = backend(impl)
-        with torch_single_threaded():
-            a = torch.log_softmax(doc_scores.detach().float(), dim=1)
-            lse, _, _ = kernels.row_stats(logits, None, -100)
-            marginal = kernels.token_marginal(logits, a, lse)
+        a = torch.log_softmax(doc_scores.detach().float(), dim=1)
+        lse, _, _ = kernels.row_stats(logits, None, -100)
+        marginal = kernels.token_marginal(logits, a, lse)
         ctx.save_for_backward(logits, doc_scores, a, lse, marginal)
         ctx.impl = impl
         return marginal
