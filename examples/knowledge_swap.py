@@ -260,15 +260,13 @@ def score(model: RagModel, examples: list[QAExample], old: list[QAExample] | Non
 def run(entities: int = 300, pool_size: int = 24, train_fraction: float = 2 / 3, n_docs: int = 2,
         d_model: int = 64, layers: int = 1, steps: int = 1500, batch: int = 16, lr: float = 3e-3,
         temperature: float = 20.0, seed: int = 0, modes: tuple[str, ...] = ("token", "sequence"),
-        threads: int | None = 1, log=print) -> dict:
+        log=print) -> dict:
     """Build the world, train each mode, evaluate before and after the swap.
 
     Returns ``{mode: {"before": metrics, "after": metrics, "train_after": metrics}}`` plus
     ``"seconds"``; metrics as :func:`score`.
     """
     start = time.perf_counter()
-    if threads:  # these matrices are too small to gain from a second thread on a busy machine
-        torch.set_num_threads(threads)
     torch.manual_seed(seed)
     world = make_world(entities, pool_size, seed)
     order = list(range(entities))
@@ -343,10 +341,11 @@ def main() -> None:
     p.add_argument("--modes", default="token,sequence")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.threads:  # these matrices are too small to gain from a second thread on a busy machine
+        torch.set_num_threads(args.threads)
     results = run(entities=args.entities, pool_size=args.pool_size, steps=args.steps,
                   batch=args.batch, lr=args.lr, d_model=args.d_model, layers=args.layers,
-                  n_docs=args.n_docs,
-                  temperature=args.temperature, threads=args.threads,
+                  n_docs=args.n_docs, temperature=args.temperature,
                   modes=tuple(args.modes.split(",")), seed=args.seed)
     print()
     print(table(results, args.n_docs))
