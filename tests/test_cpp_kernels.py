@@ -8,14 +8,12 @@ a subprocess with RAG_FAST_SIMD=generic.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from utils import assert_close_rule, requires_ext
+from utils import assert_close_rule, requires_ext, run_python
 
 pytestmark = requires_ext
 IGNORE = -100
@@ -291,7 +289,6 @@ def test_generic_variant_in_subprocess():
     here = str(Path(__file__).resolve().parent)
     env = dict(os.environ, RAG_FAST_SIMD="generic",
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = run_python(["-c", script], env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 

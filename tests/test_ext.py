@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import torch
 
-from utils import requires_ext
+from utils import requires_ext, run_python
 
 
 @requires_ext
@@ -56,16 +54,14 @@ print("fallback ok")
 
 
 def test_missing_extension_warns_once_and_falls_back():
-    out = subprocess.run([sys.executable, "-c", _MISSING_EXTENSION], capture_output=True,
-                         text=True, timeout=120)
+    out = run_python(["-c", _MISSING_EXTENSION], timeout=120)
     assert out.returncode == 0, out.stderr
     assert "fallback ok" in out.stdout
 
 
 @requires_ext
 def test_info_reports_backends():
-    out = subprocess.run([sys.executable, "-m", "rag_fast.info"], capture_output=True, text=True,
-                         timeout=120)
+    out = run_python(["-m", "rag_fast.info"], timeout=120)
     assert out.returncode == 0, out.stderr
     # Each line is "key<two or more spaces>value".
     lines = dict(re.match(r"^(.+?)\s{2,}(.*)$", line).groups() for line in out.stdout.splitlines())
@@ -79,6 +75,5 @@ def test_info_reports_backends():
 def test_simd_cap_selects_generic_variant():
     variant = "generic"
     code = "import rag_fast._C as C; print(C.simd_level())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "RAG_FAST_SIMD": variant}, timeout=60)
+    out = run_python(["-c", code], env={**os.environ, "RAG_FAST_SIMD": variant}, timeout=60)
     assert out.stdout.strip() == variant, out.stderr

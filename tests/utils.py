@@ -6,6 +6,8 @@ PyTorch version computed in the same dtype, plus a small floor per dtype.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,3 +52,10 @@ requires_triton = pytest.mark.requires_triton
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 IN_CI = os.environ.get("CI") == "true"
+
+
+def run_python(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` in the tests folder, so the child imports the installed rag_fast, not
+    the source checkout (which has no compiled extension after a non-editable install)."""
+    return subprocess.run([sys.executable, *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+                          capture_output=True, text=True, **kwargs)
