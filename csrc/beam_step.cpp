@@ -25,23 +25,6 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kBlock = 512;
 
-template <typename Elem>
-inline vfloat load(const Elem* p) {
-  if constexpr (sizeof(Elem) == 4) {
-    return vload(reinterpret_cast<const float*>(p));
-  } else {
-    return vload_bf16(reinterpret_cast<const uint16_t*>(p));
-  }
-}
-template <typename Elem>
-inline float load1(const Elem* p) {
-  if constexpr (sizeof(Elem) == 4) {
-    return *reinterpret_cast<const float*>(p);
-  } else {
-    return bf16_to_float(*reinterpret_cast<const uint16_t*>(p));
-  }
-}
-
 // logsumexp of one row: block maxima, then one exp per element against the running max.
 template <typename Elem>
 float row_lse(const Elem* row, int64_t V) {

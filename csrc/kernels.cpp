@@ -38,23 +38,6 @@ inline void prepare_out(const LogitsView& x, void* out, int64_t ob, int64_t ok, 
   prefer_huge_pages(out, ((x.B - 1) * ob + (x.K - 1) * ok + (x.T - 1) * ot + x.V) * elem);
 }
 
-template <typename Elem>
-inline vfloat load(const Elem* p) {
-  if constexpr (sizeof(Elem) == 4) {
-    return vload(reinterpret_cast<const float*>(p));
-  } else {
-    return vload_bf16(reinterpret_cast<const uint16_t*>(p));
-  }
-}
-template <typename Elem>
-inline float load1(const Elem* p) {
-  if constexpr (sizeof(Elem) == 4) {
-    return *reinterpret_cast<const float*>(p);
-  } else {
-    return bf16_to_float(*reinterpret_cast<const uint16_t*>(p));
-  }
-}
-
 // Rows per scheduling chunk: dynamic scheduling keeps both cores busy when another process
 // takes one for a while; chunks of at least ~16K elements keep its overhead negligible.
 inline int64_t row_chunk(int64_t V) { return V >= 16384 ? 1 : 16384 / (V > 0 ? V : 1); }

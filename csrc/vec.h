@@ -11,7 +11,14 @@
 #include <immintrin.h>
 #endif
 
+#ifndef RAG_FAST_VARIANT
+#error "vec.h is compiled once per instruction-set variant: define RAG_FAST_VARIANT"
+#endif
+
+// Everything here lives in the variant's namespace: the vector width differs per variant, so
+// one shared name (e.g. vsplat(float)) would otherwise have a different body in each object.
 namespace rag_fast {
+namespace RAG_FAST_VARIANT {
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -175,4 +182,23 @@ inline vfloat vlog(vfloat x) {
   return x != x ? x : y;
 }
 
+// Loads of fp32 or bf16 logits (Elem = float or uint16_t), widened to fp32.
+template <typename Elem>
+inline vfloat load(const Elem* p) {
+  if constexpr (sizeof(Elem) == 4) {
+    return vload(reinterpret_cast<const float*>(p));
+  } else {
+    return vload_bf16(reinterpret_cast<const uint16_t*>(p));
+  }
+}
+template <typename Elem>
+inline float load1(const Elem* p) {
+  if constexpr (sizeof(Elem) == 4) {
+    return *reinterpret_cast<const float*>(p);
+  } else {
+    return bf16_to_float(*reinterpret_cast<const uint16_t*>(p));
+  }
+}
+
+}  // namespace RAG_FAST_VARIANT
 }  // namespace rag_fast
