@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from rag_fast.evaluation import cli as eval_cli
+from rag_fast import cli
 from rag_fast.models import RagModel, load_retriever
 from rag_fast.retrieval import DenseIndex, Passage, PassageStore, Retriever
-from rag_fast.training import cli as train_cli
 
 PASSAGES = [("p0", "vorin", "vorin lives in kelta ."), ("p1", "suma", "suma lives in brodo ."),
             ("p2", "tarek", "tarek lives in miru ."), ("p3", "olun", "olun lives in kelta ."),
@@ -102,13 +101,13 @@ def test_train_then_eval_commands(setup, capsys):
     config_path = root / "train.json"
     config_path.write_text(json.dumps(config))
     before = RagModel.load(str(root / "model0")).state_dict()
-    assert train_cli.main(["train", "--config", str(config_path)]) == 0
+    assert cli.main(["train", "--config", str(config_path)]) == 0
     trained = RagModel.load(str(out / "model"), retriever=load_retriever(index_dir))
     changed = [k for k, v in trained.state_dict().items() if not torch.equal(v, before[k])]
     assert any(k.startswith("generator.") for k in changed)
     assert any(k.startswith("question_encoder.") for k in changed)  # trained jointly
     capsys.readouterr()
-    assert eval_cli.main(["eval", "--data", str(data), "--model", str(out / "model"),
+    assert cli.main(["eval", "--data", str(data), "--model", str(out / "model"),
                           "--retriever", str(index_dir), "--max-new-tokens", "3"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert {"em", "f1", "bleu1", "rougeL", "recall@2"} <= set(metrics)

@@ -1,7 +1,6 @@
 """Metrics, dataset loading errors, the eval loop and the `eval` / `train` subcommands."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -87,14 +86,9 @@ def test_bad_files(tmp_path):
 
 
 def _parser():
-    from rag_fast.evaluation.cli import register as register_eval
-    from rag_fast.training.cli import register as register_train
+    from rag_fast.cli import build_parser
 
-    parser = argparse.ArgumentParser(prog="rag-fast")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register_eval(sub)
-    register_train(sub)
-    return parser
+    return build_parser()
 
 
 def test_eval_subcommand_scores_predictions(tmp_path, capsys):

@@ -50,15 +50,3 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m rag_fast.evaluation.cli eval ...`` (the same command as ``rag-fast eval``)."""
-    parser = argparse.ArgumentParser(prog="rag-fast")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -86,15 +86,3 @@ def register(subparsers) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, metavar="FILE", help="JSON training configuration")
     p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m rag_fast.training.cli train ...`` (the same command as ``rag-fast train``)."""
-    parser = argparse.ArgumentParser(prog="rag-fast")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
