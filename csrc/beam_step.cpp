@@ -36,8 +36,8 @@ float row_lse(const Elem* row, int64_t V) {
     for (int64_t i = start; i < stop; i += kLanes) bm = vmax(bm, load(row + i));
     const vfloat nm = vmax(m, bm);
     const vfloat safe = nm == vsplat(kNegInf) ? vfloat{} : nm;  // all -inf so far: keep sum 0
-    s = s * vexp(m - safe);
-    for (int64_t i = start; i < stop; i += kLanes) s += vexp(load(row + i) - safe);
+    s = s * vexp_nonpos(m - safe);
+    for (int64_t i = start; i < stop; i += kLanes) s += vexp_nonpos(load(row + i) - safe);
     m = nm;
   }
   float gm = kNegInf;
@@ -134,7 +134,7 @@ void beam_row(const BeamStepArgs& a, int64_t b, int64_t j, TopList& top) {
     const vfloat safe = mx == vsplat(kNegInf) ? vfloat{} : mx;
     vfloat s = vfloat{};
     for (int64_t k = 0; k < n_active; ++k) {
-      s += vexp(load(rows[k] + v) + vsplat(shift[k]) - safe);
+      s += vexp_nonpos(load(rows[k] + v) + vsplat(shift[k]) - safe);
     }
     for (int i = 0; i < kLanes; ++i) top.offer(exact(mx[i], s[i], bv[i]), offset + v + i);
   }

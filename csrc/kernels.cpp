@@ -65,10 +65,10 @@ RowStat row_lse_sum(const Elem* row, int64_t V) {
     vfloat nm = vmax(m, bm);
     // Lanes still at -inf keep a zero sum (avoid exp(-inf - -inf) = NaN).
     vfloat safe = nm == vsplat(kNegInf) ? vfloat{} : nm;
-    s = s * vexp(m - safe);
+    s = s * vexp_nonpos(m - safe);
     for (int64_t i = start; i < stop; i += kLanes) {
       __builtin_prefetch(row + i + kPrefetch);
-      s += vexp(load(row + i) - safe);
+      s += vexp_nonpos(load(row + i) - safe);
     }
     m = nm;
   }
@@ -153,7 +153,7 @@ void row_grad_impl(const RowGradArgs& a) {
     const vfloat vlse = vsplat(lse), vcp = vsplat(cp), vc1 = vsplat(c1);
     const int64_t vec_end = x.V - x.V % kLanes;
     for (int64_t i = 0; i < vec_end; i += kLanes) {
-      store(out + i, vcp * vexp(load(in + i) - vlse) + vc1);
+      store(out + i, vcp * vexp_nonpos(load(in + i) - vlse) + vc1);
     }
     for (int64_t i = vec_end; i < x.V; ++i) store1(out + i, cp * std::exp(load1(in + i) - lse) + c1);
     if (y != a.ignore_index) {
@@ -240,12 +240,12 @@ struct PairTile {
       const vfloat l = vsplat(lse[k]), pr = vsplat(prior[k]);
       for (int64_t j = 0; j < full; ++j) {
         __builtin_prefetch(xr + j * kLanes + kTile);
-        Pk[j] = vexp(load(xr + j * kLanes) - l);
+        Pk[j] = vexp_nonpos(load(xr + j * kLanes) - l);
         ek[j] = Pk[j] * pr;
         s[j] += ek[j];
       }
       if (rem) {
-        Pk[full] = vexp(load_part(xr + full * kLanes, rem, kNegInf) - l);
+        Pk[full] = vexp_nonpos(load_part(xr + full * kLanes, rem, kNegInf) - l);
         ek[full] = Pk[full] * pr;
         s[full] += ek[full];
       }
@@ -274,7 +274,7 @@ struct PairTile {
     vfloat sum{};
     for (int64_t k = 0; k < K; ++k) {
       vfloat& ek = e[k * kTileVecs + j];
-      ek = vexp(ek - safe);
+      ek = vexp_nonpos(ek - safe);
       sum += ek;
     }
     inv[j] = sum == vfloat{} ? vfloat{} : vsplat(1.f) / sum;
@@ -372,7 +372,7 @@ inline vfloat max_shifted_at(const std::vector<const Elem*>& rows, const float* 
   const vfloat safe = mx == vsplat(kNegInf) ? vfloat{} : mx;
   vfloat sum{};
   for (int64_t k = 0; k < K; ++k) {
-    e[k] = vexp(e[k] - safe);
+    e[k] = vexp_nonpos(e[k] - safe);
     sum += e[k];
   }
   inv = sum == vfloat{} ? vfloat{} : vsplat(1.f) / sum;
@@ -383,7 +383,6 @@ template <typename Elem>
 void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
   const int64_t K = x.K, T = x.T, V = x.V, pairs = x.B * x.T;
   const int64_t blocks = (V + kBlock - 1) / kBlock;
-  constexpr int64_t kBlockVecs = kBlock / kLanes;
 #pragma omp parallel
   {
     FlushDenormals ftz;
@@ -394,7 +393,8 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
     std::vector<float> shift(K), w(K);
     std::vector<double> rho(K);
     std::vector<const Elem*> rows(K);
-    std::vector<vfloat> s(kBlockVecs), inv(kBlockVecs), slow(K), slow_rho(K);
+    std::vector<vfloat> slow(K), slow_rho(K), racc(K), wv(K);
+    const bool want_rho = a.rho != nullptr;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t q = 0; q < pairs; ++q) {
       const int64_t b = q / T, t = q % T;
@@ -410,33 +410,33 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
           const int64_t full = len / kLanes, rem = len % kLanes;
           const Elem* xb = row + start;
           float* eb = &e[(blk * K + k) * kBlock];
-          vfloat vm = vsplat(kNegInf), vt{};
+          // The max sweep streams from memory; the exp sweep re-reads the block from L1 and
+          // also sums x (off the max sweep's short dependency chain).
+          vfloat vm = vsplat(kNegInf);
           for (int64_t j = 0; j < full; ++j) {
             __builtin_prefetch(xb + j * kLanes + kPrefetch);
+            vm = vmax(vm, load(xb + j * kLanes));
+          }
+          if (rem) vm = vmax(vm, load_part(xb + full * kLanes, rem, kNegInf));
+          const float bm = hmax(vm);
+          bmax[k * blocks + blk] = bm;
+          const vfloat safe = vsplat(bm == kNegInf ? 0.f : bm);
+          vfloat acc{}, vt{};
+          for (int64_t j = 0; j < full; ++j) {
             const vfloat v = load(xb + j * kLanes);
-            vm = vmax(vm, v);
+            const vfloat ev = vexp_nonpos(v - safe);
+            vstore(eb + j * kLanes, ev);
+            acc += ev;
             vt += v;
           }
           if (rem) {
             const vfloat v = load_part(xb + full * kLanes, rem, kNegInf);
-            vm = vmax(vm, v);
+            const vfloat ev = vexp_nonpos(v - safe);
+            vstore(eb + full * kLanes, ev);
+            acc += ev;
             vt += first_lanes(v, rem);
           }
           total += hsum(vt);
-          const float bm = hmax(vm);
-          bmax[k * blocks + blk] = bm;
-          const vfloat safe = vsplat(bm == kNegInf ? 0.f : bm);
-          vfloat acc{};
-          for (int64_t j = 0; j < full; ++j) {
-            const vfloat ev = vexp(load(xb + j * kLanes) - safe);
-            vstore(eb + j * kLanes, ev);
-            acc += ev;
-          }
-          if (rem) {
-            const vfloat ev = vexp(load_part(xb + full * kLanes, rem, kNegInf) - safe);
-            vstore(eb + full * kLanes, ev);
-            acc += ev;
-          }
           if (bm == kNegInf) continue;
           const float bs = hsum(acc);
           if (bm > m) {
@@ -468,40 +468,46 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
         }
         const float safe_g = G == kNegInf ? 0.f : G;
         for (int64_t k = 0; k < K; ++k) w[k] = std::exp(w[k] - safe_g);
-        std::fill(s.begin(), s.begin() + nv, vfloat{});
         std::fill(slow_rho.begin(), slow_rho.end(), vfloat{});
-        for (int64_t k = 0; k < K; ++k) {
-          const float* ek = &e[(blk * K + k) * kBlock];
-          const vfloat wk = vsplat(w[k]);
-          for (int64_t j = 0; j < nv; ++j) s[j] += wk * vload(ek + j * kLanes);
-        }
-        if (rem) s[full] = lanes_below(rem) ? s[full] : vsplat(1.f);  // past the end: M = G
+        std::fill(racc.begin(), racc.end(), vfloat{});
+        for (int64_t k = 0; k < K; ++k) wv[k] = vsplat(w[k]);
+        const float* eb = &e[blk * K * kBlock];
         vfloat sm{};
         const vfloat g = vsplat(safe_g);
+        // One sweep over the block: per vector the K buffer entries (L1) give s, M and, when
+        // rho is wanted, R summed into K independent accumulators.
         for (int64_t j = 0; j < nv; ++j) {
+          const float* ej = eb + j * kLanes;
+          vfloat sj{};
+          for (int64_t k = 0; k < K; ++k) sj += wv[k] * vload(ej + k * kBlock);
+          if (j == full) sj = lanes_below(rem) ? sj : vsplat(1.f);  // past the end: M = G
           vfloat Mj;
-          if (__builtin_expect(any_lane(s[j] < vsplat(0x1p-100f)), 0)) {
+          if (__builtin_expect(any_lane(sj < vsplat(0x1p-100f)), 0)) {
             const int64_t n = j < full ? kLanes : rem;
-            Mj = max_shifted_at(rows, shift.data(), start + j * kLanes, n, slow.data(), inv[j]);
-            for (int64_t k = 0; k < K; ++k) slow_rho[k] += slow[k] * inv[j];
-            inv[j] = vfloat{};  // rho of this vector is counted in slow_rho
+            vfloat inv;
+            Mj = max_shifted_at(rows, shift.data(), start + j * kLanes, n, slow.data(), inv);
+            if (want_rho) {
+              for (int64_t k = 0; k < K; ++k) slow_rho[k] += slow[k] * inv;
+            }
           } else {
-            inv[j] = vsplat(1.f) / s[j];
-            Mj = g + vlog(s[j]);
+            Mj = g + vlog(sj);
+            if (want_rho) {
+              const vfloat inv = vrecip(sj);
+              for (int64_t k = 0; k < K; ++k) racc[k] += vload(ej + k * kBlock) * inv;
+            }
           }
           sm += j < full ? Mj : first_lanes(Mj, rem);
         }
         sum_m += hsum(sm);
+        if (!want_rho) continue;
         for (int64_t k = 0; k < K; ++k) {
           rho[k] += hsum(slow_rho[k]);
-          if (w[k] == 0.f) continue;  // exactly 0 for a missing passage
-          const float* ek = &e[(blk * K + k) * kBlock];
-          vfloat acc{};
-          for (int64_t j = 0; j < nv; ++j) acc += vload(ek + j * kLanes) * inv[j];
-          rho[k] += static_cast<double>(w[k]) * hsum(acc);
+          // w == 0 exactly for a missing passage: its entries carry no weight (even NaN ones)
+          if (w[k] != 0.f) rho[k] += static_cast<double>(w[k]) * hsum(racc[k]);
         }
       }
       a.sum_m[q] = static_cast<float>(sum_m);
+      if (!want_rho) continue;
       for (int64_t k = 0; k < K; ++k) a.rho[(b * K + k) * T + t] = static_cast<float>(rho[k]);
     }
   }
@@ -617,12 +623,12 @@ void token_marginal_grad_impl(const TokenMarginalGradArgs& a) {
           vfloat acc{};
           for (int64_t j = 0; j < full; ++j) {
             const int64_t i = start + j * kLanes;
-            acc += vexp(load(xr + j * kLanes) + sh - vload(m + i)) * vload(g + i);
+            acc += vexp_nonpos(load(xr + j * kLanes) + sh - vload(m + i)) * vload(g + i);
           }
           if (rem) {
             const int64_t i = start + full * kLanes;
             const vfloat z = load_part(xr + full * kLanes, rem, kNegInf) + sh;
-            acc += vexp(z - load_part(m + i, rem, 0.f)) * load_part(g + i, rem, 0.f);
+            acc += vexp_nonpos(z - load_part(m + i, rem, 0.f)) * load_part(g + i, rem, 0.f);
           }
           c[k] += hsum(acc);
         }
@@ -636,13 +642,13 @@ void token_marginal_grad_impl(const TokenMarginalGradArgs& a) {
         const int64_t vec_end = V - V % kLanes;
         for (int64_t i = 0; i < vec_end; i += kLanes) {
           const vfloat xv = load(p.row[k] + i);
-          store(out + i, vexp(xv + sh - vload(m + i)) * vload(g + i) - vexp(xv - lse) * ck);
+          store(out + i, vexp_nonpos(xv + sh - vload(m + i)) * vload(g + i) - vexp_nonpos(xv - lse) * ck);
         }
         if (vec_end < V) {
           const int64_t n = V - vec_end;
           const vfloat xv = load_part(p.row[k] + vec_end, n, kNegInf);
-          const vfloat R = vexp(xv + sh - load_part(m + vec_end, n, 0.f));
-          store_part(out + vec_end, R * load_part(g + vec_end, n, 0.f) - vexp(xv - lse) * ck, n);
+          const vfloat R = vexp_nonpos(xv + sh - load_part(m + vec_end, n, 0.f));
+          store_part(out + vec_end, R * load_part(g + vec_end, n, 0.f) - vexp_nonpos(xv - lse) * ck, n);
         }
       }
     }

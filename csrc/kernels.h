@@ -70,7 +70,8 @@ struct TokenSmoothStatsArgs {
 // row_stats and token_smooth_stats in one read of the logits (the K rows of each (b, t) are
 // read from memory once and kept, as exp(x - block max), in a per-thread K x V fp32 buffer):
 //   lse, x_tgt, x_sum as RowStatsArgs; sum_m[b,t] = sum_v M; rho[b,k,t] = sum_v R.
-// a: float32 [B, K] log-prior; targets: int64 [B, T] contiguous or null.
+// a: float32 [B, K] log-prior; targets: int64 [B, T] contiguous or null; rho may be null (not
+// computed: only the backward needs it).
 struct TokenSmoothForwardArgs {
   LogitsView x;
   const int64_t* targets;

@@ -1,6 +1,6 @@
 // Portable SIMD through GCC/Clang vector extensions: the same source is compiled once per
 // instruction set (see CMakeLists.txt), and the compiler lowers these types to SSE, AVX2,
-// AVX-512 or NEON registers. Includes our own exp (about 2 ulp on [-87, 88]) and log.
+// AVX-512 or NEON registers. Includes our own exp (for arguments <= 0, about 2 ulp), log and reciprocal.
 #pragma once
 
 #include <cstdint>
@@ -89,19 +89,19 @@ inline float hsum(vfloat v) {
   return s;
 }
 
-// exp(x) by range reduction x = n*ln2 + r, |r| <= ln2/2, and a degree-6 polynomial for
-// exp(r). Inputs are clamped below at -88, where n = -127 makes the scale 2^n exactly 0: so
-// exp(-inf) == 0 and very negative inputs never produce subnormal intermediates (which cost a
-// microcode assist per vector on x86). Results below 2^-126 (x in [-87.7, -87.3]) come out
-// subnormal or 0. Above 88.37 gives +inf; NaN gives NaN.
-inline vfloat vexp(vfloat x) {
-  const vfloat hi = vsplat(88.3762626647949f);
+
+// exp(x) for x <= 0, the only arguments the kernels pass (x - max, x - lse, and sums like them
+// that exceed 0 by a rounding error at most): x = n*ln2 + r, |r| <= ln2/2, a degree-6
+// polynomial for exp(r) (about 2 ulp), and 2^n read from the low bits of the rounding constant,
+// which carries the exponent bias. Inputs are clamped below at -88, where n = -127 makes the
+// scale exactly 0: exp(-inf) == 0 and no subnormal intermediates (a microcode assist per
+// vector on x86). NaN gives NaN. No overflow handling: x above ~88 is out of contract.
+inline vfloat vexp_nonpos(vfloat x) {
   const vfloat lo = vsplat(-88.0f);
-  vfloat xc = x > hi ? hi : x;  // NaN stays NaN: every comparison is false
-  xc = xc < lo ? lo : xc;
-  const vfloat magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  vfloat t = xc * vsplat(1.44269504088896341f) + magic;
-  vfloat n = t - magic;
+  const vfloat xc = x < lo ? lo : x;  // NaN stays NaN
+  const vfloat magic = vsplat(12583039.0f);  // 1.5 * 2^23 + 127
+  const vfloat t = xc * vsplat(1.44269504088896341f) + magic;
+  const vfloat n = t - magic;  // round(x / ln 2), exactly
   vfloat r = xc - n * vsplat(0.693359375f);
   r = r - n * vsplat(-2.12194440e-4f);
   vfloat p = vsplat(1.3981999507e-3f);
@@ -110,14 +110,12 @@ inline vfloat vexp(vfloat x) {
   p = p * r + vsplat(1.6666665459e-1f);
   p = p * r + vsplat(5.0000001201e-1f);
   p = p * r * r + r + vsplat(1.0f);
-  vint ti, mi;
+  vint ti;
   std::memcpy(&ti, &t, sizeof(ti));
-  std::memcpy(&mi, &magic, sizeof(mi));
-  vint scale_bits = ((ti - mi) + 127) << 23;  // 2^n; n = -127 gives +0
+  const vint scale_bits = ti << 23;  // (n + 127) << 23: the mantissa's high bit shifts out
   vfloat scale;
   std::memcpy(&scale, &scale_bits, sizeof(scale));
-  vfloat y = p * scale;
-  return x > hi ? vsplat(std::numeric_limits<float>::infinity()) : y;
+  return p * scale;
 }
 
 // True when any lane of the comparison mask is set.
@@ -149,6 +147,28 @@ class FlushDenormals {
 #endif
 };
 
+// 1 / x for positive normal x: the hardware estimate (12 or 14 bits) and one Newton step,
+// within about 2 ulp; a division where there is no estimate instruction.
+inline vfloat vrecip(vfloat x) {
+  vfloat r;
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    r = reinterpret_cast<vfloat>(_mm512_rcp14_ps(reinterpret_cast<__m512>(x)));
+  }
+#elif defined(__AVX__)
+  if constexpr (kLanes == 8) {
+    r = reinterpret_cast<vfloat>(_mm256_rcp_ps(reinterpret_cast<__m256>(x)));
+  }
+#elif defined(__SSE__)
+  if constexpr (kLanes == 4) {
+    r = reinterpret_cast<vfloat>(_mm_rcp_ps(reinterpret_cast<__m128>(x)));
+  }
+#else
+  return vsplat(1.0f) / x;
+#endif
+  return r + r * (vsplat(1.0f) - x * r);
+}
+
 // log(x): x = 2^e * f with f in [sqrt(1/2), sqrt(2)), then log(f) = 2 atanh(u), u = (f-1)/(f+1),
 // |u| <= 0.1716, by its odd series up to u^9 (truncation below 1e-9). log(0) = -inf,
 // log(x < 0) = NaN, log(inf) = inf, NaN gives NaN; subnormal inputs are rescaled first.
@@ -166,7 +186,7 @@ inline vfloat vlog(vfloat x) {
   vint big = f > vsplat(1.41421356237f);
   f = big ? f * vsplat(0.5f) : f;
   e = e - big;  // a true comparison is -1
-  vfloat u = (f - vsplat(1.0f)) / (f + vsplat(1.0f));
+  vfloat u = (f - vsplat(1.0f)) * vrecip(f + vsplat(1.0f));
   vfloat u2 = u * u;
   vfloat p = vsplat(1.0f / 9.0f);
   p = p * u2 + vsplat(1.0f / 7.0f);

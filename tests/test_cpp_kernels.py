@@ -100,6 +100,11 @@ def check_smooth_forward(x, a, y):
     lse2, x_tgt2, _, sum_m2, rho2 = _cpp.token_smooth_forward(x, None, IGNORE, a)
     assert (x_tgt2 == 0).all()
     assert torch.equal(lse2, lse) and torch.equal(sum_m2, sum_m) and torch.equal(rho2, rho)
+    # Without rho (a forward that will not be differentiated): the same statistics, no rho.
+    lse3, x_tgt3, x_sum3, sum_m3, rho3 = _cpp.token_smooth_forward(x, y, IGNORE, a, need_rho=False)
+    assert rho3 is None
+    for got, want in ((lse3, lse), (x_tgt3, x_tgt), (x_sum3, x_sum), (sum_m3, sum_m)):
+        assert torch.equal(got, want)
 
 
 def check_launchers(shape, dtype, strided=False):

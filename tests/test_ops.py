@@ -92,6 +92,19 @@ def test_matches_reference(impl, kind, eps, case):
                             **_kw(kind, eps))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind,eps", [("token", 0.1), ("sequence", 0.1)])
+def test_forward_without_grad_equals_forward_with_grad(impl, kind, eps):
+    """Under no_grad the op skips statistics only the backward uses: the loss must not change."""
+    fn = {"token": rag_fast.rag_token_nll, "sequence": rag_fast.rag_sequence_nll}[kind]
+    logits, scores, targets = make_case(B=2, K=3, T=4, V=37, missing=True)
+    logits.requires_grad_()
+    with_grad = fn(logits, scores, targets, epsilon=eps, impl=impl)
+    with torch.no_grad():
+        without = fn(logits, scores, targets, epsilon=eps, impl=impl)
+    assert torch.equal(with_grad.detach(), without)
+
+
 @pytest.mark.parametrize("impl", [p for p in IMPLS if p.id != "triton"])  # too slow interpreted
 @pytest.mark.parametrize("kind,eps", KINDS)
 def test_full_vocabulary(impl, kind, eps):

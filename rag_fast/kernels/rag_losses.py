@@ -365,16 +365,22 @@ def row_grad(
 
 
 def token_smooth_forward(
-    x: torch.Tensor, y: torch.Tensor | None, ignore_index: int, a: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    ignore_index: int,
+    a: torch.Tensor,
+    need_rho: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``row_stats`` then ``token_smooth_stats``: ``lse, x_tgt, x_sum, sum_m, rho``.
 
     x: ``[B, K, T, V]``; y: ``[B, T]`` or None; a: ``[B, K]`` passage log-prior. Two programs
-    (a row pass, then a (b, t) pass); the C++ backend fuses them into one read.
+    (a row pass, then a (b, t) pass); the C++ backend fuses them into one read. ``rho`` (only
+    the backward needs it) comes back None unless ``need_rho``; the (b, t) program computes it
+    with the marginal either way, at no extra read.
     """
     lse, x_tgt, x_sum = row_stats(x, y, ignore_index)
     sum_m, rho = token_smooth_stats(x, a, lse)
-    return lse, x_tgt, x_sum, sum_m, rho
+    return lse, x_tgt, x_sum, sum_m, rho if need_rho else None
 
 
 def token_smooth_stats(

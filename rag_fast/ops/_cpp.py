@@ -10,8 +10,9 @@ are written once, in the logits' dtype, into ``out`` (which may be ``x`` itself 
         x_sum = sum_v x.
     row_grad(x, y, ignore_index, lse, c_p, c_y, c_1, out)
         out = c_p * exp(x - lse) + c_y * onehot(y) + c_1                (c_*: [B, K, T])
-    token_smooth_forward(x, y, ignore_index, a) -> lse, x_tgt, x_sum, sum_m, rho
-        row_stats and token_smooth_stats together, in one read of the logits
+    token_smooth_forward(x, y, ignore_index, a, need_rho=True) -> lse, x_tgt, x_sum, sum_m, rho
+        row_stats and token_smooth_stats together, in one read of the logits; rho is None
+        unless need_rho (only the backward uses it)
     token_smooth_stats(x, a, lse)        -> sum_m [B, T], rho [B, K, T]
         M[b,t,v] = logsumexp_k (a + x - lse); sum_m = sum_v M;
         rho = sum_v R with R = exp(a + x - lse - M)
@@ -92,9 +93,14 @@ def _pair_stats_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def token_smooth_forward(
-    x: torch.Tensor, y: torch.Tensor | None, ignore_index: int, a: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    lse, x_tgt, x_sum, rho = _stats_like(x), _stats_like(x), _stats_like(x), _stats_like(x)
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    ignore_index: int,
+    a: torch.Tensor,
+    need_rho: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    lse, x_tgt, x_sum = _stats_like(x), _stats_like(x), _stats_like(x)
+    rho = _stats_like(x) if need_rho else None
     sum_m = _pair_stats_like(x)
     y_keep = None if y is None else y.contiguous()
     a = _f32(a)
@@ -107,7 +113,7 @@ def token_smooth_forward(
         x_tgt.data_ptr(),
         x_sum.data_ptr(),
         sum_m.data_ptr(),
-        rho.data_ptr(),
+        0 if rho is None else rho.data_ptr(),
     )
     return lse, x_tgt, x_sum, sum_m, rho
 

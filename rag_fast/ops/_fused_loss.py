@@ -37,6 +37,23 @@ def linearised_sum_m(
     return sum_m + term - term.detach()
 
 
+def fused_rag_loss(
+    logits: torch.Tensor,
+    doc_scores: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    small_graph: SmallGraph,
+    needs_sum_m: bool,
+    impl: str,
+    inplace_grad: bool,
+) -> torch.Tensor:
+    """The loss through FusedRagLossFunction; statistics only the backward uses (``rho``) are
+    computed only when a gradient will be asked for."""
+    will_backward = torch.is_grad_enabled() and (logits.requires_grad or doc_scores.requires_grad)
+    return FusedRagLossFunction.apply(logits, doc_scores, targets, ignore_index, small_graph,
+                                      needs_sum_m, impl, inplace_grad, will_backward)
+
+
 class FusedRagLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -49,13 +66,14 @@ class FusedRagLossFunction(torch.autograd.Function):
         needs_sum_m: bool,
         impl: str,
         inplace_grad: bool,
+        will_backward: bool = True,
     ) -> torch.Tensor:
         kernels = backend(impl)
         sum_m = rho = None
         if needs_sum_m:
             a = torch.log_softmax(doc_scores.detach().float(), dim=1)
             lse, x_tgt, x_sum, sum_m, rho = kernels.token_smooth_forward(
-                logits, targets, ignore_index, a
+                logits, targets, ignore_index, a, need_rho=will_backward
             )
         else:
             lse, x_tgt, x_sum = kernels.row_stats(logits, targets, ignore_index)
@@ -94,4 +112,4 @@ class FusedRagLossFunction(torch.autograd.Function):
                 kernels.token_smooth_grad(logits, targets, ctx.ignore_index, a.detach(), lse,
                                           g_lse, g_tgt, g_sum, g_rest[0], out)
             g_logits = out
-        return g_logits, g_scores, None, None, None, None, None, None
+        return g_logits, g_scores, None, None, None, None, None, None, None

@@ -16,7 +16,7 @@ import torch
 from rag_fast import reference
 from rag_fast._validation import reduce
 from rag_fast.ops._common import prepare_loss
-from rag_fast.ops._fused_loss import FusedRagLossFunction
+from rag_fast.ops._fused_loss import fused_rag_loss
 
 
 def _sequence_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
@@ -58,5 +58,5 @@ def rag_sequence_nll(
                                           reduction=reduction)
     graph = _sequence_small_graph(p.mask, p.nll_mask, float(epsilon), p.logits.shape[-1],
                                   reduction)
-    return FusedRagLossFunction.apply(p.logits, p.doc_scores, p.targets, ignore_index, graph,
-                                      False, p.impl, inplace_grad)
+    return fused_rag_loss(p.logits, p.doc_scores, p.targets, ignore_index, graph,
+                          False, p.impl, inplace_grad)
