@@ -1,10 +1,11 @@
 """examples/knowledge_swap.py, smaller: real MiniLM retrieval, a tiny BART trained as RAG-Token
 and RAG-Sequence, exact match on unseen entities, then an index hot swap without retraining.
 
-Sizes: 80 entities (53 seen in training), 600 steps per mode, one thread: about 70 s on an idle
-core (3 min when the machine is shared). Seeded and single-threaded, so the run is repeatable;
-the thresholds sit well below what seed 0 reaches, because this short schedule stops soon after
-the generator learns to copy (the full example trains longer and reaches EM >= 0.99).
+Sizes: 80 entities (53 seen in training), 600 steps per mode, one thread: about 55 s beside one
+other busy process on 2 cores. Seeded, so the run is repeatable; the thresholds sit well below
+what seed 0 reaches, because with so few training facts (about 4 per answer value) the generator
+fits them before it has learned to copy every value: some values come out wrong on unseen
+entities (the full example, 600 entities, reaches EM >= 0.99 in both modes).
 """
 from __future__ import annotations
 
@@ -40,14 +41,33 @@ def test_world_facts_are_unique_and_all_change(knowledge_swap):
         assert all(a != b for a, b in zip(world.facts[relation], world.new_facts[relation]))
 
 
-def test_knowledge_swap_small(knowledge_swap):
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the example's command line uses: its matrices are too small to gain
+    from a second thread, and on a busy machine every op would wait for that thread's turn
+    (the run took over 10 min instead of about 1.5 with two threads beside one busy process)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_knowledge_swap_small(knowledge_swap, one_thread):
     results = knowledge_swap.run(entities=80, steps=600, seed=0, log=lambda *_: None)
     for mode in ("token", "sequence"):
         r = results[mode]
         before, after = r["before"], r["after"]
-        # observed (seed 0): RAG-Token EM 0.833 before the swap, 0.889 after, 0.000 against the
-        # old facts; gold-passage recall@1 1.000; RAG-Sequence passes the same thresholds
+        # observed (seed 0): EM before / after the swap 0.833 / 0.889 (RAG-Token) and
+        # 0.722 / 0.815 (RAG-Sequence), 0.000 against the old facts; gold-passage recall@1
+        # 1.000, so every wrong answer is a generation error
         assert before["recall@1"] >= 0.9 and after["recall@1"] >= 0.9, (mode, r)
+        assert before["retrieval_errors"] <= 0.1 and after["retrieval_errors"] <= 0.1, (mode, r)
+        assert abs(before["em"] + before["retrieval_errors"] + before["generation_errors"]
+                   - 1.0) < 1e-9, (mode, r)
         assert before["em"] >= 0.5, (mode, r)
         assert after["em"] >= 0.5, (mode, r)          # answers follow the new facts ...
         assert after["em_old"] <= 0.1, (mode, r)      # ... and no longer the old ones
