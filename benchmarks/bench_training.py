@@ -5,7 +5,9 @@ the same passage scores (a leaf with gradient, as the question encoder's output 
 the same labels, with the same optimizer settings; only the loss path differs. transformers'
 ``RagTokenForGeneration`` / ``RagSequenceForGeneration`` compute the full logits, their fp32
 log-softmax and the marginalisation's temporaries; RagModel computes the logits of the positions
-that have a target once and the fused loss writes their gradient in place.
+that have a target once, the fused loss writes their gradient in place, and the gradients of the
+tied input embeddings are added into the LM head's ``[V, d]`` gradient in place (instead of one
+dense ``[V, d]`` tensor per lookup, summed out of place).
 
 Cases: a small generator (d_model 256, 2+2 layers, V=50265) and a BART-base-sized one
 (d_model 768, 6+6 layers); B=4, K=5, 64 context tokens, 32 target tokens. ``--quick`` keeps

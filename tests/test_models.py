@@ -193,6 +193,66 @@ def test_lm_head_matches_generator_logits_for_bart_and_t5():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def _t5_generator():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32,
+                                               num_layers=1, num_heads=2)).eval()
+
+
+def _generator_grads(model, contexts, mask, scores, labels) -> dict[str, torch.Tensor]:
+    """Gradients of two backward passes (the second accumulates into ``.grad``)."""
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):
+        model(labels, context_input_ids=contexts, context_attention_mask=mask,
+              doc_scores=scores).loss.backward()
+    return {n: p.grad.clone() for n, p in model.generator.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+@pytest.mark.parametrize("generator", ["bart", "t5"])  # both tie the LM head to the embeddings
+def test_tied_embedding_gradient_equals_plain_autograd(mode, generator, monkeypatch):
+    from rag_fast.models import _seq2seq
+
+    gen = _hf(mode).rag.generator if generator == "bart" else _t5_generator()
+    weight = gen.get_output_embeddings().weight
+    assert gen.get_input_embeddings().weight is weight
+    model = RagModel(gen, mode=mode, n_docs=K)
+    inputs = _inputs()
+    assert _seq2seq.split_tied_weight(gen) is not None  # the split path is taken
+    with torch.no_grad():
+        assert _seq2seq.split_tied_weight(gen) is None
+    got = _generator_grads(model, *inputs)
+    assert weight.grad.layout == torch.strided  # dense, as optimizers need
+    assert not any(m.sparse for m in gen.modules() if isinstance(m, torch.nn.Embedding))
+    monkeypatch.setattr(_seq2seq, "split_tied_weight", lambda generator: None)
+    want = _generator_grads(model, *inputs)
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_untied_lm_head_gradients_equal_transformers(mode):
+    # an LM head with its own weight: split_tied_weight does not apply, the plain path runs
+    from rag_fast.models import _seq2seq
+
+    hf = _hf(mode)
+    gen = hf.rag.generator
+    gen.lm_head.weight = torch.nn.Parameter(gen.lm_head.weight.detach().clone() + 0.5)
+    assert _seq2seq.split_tied_weight(gen) is None
+    ours = RagModel.from_transformers(hf)
+    ref, out, _, _ = _losses(hf, ours, *_inputs())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    ref.sum().backward()
+    hf_grads = {n: p.grad.clone() for n, p in gen.named_parameters()}
+    hf.zero_grad()
+    out.sum().backward()
+    for n, p in ours.generator.named_parameters():
+        scale = max(1.0, float(hf_grads[n].abs().max()))
+        torch.testing.assert_close(p.grad, hf_grads[n], rtol=1e-4, atol=1e-5 * scale, msg=n)
+
+
 def test_bad_input_gives_clear_errors():
     hf = _hf("token")
     model = RagModel.from_transformers(hf)

@@ -6,13 +6,21 @@ decoder states of the positions that have a target, and hands those logits to a 
 that writes their gradient in place. ``transformers`` keeps the logits, their log-softmax and
 the marginalisation's temporaries alive at once; this path keeps one logits-sized buffer.
 
+When the LM head shares its weight with the input embeddings (BART, T5, ... tie them), a training
+step would otherwise build that ``[V, d]`` gradient three times: the LM head's, plus one dense
+zero-filled ``[V, d]`` tensor per embedding lookup (encoder and decoder), summed out of place.
+:func:`split_tied_weight` gives the lookups their own alias of the weight with sparse
+gradients and adds their rows into the LM head's gradient in place: one ``[V, d]`` tensor.
+
 Supported: every ``*ForConditionalGeneration`` with ``get_encoder``/``get_decoder``/
 ``get_output_embeddings`` whose logits are ``scale * h @ W^T + bias`` (BART, mBART, Pegasus,
 Marian, T5, mT5, ...). ``lm_logits`` is checked against the generator's own forward in the tests.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -66,10 +74,90 @@ def lm_head(generator: nn.Module) -> LMHead:
     return LMHead(head.weight, bias, scale)
 
 
-def encode(generator: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+class TiedWeightFunction(torch.autograd.Function):
+    """Two aliases ``(head, embed)`` of one ``[V, d]`` weight.
+
+    Backward: ``g_head`` (the LM head's dense gradient, a temporary no one else holds) plus
+    ``g_embed`` (the embedding lookups' gradients, sparse rows), added in place into ``g_head``.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # a missing gradient stays None, not a [V, d] zero
+        return weight.view_as(weight), weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, g_head: torch.Tensor | None, g_embed: torch.Tensor | None):
+        if g_embed is None:
+            return g_head
+        if g_head is None:
+            return g_embed.to_dense() if g_embed.is_sparse else g_embed
+        if not g_head.is_contiguous():
+            g_head = g_head.contiguous()
+        if g_embed.is_sparse:  # uncoalesced rows: index_add_ sums repeated tokens
+            g_head.index_add_(0, g_embed._indices()[0], g_embed._values().to(g_head.dtype))
+        else:
+            g_head.add_(g_embed)
+        return g_head
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """The LM head's weight split for one forward: ``head`` for the LM head, ``embed`` for the
+    input embedding ``modules`` that share ``weight`` (see :func:`split_tied_weight`)."""
+
+    weight: torch.Tensor
+    head: torch.Tensor
+    embed: torch.Tensor
+    modules: tuple[nn.Embedding, ...]
+
+
+def split_tied_weight(generator: nn.Module) -> TiedWeight | None:
+    """Aliases of the LM head's weight for a training forward, or None when the weight is not
+    tied to an input embedding, needs no gradient, or an embedding renormalises it (max_norm)."""
+    weight = generator.get_output_embeddings().weight
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    modules = tuple(m for m in generator.modules()
+                    if isinstance(m, nn.Embedding) and m.weight is weight)
+    if not modules or any(m.max_norm is not None for m in modules):
+        return None
+    head, embed = TiedWeightFunction.apply(weight)
+    return TiedWeight(weight, head, embed, modules)
+
+
+@contextmanager
+def _sparse_gradients(modules: tuple[nn.Embedding, ...]) -> Iterator[None]:
+    saved = [m.sparse for m in modules]
+    for m in modules:
+        m.sparse = True
+    try:
+        yield
+    finally:
+        for m, sparse in zip(modules, saved):
+            m.sparse = sparse
+
+
+def _call(module: nn.Module, tied: TiedWeight | None, **kwargs):
+    """``module(**kwargs)``; with ``tied``, its lookups of the tied weight read ``tied.embed``
+    and give sparse gradients (restored when the call returns)."""
+    names = [] if tied is None else [
+        n for n, p in module.named_parameters(remove_duplicate=False) if p is tied.weight]
+    if not names:
+        return module(**kwargs)
+    with _sparse_gradients(tied.modules):
+        return torch.func.functional_call(module, {n: tied.embed for n in names}, kwargs=kwargs)
+
+
+def encode(
+    generator: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    tied: TiedWeight | None = None,
+):
     """Encoder states ``[N, L, d]`` of the contexts ``[N, L]``."""
-    out = generator.get_encoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                  return_dict=True)
+    out = _call(generator.get_encoder(), tied, input_ids=input_ids,
+                attention_mask=attention_mask, return_dict=True)
     return out.last_hidden_state
 
 
@@ -78,9 +166,12 @@ def decode(
     decoder_input_ids: torch.Tensor,
     encoder_states: torch.Tensor,
     encoder_mask: torch.Tensor,
+    tied: TiedWeight | None = None,
 ) -> torch.Tensor:
     """Decoder states ``[N, T, d]`` (before the LM head's scale)."""
-    out = generator.get_decoder()(
+    out = _call(
+        generator.get_decoder(),
+        tied,
         input_ids=decoder_input_ids,
         encoder_hidden_states=encoder_states,
         encoder_attention_mask=encoder_mask,

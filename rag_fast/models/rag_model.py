@@ -19,7 +19,7 @@ gradient into the logits' own buffer, so a training step holds one logits-sized 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -169,7 +169,8 @@ class RagModel(nn.Module):
         self.question_tokenizer = question_tokenizer
         self.epsilon = float(epsilon)
         self.exclude_bos = bool(exclude_bos)
-        self.bos_token_id = bos_token_id if bos_token_id is not None else generator.config.bos_token_id
+        self.bos_token_id = (bos_token_id if bos_token_id is not None
+                             else getattr(generator.config, "bos_token_id", None))  # T5: none
         self.pad_token_id = int(pad)
         self.question_pooling = question_pooling
         self.normalize_questions = bool(normalize_questions)
@@ -365,13 +366,19 @@ class RagModel(nn.Module):
         """The RAG loss given contexts ``[B*K, L]``, scores ``[B, K]`` and labels ``[B, T]``."""
         B, K = self._check_batch(context_input_ids, doc_scores, labels)
         decoder_input_ids, targets = self.prepare_labels(labels)
+        head = _seq2seq.lm_head(self.generator)
+        # a tied embedding's gradient is added into the LM head's in place (see _seq2seq)
+        tied = _seq2seq.split_tied_weight(self.generator)
+        if tied is not None:
+            head = replace(head, weight=tied.head)
         states = _seq2seq.decode(
             self.generator,
             decoder_input_ids.repeat_interleave(K, dim=0),
-            _seq2seq.encode(self.generator, context_input_ids, context_attention_mask),
+            _seq2seq.encode(self.generator, context_input_ids, context_attention_mask, tied),
             context_attention_mask,
+            tied,
         )  # [B*K, T-1, d]
-        logits = _seq2seq.lm_logits(_seq2seq.lm_head(self.generator), states)  # [B*K, T-1, V]
+        logits = _seq2seq.lm_logits(head, states)  # [B*K, T-1, V]
         exclude_bos = False
         if self.mode == "sequence" and self.exclude_bos and self.bos_token_id is not None:
             # transformers' rule: drop BOS only if every target starts with it
