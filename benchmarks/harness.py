@@ -139,6 +139,41 @@ def measure(fn: Callable[[], object], ctx: Context, memory: bool = True) -> Meas
     return Measurement(statistics.median(times), min(times), len(times), peak)
 
 
+def measure_interleaved(
+    fns: dict[str, Callable[[], object]],
+    ctx: Context,
+    memory: bool = True,
+    before_memory: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, Measurement]:
+    """:func:`measure` for several providers whose timed runs alternate (a, b, a, b, ...), so
+    that a machine whose speed drifts during a slow benchmark slows every provider alike.
+
+    ``before_memory[name]``, if given, runs before that provider's peak-memory call: it drops
+    what the provider keeps between calls (a reused buffer), so that the peak counts it.
+    """
+    for _ in range(ctx.warmup):
+        for fn in fns.values():
+            fn()
+    _sync(ctx.device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(ctx.repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            _sync(ctx.device)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    out = {}
+    for name, fn in fns.items():
+        peak = None
+        if memory:
+            if before_memory and name in before_memory:
+                before_memory[name]()
+            peak = peak_memory_mb(fn, ctx.device)
+        t = times[name]
+        out[name] = Measurement(statistics.median(t), min(t), len(t), peak)
+    return out
+
+
 def machine_description(device: str) -> dict:
     """What the numbers were measured on."""
     info = {

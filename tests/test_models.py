@@ -276,3 +276,47 @@ def test_bad_input_gives_clear_errors():
         RagModel(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="question 0 has no retrieved passage"):
         model.score_passages(torch.randn(1, 16), [[]], torch.randn(1, K, 16))
+
+
+def test_logits_workspace_is_reused_only_when_free():
+    """Training steps share one logits buffer; a forward whose predecessor's graph is still alive
+    gets its own, so accumulating two losses before one backward stays correct."""
+    import copy
+
+    from rag_fast.models import _seq2seq
+
+    hf = _hf("token")
+    model = RagModel.from_transformers(hf)
+    contexts, mask, scores, labels = _inputs()
+    seen = []
+    claim = _seq2seq.LogitsWorkspace.claim
+
+    def spy(self, *args):
+        out = claim(self, *args)
+        seen.append(out.data_ptr())
+        return out
+
+    def loss():
+        return model(labels, context_input_ids=contexts, context_attention_mask=mask,
+                     doc_scores=scores).loss
+
+    _seq2seq.LogitsWorkspace.claim = spy
+    try:
+        loss().backward()
+        loss().backward()
+        assert seen[0] == seen[1], "a free buffer is reused"
+        grads_two_steps = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        both = loss() + loss()  # the first graph still holds its logits
+        assert seen[2] != seen[3], "a buffer still in use is never handed out again"
+        both.backward()
+    finally:
+        _seq2seq.LogitsWorkspace.claim = claim
+    for n, p in model.named_parameters():
+        if n in grads_two_steps:
+            torch.testing.assert_close(p.grad, grads_two_steps[n], rtol=1e-5, atol=1e-6, msg=n)
+    clone = copy.deepcopy(model)  # the workspace (a lock, a buffer) is not copied
+    assert clone._logits_workspace is not model._logits_workspace
+    torch.testing.assert_close(
+        clone(labels, context_input_ids=contexts, context_attention_mask=mask,
+              doc_scores=scores).loss, loss())

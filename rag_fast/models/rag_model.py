@@ -177,6 +177,8 @@ class RagModel(nn.Module):
         self.max_context_length = int(max_context_length)
         self.max_question_length = int(max_question_length)
         self.loss_impl = loss_impl
+        # training steps reuse one logits buffer (see _seq2seq.LogitsWorkspace)
+        self._logits_workspace = _seq2seq.LogitsWorkspace()
 
     # ----------------------------------------------------------------------------- config
     def options(self) -> dict:
@@ -378,7 +380,7 @@ class RagModel(nn.Module):
             context_attention_mask,
             tied,
         )  # [B*K, T-1, d]
-        logits = _seq2seq.lm_logits(head, states)  # [B*K, T-1, V]
+        logits = _seq2seq.lm_logits(head, states, self._logits_workspace)  # [B*K, T-1, V]
         exclude_bos = False
         if self.mode == "sequence" and self.exclude_bos and self.bos_token_id is not None:
             # transformers' rule: drop BOS only if every target starts with it
