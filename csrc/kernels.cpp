@@ -5,6 +5,7 @@
 // OpenMP over rows or (b, t) pairs.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -472,33 +473,57 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
         std::fill(racc.begin(), racc.end(), vfloat{});
         for (int64_t k = 0; k < K; ++k) wv[k] = vsplat(w[k]);
         const float* eb = &e[blk * K * kBlock];
-        vfloat sm{};
-        const vfloat g = vsplat(safe_g);
-        // One sweep over the block: per vector the K buffer entries (L1) give s, M and, when
-        // rho is wanted, R summed into K independent accumulators.
+        // One sweep over the block: per vector the K buffer entries (L1) give s and, when rho is
+        // wanted, R summed into K independent accumulators. sum_v M = sum_v (G + log s) needs
+        // no log per vector: s = 2^ex * m with m in [1, 2), so the exponents add as integers
+        // and the mantissas multiply, one log per kLogGroup vectors (a product of 8 mantissas
+        // stays below 2^8). A NaN s decomposes to finite bits: nan_acc carries it instead.
+        constexpr int kLogGroup = 8;
+        vfloat slow_m{}, log_acc{}, nan_acc{}, prod = vsplat(1.f);
+        vint ex_acc{};
+        int in_prod = 0;
+        int64_t fast_lanes = 0;  // entries whose M is G + log s (the others are in slow_m)
         for (int64_t j = 0; j < nv; ++j) {
           const float* ej = eb + j * kLanes;
           vfloat sj{};
           for (int64_t k = 0; k < K; ++k) sj += wv[k] * vload(ej + k * kBlock);
-          if (j == full) sj = lanes_below(rem) ? sj : vsplat(1.f);  // past the end: M = G
-          vfloat Mj;
+          if (j == full) sj = lanes_below(rem) ? sj : vsplat(1.f);  // past the end: log s = 0
+          const int64_t n = j < full ? kLanes : rem;
           if (__builtin_expect(any_lane(sj < vsplat(0x1p-100f)), 0)) {
-            const int64_t n = j < full ? kLanes : rem;
             vfloat inv;
-            Mj = max_shifted_at(rows, shift.data(), start + j * kLanes, n, slow.data(), inv);
+            const vfloat Mj =
+                max_shifted_at(rows, shift.data(), start + j * kLanes, n, slow.data(), inv);
+            slow_m += j < full ? Mj : first_lanes(Mj, rem);
             if (want_rho) {
               for (int64_t k = 0; k < K; ++k) slow_rho[k] += slow[k] * inv;
             }
-          } else {
-            Mj = g + vlog(sj);
-            if (want_rho) {
-              const vfloat inv = vrecip(sj);
-              for (int64_t k = 0; k < K; ++k) racc[k] += vload(ej + k * kBlock) * inv;
-            }
+            continue;
           }
-          sm += j < full ? Mj : first_lanes(Mj, rem);
+          vint bits;
+          std::memcpy(&bits, &sj, sizeof(bits));
+          ex_acc += (bits >> 23) - 127;  // s is normal and positive here
+          const vint mbits = (bits & 0x007fffff) | 0x3f800000;
+          vfloat m;
+          std::memcpy(&m, &mbits, sizeof(m));
+          prod *= m;
+          nan_acc += sj - sj;
+          if (++in_prod == kLogGroup) {
+            log_acc += vlog(prod);
+            prod = vsplat(1.f);
+            in_prod = 0;
+          }
+          fast_lanes += n;
+          if (want_rho) {
+            const vfloat inv = vrecip(sj);
+            for (int64_t k = 0; k < K; ++k) racc[k] += vload(ej + k * kBlock) * inv;
+          }
         }
-        sum_m += hsum(sm);
+        if (in_prod) log_acc += vlog(prod);
+        int64_t ex_sum = 0;
+        for (int i = 0; i < kLanes; ++i) ex_sum += ex_acc[i];
+        sum_m += static_cast<double>(safe_g) * static_cast<double>(fast_lanes) +
+                 0.69314718055994531 * static_cast<double>(ex_sum) + hsum(log_acc) +
+                 hsum(slow_m) + hsum(nan_acc);
         if (!want_rho) continue;
         for (int64_t k = 0; k < K; ++k) {
           rho[k] += hsum(slow_rho[k]);
