@@ -171,3 +171,19 @@ def test_bad_training_input():
         TrainConfig.from_dict({"max_step": 3})
     with pytest.raises(ValueError, match="larger than the dataset"):
         Trainer(make_model(), make_dataset()[:3], collate, loss_fn, config())
+
+
+def test_optimizer_is_fused_adamw_where_every_parameter_allows_it():
+    from rag_fast.training.trainer import make_optimizer
+
+    config = TrainConfig(max_steps=1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = make_optimizer(model, config)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"]
+    # decay on matrices only
+    assert [g["weight_decay"] for g in opt.param_groups] == [config.weight_decay, 0.0]
+    model.to(torch.float64)
+    assert make_optimizer(model, config).defaults["fused"]
+    mixed = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Embedding(3, 2)])
+    mixed[1].weight.data = mixed[1].weight.data.to(torch.complex64)  # fused AdamW: no complex
+    assert not make_optimizer(mixed, config).defaults["fused"]
