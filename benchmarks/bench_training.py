@@ -87,7 +87,7 @@ def _step_fns(mode: str, size: dict, target: int = TARGET):
     ours_step = make(lambda s: ours(labels, context_input_ids=contexts,
                                     context_attention_mask=mask, doc_scores=s).loss)
     # RagModel reuses its logits buffer between steps; the peak-memory step starts without it
-    return hf_step, ours_step, ours._logits_workspace.release
+    return hf_step, ours_step, ours.release_buffers
 
 
 def run(ctx: Context) -> list[Row]:

@@ -315,6 +315,8 @@ def test_logits_workspace_is_reused_only_when_free():
     for n, p in model.named_parameters():
         if n in grads_two_steps:
             torch.testing.assert_close(p.grad, grads_two_steps[n], rtol=1e-5, atol=1e-6, msg=n)
+    model.release_buffers()
+    assert model._logits_workspace._buf is None
     clone = copy.deepcopy(model)  # the workspace (a lock, a buffer) is not copied
     assert clone._logits_workspace is not model._logits_workspace
     torch.testing.assert_close(

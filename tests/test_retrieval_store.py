@@ -48,7 +48,10 @@ def test_formats(tmp_path):
 def test_format_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"title": "no text"}\n')
-    with pytest.raises(ValueError, match="line 1.*\"text\" field"):
+    with pytest.raises(ValueError, match="bad.jsonl:1: .*\"text\" field"):
+        list(read_passages(bad))
+    bad.write_text('{"text": "ok"}\n\n{"text": \n')
+    with pytest.raises(ValueError, match="bad.jsonl:3: malformed JSON"):
         list(read_passages(bad))
     with pytest.raises(ValueError, match="cannot tell the format"):
         read_passages(_touch(tmp_path / "x.csv"))

@@ -13,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from rag_fast._jsonl import read_objects
+
 
 @dataclass(frozen=True)
 class QAExample:
@@ -41,27 +43,17 @@ def _answers(value, where: str) -> tuple[str, ...]:
 
 def _from_jsonl(path: str) -> list[QAExample]:
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: malformed JSON line ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            question = obj.get("question")
-            if not isinstance(question, str) or not question.strip():
-                raise DatasetError(f"{where}: missing or empty 'question'")
-            raw = obj.get("answers", obj.get("answer"))
-            label = obj.get("label")
-            if raw is None and label is None:
-                raise DatasetError(f"{where}: missing 'answers'")
-            answers = _answers(raw if raw is not None else str(label), where)
-            extra = {k: v for k, v in obj.items() if k not in ("question", "answers", "answer", "label")}
-            examples.append(QAExample(question, answers, None if label is None else str(label), extra))
+    for _, where, obj in read_objects(path, DatasetError):
+        question = obj.get("question")
+        if not isinstance(question, str) or not question.strip():
+            raise DatasetError(f"{where}: missing or empty 'question'")
+        raw = obj.get("answers", obj.get("answer"))
+        label = obj.get("label")
+        if raw is None and label is None:
+            raise DatasetError(f"{where}: missing 'answers'")
+        answers = _answers(raw if raw is not None else str(label), where)
+        extra = {k: v for k, v in obj.items() if k not in ("question", "answers", "answer", "label")}
+        examples.append(QAExample(question, answers, None if label is None else str(label), extra))
     return examples
 
 

@@ -10,9 +10,11 @@ the fused beam step (rag_fast.ops.rag_token_beam_step); ties anywhere go to the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
 from rag_fast.reference_decoding import select_top
 
 NEG = -1.0e9  # the "excluded" score transformers uses (not -inf: it must stay orderable)
@@ -255,3 +257,30 @@ class BeamState:
         lengths = self.finished_len[:, :R]
         width = 1 + int(lengths.max()) if lengths.numel() else 1
         return self.finished[:, :R, :width], self.finished_scores[:, :R]
+
+
+def beam_search(
+    state: BeamState,
+    step_logits: Callable[[torch.Tensor, int], torch.Tensor],
+    log_prior: torch.Tensor,
+    ban: MinLengthBias,
+    reorder: Callable[[torch.Tensor, int], None],
+    impl: str,
+) -> BeamState:
+    """Run ``state`` to the end: per step, ``step_logits(last tokens [B, W], position)`` gives
+    the ``[B, W, K, V]`` logits, the fused beam step (or a forced token) picks the candidates,
+    and ``reorder(sources [B, W], cur_len)`` moves the decoder cache after the beams."""
+    s = state.s
+    while not state.done:
+        t = state.cur_len
+        logits = step_logits(state.running[:, :, t - 1], t - 1)
+        forced = forced_token(s, t)
+        if forced is not None:
+            cand = forced_candidates(state.running_scores, forced)
+        else:
+            cand = rag_token_beam_step(logits, log_prior, state.running_scores, ban.at(t),
+                                       impl=impl)
+        sources = state.advance(*cand)
+        if not state.done:
+            reorder(sources, t)
+    return state

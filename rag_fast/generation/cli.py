@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from rag_fast._jsonl import read_objects
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` sub-command (sets ``func``)."""
@@ -58,15 +60,9 @@ def read_questions(args) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"--questions: no such file {path}")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str):
-            raise ValueError(f"{path}:{n}: expected an object with a string 'question'")
+    for _, where, row in read_objects(path):
+        if not isinstance(row.get("question"), str):
+            raise ValueError(f"{where}: expected an object with a string 'question'")
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no questions")

@@ -35,7 +35,7 @@ from rag_fast.generation._search import (
     BeamState,
     DecodingSettings,
     MinLengthBias,
-    forced_candidates,
+    beam_search,
     forced_token,
     settings_from,
 )
@@ -207,24 +207,16 @@ def _greedy_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings
 
 def _beam_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings, E: int, impl: str):
     W, V, device = s.num_beams, dec.vocab_size, cross.keys[0].device
-    state = BeamState(E, s, device)
     cache = dec.new_cache(E * W, s.max_length)
-    prior = torch.zeros((E, 1), device=device)
     base = (torch.arange(E, device=device) * W)[:, None]
-    ban = MinLengthBias(s, E * W, V, device)
-    while not state.done:
-        t = state.cur_len
-        hidden = dec.step(state.running[:, :, t - 1].reshape(-1), t - 1, cache, cross, Q=W)
-        logits = dec.logits(hidden).view(E, W, 1, V)
-        forced = forced_token(s, t)
-        if forced is not None:
-            cand = forced_candidates(state.running_scores, forced)
-        else:
-            cand = rag_token_beam_step(logits, prior, state.running_scores,
-                                       ban.at(t), impl=impl)
-        sources = state.advance(*cand)
-        if not state.done:
-            dec.reorder_cache(cache, (base + sources).reshape(-1), t)
+
+    def step_logits(last, pos):  # each (question, passage) pair is its own search, K = 1
+        return dec.logits(dec.step(last.reshape(-1), pos, cache, cross, Q=W)).view(E, W, 1, V)
+
+    state = beam_search(
+        BeamState(E, s, device), step_logits, torch.zeros((E, 1), device=device),
+        MinLengthBias(s, E * W, V, device),
+        lambda sources, t: dec.reorder_cache(cache, (base + sources).reshape(-1), t), impl)
     lengths = state.finished_len
     # Undo the length penalty: the summed log-probability of each finished hypothesis.
     logp = state.finished_scores * lengths.clamp(min=1).float() ** s.length_penalty

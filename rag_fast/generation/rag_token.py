@@ -21,7 +21,7 @@ from rag_fast.generation._search import (
     BeamState,
     DecodingSettings,
     MinLengthBias,
-    forced_candidates,
+    beam_search,
     forced_token,
     settings_from,
 )
@@ -110,23 +110,15 @@ def _greedy(dec: BartDecoder, cross, log_prior, s: DecodingSettings, B: int, K: 
 
 def _beam(dec: BartDecoder, cross, log_prior, s: DecodingSettings, B: int, K: int, impl: str):
     W, V, device = s.num_beams, dec.vocab_size, log_prior.device
-    state = BeamState(B, s, device)
     cache = dec.new_cache(B * K * W, s.max_length)
     base = (torch.arange(B * K, device=device) * W).view(B, K, 1)
-    ban = MinLengthBias(s, B * W, V, device)
-    while not state.done:
-        t = state.cur_len
-        logits = _step_logits(dec, state.running[:, :, t - 1], t - 1, cache, cross, B, K, W)
-        forced = forced_token(s, t)
-        if forced is not None:
-            cand = forced_candidates(state.running_scores, forced)
-        else:
-            cand = rag_token_beam_step(logits, log_prior, state.running_scores,
-                                       ban.at(t), impl=impl)
-        sources = state.advance(*cand)
-        if not state.done:
-            # Row (b, k, j) continues from row (b, k, sources[b, j]).
-            rows = (base + sources[:, None, :]).reshape(-1)
-            dec.reorder_cache(cache, rows, t)
+
+    def reorder(sources, t):  # row (b, k, j) continues from row (b, k, sources[b, j])
+        dec.reorder_cache(cache, (base + sources[:, None, :]).reshape(-1), t)
+
+    state = beam_search(
+        BeamState(B, s, device),
+        lambda last, pos: _step_logits(dec, last, pos, cache, cross, B, K, W),
+        log_prior, MinLengthBias(s, B * W, V, device), reorder, impl)
     seqs, _ = state.result()
     return seqs.reshape(B * s.num_return_sequences, -1)

@@ -205,13 +205,19 @@ class LogitsWorkspace:
         self._buf: torch.Tensor | None = None
         self._idle_uses = 0
 
-    @staticmethod
-    def _uses(t: torch.Tensor) -> int:
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    # How many references a storage has; without it (another torch) nothing is ever reused.
+    _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+    @classmethod
+    def _uses(cls, t: torch.Tensor) -> int:
+        return cls._use_count(t.untyped_storage()._cdata)
 
     def claim(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor of ``shape`` over the buffer (uninitialised), or over a new one."""
+        """A tensor of ``shape`` over the buffer (uninitialised), or over a new one. The buffer
+        grows to the largest step seen; :meth:`release` gives it back."""
         n = math.prod(shape)
+        if self._use_count is None:
+            return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:
             buf = self._buf
             if (buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device

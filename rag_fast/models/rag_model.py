@@ -180,6 +180,10 @@ class RagModel(nn.Module):
         # training steps reuse one logits buffer (see _seq2seq.LogitsWorkspace)
         self._logits_workspace = _seq2seq.LogitsWorkspace()
 
+    def release_buffers(self) -> None:
+        """Free the logits buffer that training steps reuse (it is rebuilt by the next step)."""
+        self._logits_workspace.release()
+
     # ----------------------------------------------------------------------------- config
     def options(self) -> dict:
         """The constructor options that define this model (saved with checkpoints)."""

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm.auto import tqdm
 
+from rag_fast._jsonl import read_objects
 from rag_fast.retrieval._files import (
     MANIFEST,
     RaggedArray,
@@ -95,20 +96,11 @@ def read_jsonl(path: str | Path) -> Iterator[Passage]:
     Raises:
         ValueError: a line that is not a JSON object with a ``text`` field, naming file and line.
     """
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"passages file {str(path)!r} line {number + 1}: invalid JSON ({exc})") from None
-            if not isinstance(obj, dict) or "text" not in obj:
-                raise ValueError(
-                    f"passages file {str(path)!r} line {number + 1}: expected an object with a "
-                    '"text" field (and optional "title", "id")'
-                )
-            yield Passage(str(obj.get("id", number)), _clean(obj.get("title")), _clean(obj["text"]))
+    for number, where, obj in read_objects(path):
+        if "text" not in obj:
+            raise ValueError(f'{where}: expected an object with a "text" field (and optional '
+                             '"title", "id")')
+        yield Passage(str(obj.get("id", number - 1)), _clean(obj.get("title")), _clean(obj["text"]))
 
 
 def _split_all(passages: Iterable[Passage], words: int) -> Iterator[Passage]:
