@@ -2,8 +2,10 @@
 
 Runs every ``benchmarks/bench_*.py`` (each defines ``NAME`` and ``run(ctx) -> list[Row]``),
 prints one Markdown table per bench and writes all rows, with the machine's description, to
-``benchmarks/results/<device>-<time>.json``. ``--quick`` (the default) keeps the whole run
-within about 3 minutes on 2 CPU cores.
+``benchmarks/results/local/<device>-<time>.json`` (ignored by git, so running the benchmarks
+leaves the checkout clean; ``--out PATH`` writes elsewhere, e.g. a results file to commit next to
+``benchmarks/results/*.json``). ``--quick`` (the default) keeps the whole run within about 3
+minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+LOCAL_RESULTS = HERE / "results" / "local"  # in .gitignore
 sys.path.insert(0, str(HERE))
 
 from harness import Context, machine_description, markdown_table, write_json  # noqa: E402
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=None, metavar="NAME",
                         help="run only this bench (repeatable)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per provider")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/local/<device>-<time>.json)")
     args = parser.parse_args(argv)
 
     import torch
@@ -65,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"## {name}  ({time.perf_counter() - start:.0f} s)\n")
         print(markdown_table(rows) + "\n", flush=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = args.out or str(HERE / "results" / f"{args.device}-{stamp}.json")
+    out = args.out or str(LOCAL_RESULTS / f"{args.device}-{stamp}.json")
     write_json(out, all_rows, machine, vars(args))
-    print(f"results written to {out}")
+    note = "" if args.out else " (not tracked by git; --out PATH to choose)"
+    print(f"results written to {out}{note}")
     return 0
 
 

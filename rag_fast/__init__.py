@@ -6,7 +6,7 @@ Public API (the heavier parts are imported on first use):
     reference                                             the paper's math in plain PyTorch
     use_fused_losses                                      switch transformers' RAG models to them
     PassageStore, Encoder, DenseIndex, Retriever          retrieval (rag_fast.retrieval)
-    RagModel                                              RAG-Token / RAG-Sequence model
+    RagModel, build_rag_model, load_retriever             model directories, retrieval, answers
     rag_token_generate, rag_sequence_generate             decoding (rag_fast.generation)
     Trainer, TrainConfig, evaluate                        training and evaluation
 """
@@ -26,6 +26,8 @@ _LAZY = {
     "DenseIndex": "rag_fast.retrieval",
     "Retriever": "rag_fast.retrieval",
     "RagModel": "rag_fast.models",
+    "build_rag_model": "rag_fast.models",
+    "load_retriever": "rag_fast.models",
     "rag_token_generate": "rag_fast.generation",
     "rag_sequence_generate": "rag_fast.generation",
     "Trainer": "rag_fast.training",

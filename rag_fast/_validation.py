@@ -140,3 +140,28 @@ def reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "sum":
         return loss.sum()
     return loss.mean()
+
+
+def check_context_length(context_input_ids: torch.Tensor, max_positions: int | None) -> None:
+    """Contexts ``[N, S]`` must fit the generator's position embeddings (S <= max_positions);
+    past them a decoder indexes out of its position table."""
+    if max_positions is not None and context_input_ids.shape[-1] > max_positions:
+        raise ValueError(
+            f"context_input_ids have {context_input_ids.shape[-1]} tokens but the generator has "
+            f"{max_positions} positions (config.max_position_embeddings); truncate the contexts "
+            f"(tokenizer truncation=True, max_length={max_positions}, or RagModel's "
+            "max_context_length)")
+
+
+def check_decoding_scores(doc_scores: torch.Tensor, questions=None) -> None:
+    """Passage scores ``[B, K]`` for decoding: finite or ``-inf`` (a missing passage), and at
+    least one finite score per question; errors name the question (its text if given)."""
+    bad_nan = torch.isnan(doc_scores) | torch.isposinf(doc_scores)
+    none_finite = ~torch.isfinite(doc_scores).any(dim=1)
+    for b in range(doc_scores.shape[0]):
+        if bool(bad_nan[b].any()) or bool(none_finite[b]):
+            name = f"question {b}" + (f" ({questions[b]!r})" if questions is not None else "")
+            row = [round(float(v), 4) for v in doc_scores[b].tolist()]
+            what = ("a NaN or +inf passage score" if bool(bad_nan[b].any())
+                    else "no passage with a finite score (all -inf: nothing retrieved)")
+            raise ValueError(f"doc_scores: {name} has {what}: {row}")

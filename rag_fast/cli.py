@@ -3,10 +3,14 @@
     rag-fast index build --passages FILE --encoder NAME [--preset ivfpq] --out DIR [--shard i/n]
     rag-fast index search DIR "question" [-k 5]
     rag-fast index info DIR
+    rag-fast init --index DIR --generator NAME|CONFIG.json --out MODEL_DIR
+    rag-fast train --config FILE [--model MODEL_DIR] [--output-dir RUN_DIR]
+    rag-fast eval --data dev.jsonl --model RUN_DIR [--out EVAL_DIR]
+    rag-fast generate --model RUN_DIR --question "..."
 
 Each top-level command is a registrar in :data:`COMMANDS` that adds its sub-parser and sets
-``func``; a new command (``train``, ``eval``, ``generate``) is one more ``@command`` function.
-Errors the user can fix (bad arguments, missing or corrupt files) print one line and exit 2.
+``func``. Errors the user can fix (bad arguments, missing or corrupt files) print one line and
+exit 2. Third-party logs and progress bars are off unless ``--verbose``.
 
 An index directory holds ``manifest.json`` (the encoder and the checksums of the parts),
 ``passages/`` (a PassageStore) and ``index/`` (a DenseIndex). It is assembled under a
@@ -229,7 +233,14 @@ def _index_info(args) -> int:
     return 0
 
 
-# ---- train, eval, generate: registrars live beside their code ------------------------------
+# ---- init, train, eval, generate: registrars live beside their code ------------------------
+@command("init")
+def _register_init(subparsers: argparse._SubParsersAction) -> None:
+    from rag_fast.models.build import register
+
+    register(subparsers)
+
+
 @command("train")
 def _register_train(subparsers: argparse._SubParsersAction) -> None:
     from rag_fast.training.cli import register
@@ -252,8 +263,33 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ---- entry point ---------------------------------------------------------------------------
+def _quiet_third_party() -> None:
+    """The command's own output only: transformers' and the hub's logs and bars off."""
+    import warnings
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - a dependency
+        pass
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover
+        pass
+    warnings.filterwarnings("ignore", module="transformers")
+    warnings.filterwarnings("ignore", module="huggingface_hub")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rag-fast", description="Fast Retrieval-Augmented Generation.")
+    parser = argparse.ArgumentParser(
+        prog="rag-fast", description="Fast Retrieval-Augmented Generation. The workflow: "
+        "index build -> init -> train -> eval -> generate, each reading what the one before wrote.")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show third-party logs and progress bars (transformers, hub)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for register in COMMANDS.values():
         register(subparsers)
@@ -263,10 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from rag_fast.retrieval._files import StorageError
 
+    from rag_fast._quiet import set_verbose
+
     args = build_parser().parse_args(argv)
+    set_verbose(args.verbose)
+    if not args.verbose:
+        _quiet_third_party()
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, StorageError) as exc:
+    except (ValueError, OSError, StorageError) as exc:
         print(f"rag-fast: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -2,6 +2,7 @@
 
 Prints versions (rag_fast, torch, transformers, faiss, triton) and which backends are usable:
 the C++ extension with its SIMD level and thread count, Triton, CUDA and faiss GPU support.
+Without the extension it ends with why (e.g. a source checkout was imported) and the fix.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import importlib.metadata
 import os
 import platform
 import sys
+import warnings
 
 
 def _version(dist: str) -> str:
@@ -58,7 +60,7 @@ def collect() -> dict[str, str]:
         info["C++ SIMD level"] = C.simd_level()
         info["C++ threads"] = str(C.num_threads())
     else:
-        info["C++ extension"] = f"UNAVAILABLE ({_ext.error()})"
+        info["C++ extension"] = f"UNAVAILABLE ({_ext.error()}), see WARNING below"
     info["Triton kernels"] = triton_usable
     if torch.cuda.is_available():
         info["CUDA"] = f"yes ({torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} devices)"
@@ -71,10 +73,16 @@ def collect() -> dict[str, str]:
 
 
 def main() -> None:
-    info = collect()
+    from rag_fast import _ext
+
+    with warnings.catch_warnings():  # the extension's warning is printed below, in full
+        warnings.filterwarnings("ignore", message=r"rag_fast C\+\+ extension unavailable")
+        info = collect()
     width = max(len(k) for k in info)
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
+    if _ext.diagnosis() is not None:
+        print(f"\nWARNING: {_ext.diagnosis()}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The RAG equations in plain PyTorch: the oracle of every test and the fallback of every op.
 
-Notation (see DESIGN.md): B questions, K passages each, T target positions, V vocabulary.
+Notation (docs/design.md, "Notation"): B questions, K passages each, T target positions,
+V vocabulary.
 ``x[b,k,t,v]`` generator logits given passage k, ``s[b,k]`` passage scores, ``y[b,t]`` targets
 aligned with the logits (the caller shifts), ``m[b,t] = (y != ignore_index)``.
 

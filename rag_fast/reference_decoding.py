@@ -1,6 +1,6 @@
 """The RAG-Token beam step in plain PyTorch: oracle of the beam-step kernels and their fallback.
 
-For question b, beam j, passage k, token v (DESIGN.md, "RAG-Token beam step"):
+For question b, beam j, passage k, token v (docs/design.md, "RAG-Token beam step"):
 
     L[b,j,k]   = logsumexp_v x[b,j,k,v]                         row normaliser
     M[b,j,v]   = logsumexp_k (a[b,k] + x[b,j,k,v] - L[b,j,k])    marginal log-probs

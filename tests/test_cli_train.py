@@ -92,8 +92,8 @@ def test_train_then_eval_commands(setup, capsys):
     root, index_dir, data = setup
     out = root / "run"
     config = {
-        "model": {"checkpoint": str(root / "model0")},
-        "retriever": {"path": str(index_dir)},
+        "model": str(root / "model0"),
+        "index": str(index_dir),
         "data": {"train": str(data), "eval": str(data)},
         "train": {"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3, "output_dir": str(out),
                   "checkpoint_every": 2, "eval_every": 3, "progress": False, "log_every": 1},
@@ -107,8 +107,39 @@ def test_train_then_eval_commands(setup, capsys):
     assert any(k.startswith("generator.") for k in changed)
     assert any(k.startswith("question_encoder.") for k in changed)  # trained jointly
     capsys.readouterr()
-    assert cli.main(["eval", "--data", str(data), "--model", str(out / "model"),
-                          "--retriever", str(index_dir), "--max-new-tokens", "3"]) == 0
-    metrics = json.loads(capsys.readouterr().out)
+    assert cli.main(["eval", "--data", str(data), "--model", str(out), "--out",
+                     str(root / "eval"), "--max-new-tokens", "3", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    metrics = json.loads((root / "eval" / "metrics.json").read_text())["metrics"]
+    assert f"{metrics['em']:.4f}" in printed
     assert {"em", "f1", "bleu1", "rougeL", "recall@2"} <= set(metrics)
     assert all(0.0 <= metrics[k] <= 1.0 for k in ("em", "recall@2"))
+
+
+def test_train_under_torchrun_with_two_gloo_processes(setup, tmp_path):
+    """`rag-fast train` under torchrun: one process per CPU rank (gloo), rank 0 writes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, index_dir, data = setup
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({
+        "model": str(root / "model0"), "index": str(index_dir), "data": {"train": str(data)},
+        "train": {"max_steps": 2, "micro_batch_size": 1, "lr": 1e-3, "progress": False,
+                  "log_every": 1},
+    }))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "rag_fast.cli", "train", "--config", str(config), "--output-dir", str(out),
+           "--device", "cpu"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=Path(__file__).parent, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("trained 2 steps") == 1  # rank 0 reports and saves
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    trained = RagModel.load(str(out))  # the output directory resolves to its model/
+    before = RagModel.load(str(root / "model0"))
+    assert not torch.equal(trained.generator.lm_head.weight, before.generator.lm_head.weight)

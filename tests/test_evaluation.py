@@ -96,10 +96,10 @@ def test_eval_subcommand_scores_predictions(tmp_path, capsys):
     data.write_text('{"question": "q1", "answers": ["Paris"]}\n{"question": "q2", "answers": ["b c"]}\n')
     preds = tmp_path / "p.txt"
     preds.write_text("paris\nb\n")
-    args = _parser().parse_args(["eval", "--data", str(data), "--predictions", str(preds)])
+    args = _parser().parse_args(["eval", "--data", str(data), "--predictions", str(preds), "--json"])
     assert args.func(args) == 0
     metrics = json.loads(capsys.readouterr().out)
-    assert metrics["em"] == 0.5 and metrics["f1"] == pytest.approx((1 + 2 / 3) / 2)
+    assert metrics["em"] == 0.5 and metrics["f1"] == round((1 + 2 / 3) / 2, 4)  # rounded
     preds.write_text("paris\n")
     with pytest.raises(ValueError, match="has 1 lines for 2 examples"):
         args.func(args)
@@ -109,7 +109,10 @@ def test_train_subcommand_config_errors(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text('{"model": {}, "train": {}}')
     args = _parser().parse_args(["train", "--config", str(cfg)])
-    with pytest.raises(ValueError, match="missing section 'data'"):
+    with pytest.raises(ValueError, match=r"c.json: model: expected a model directory"):
+        args.func(args)
+    cfg.write_text('{"model": "m", "train": {}}')
+    with pytest.raises(ValueError, match=r"c.json: data: expected \{'train': FILE"):
         args.func(args)
     cfg.write_text("{nope")
     with pytest.raises(ValueError, match="not valid JSON"):

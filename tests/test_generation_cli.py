@@ -42,12 +42,27 @@ def test_generate_jsonl(tmp_path, mode, capsys):
     ]
     questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     args = _parser().parse_args(["generate", "--model", str(tmp_path / "model"), "--questions",
-                                 str(questions), "--n-docs", "2", "--num-beams", "2",
-                                 "--max-new-tokens", "4"])
+                                 str(questions), "--num-beams", "2", "--max-new-tokens", "4",
+                                 "--device", "cpu"])
     assert args.func(args) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["question"] for x in lines] == ["w5 w6", "w12"]
     assert all(isinstance(x["answer"], str) for x in lines)
+    # the passages and scores each answer used; the missing second passage is not listed
+    assert [p["title"] for p in lines[0]["passages"]] == ["w7", "w10"]
+    assert [p["score"] for p in lines[0]["passages"]] == [1.0, 0.5]
+    assert [p["title"] for p in lines[1]["passages"]] == ["w13"]
+    # the same answers as the Python API on the same contexts and scores
+    from rag_fast.models import RagModel
+
+    ours = RagModel.load(str(tmp_path / "model"))
+    ctx = ours.build_contexts(["w5 w6"], [rows[0]["passages"]])
+    import torch
+
+    direct = ours.generate(context_input_ids=ctx["input_ids"],
+                           context_attention_mask=ctx["attention_mask"],
+                           doc_scores=torch.tensor([[1.0, 0.5]]), num_beams=2, max_new_tokens=4)
+    assert direct.texts[0] == lines[0]["answer"]
 
 
 def test_bad_question_files(tmp_path):
@@ -56,8 +71,15 @@ def test_bad_question_files(tmp_path):
     args = _parser().parse_args(["generate", "--model", str(tmp_path), "--questions", str(bad)])
     with pytest.raises(ValueError, match="string 'question'"):
         cli.read_questions(args)
-    args = _parser().parse_args(["generate", "--model", str(tmp_path), "--question", "q"])
-    with pytest.raises(ValueError, match="no passages"):
+    model = tiny_hf_rag("token", n_docs=2, vocab_size=40, d_model=16)
+    model.save_pretrained(tmp_path / "model")
+    _tokenizer(40).save_pretrained(tmp_path / "model")
+    args = _parser().parse_args(["generate", "--model", str(tmp_path / "model"), "--question", "q"])
+    with pytest.raises(ValueError, match="no passages: give --index"):
+        cli.run(args)
+    (tmp_path / "empty").mkdir()
+    args = _parser().parse_args(["generate", "--model", str(tmp_path / "empty"), "--question", "q"])
+    with pytest.raises(ValueError, match="not a model directory"):
         cli.run(args)
 
 

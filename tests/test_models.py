@@ -98,14 +98,14 @@ def test_own_checkpoint_roundtrip_and_verification(mode, tmp_path):
     loaded = RagModel.load(str(path))
     assert loaded.options() == ours.options()
     torch.testing.assert_close(_losses(_hf(mode), loaded, *inputs)[1], before)
-    with open(path / "weights.pt", "r+b") as f:  # flip a byte
+    with open(path / "model.safetensors", "r+b") as f:  # flip a byte
         f.seek(100)
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(CheckpointError, match="corrupt: weights.pt"):
+    with pytest.raises(CheckpointError, match="corrupt: model.safetensors does not match"):
         RagModel.load(str(path))
-    with pytest.raises(CheckpointError, match="not a rag_fast model checkpoint"):
+    with pytest.raises(CheckpointError, match="not a model directory: no config.json"):
         RagModel.load(str(tmp_path))
 
 

@@ -1,5 +1,5 @@
-"""rag_fast.reference against transformers' RAG methods and against DESIGN.md's closed-form
-gradients, in float64."""
+"""rag_fast.reference against transformers' RAG methods and against the closed-form
+gradients of docs/design.md ("Gradients"), in float64."""
 from __future__ import annotations
 
 import math
@@ -90,11 +90,11 @@ def test_sequence_prior_kept_where_transformers_drops_it(hf_sequence):
     torch.testing.assert_close(theirs, uniform - math.log(3))
 
 
-# ---- gradients against DESIGN.md's closed forms ------------------------------------------
+# ---- gradients against the closed forms of docs/design.md, "Gradients" ---------------
 
 
 def _closed_form(logits4, scores, y, eps, mode):
-    """d loss / d x and d loss / d s for upstream 1 per question, from DESIGN.md."""
+    """d loss / d x and d loss / d s for upstream 1 per question (docs/design.md, "Gradients")."""
     V = logits4.shape[-1]
     m = (y != -100).double()[:, None, :, None]  # [B,1,T,1]
     safe = y.clamp(min=0)

@@ -1,4 +1,4 @@
-"""The one tolerance rule (STYLE.md 3) and shared test helpers.
+"""The one tolerance rule and the helpers the tests share.
 
 A kernel's error against the float64 reference may be at most twice the error of the plain
 PyTorch version computed in the same dtype, plus a small floor per dtype.

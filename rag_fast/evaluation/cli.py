@@ -1,52 +1,130 @@
-"""``rag-fast eval``: score predictions, or a RagModel, on a JSONL/TSV dataset.
+"""``rag-fast eval``: score a model directory, or a file of predictions, on a QA dataset.
 
-    rag-fast eval --data dev.jsonl --predictions preds.txt          one answer per line
-    rag-fast eval --data dev.jsonl --model DIR --retriever DIR      greedy answers of a model
+    rag-fast eval --data dev.jsonl --model DIR [--index DIR] [--out DIR]   answers of a model
+    rag-fast eval --data dev.jsonl --predictions preds.txt                 one answer per line
 
-Prints the metrics as JSON (em, f1, bleu1, rougeL; recall@K with a model; accuracy when the
-dataset has labels).
+With a model, ``--out`` (default ``eval-<data name>``) receives ``predictions.jsonl`` (per
+question: the question, the gold answers, the prediction, its EM and F1, and the retrieved
+passages' titles and scores) and ``metrics.json`` (EM, F1, BLEU-1, ROUGE-L, recall@K, rounded
+to 4 digits); the metrics are printed as a table. ``--model`` may be a model directory or the
+``output_dir`` of ``rag-fast train``; ``--index`` defaults to the index the model records.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
+
+
+def _round(metrics: dict) -> dict:
+    return {k: round(float(v), 4) for k, v in metrics.items()}
+
+
+def _print_metrics(metrics: dict, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps(metrics))
+        return
+    width = max(len(k) for k in metrics)
+    for key, value in metrics.items():
+        print(f"{key:<{width}}  {value:.4f}")
+
+
+def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def load_model_for_cli(model_dir: str, index: str | None, device: str | None):
+    """A model directory with its retriever (``index``, else the one the model records) on
+    ``device`` (default: CUDA when available), for ``eval`` and ``generate``."""
+    import torch
+
+    from rag_fast.models import RagModel
+    from rag_fast.models.retriever_io import load_retriever
+
+    model = RagModel.load(model_dir)
+    index = index or model.index_path
+    if index is None:
+        raise ValueError(f"--model {model_dir!r} records no index directory: pass --index DIR")
+    if not os.path.isdir(index):
+        raise FileNotFoundError(f"index directory {index!r} does not exist (the model records it;"
+                                " pass --index DIR if it moved)")
+    model.retriever = load_retriever(index, n_docs=model.n_docs)
+    model.index_path = index
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    return model.to(device).eval()
 
 
 def run(args: argparse.Namespace) -> int:
     from rag_fast.evaluation import answer_metrics, evaluate, label_accuracy, load_qa
+    from rag_fast.evaluation.metrics import exact_match_one, f1_one
 
-    examples = load_qa(args.data)
     if (args.predictions is None) == (args.model is None):
         raise ValueError("give exactly one of --predictions FILE and --model DIR")
+    examples = load_qa(args.data)
+    answers = [list(e.answers) for e in examples]
     if args.predictions is not None:
         with open(args.predictions, encoding="utf-8") as f:
             predictions = [line.rstrip("\n") for line in f]
         if len(predictions) != len(examples):
             raise ValueError(f"{args.predictions} has {len(predictions)} lines for "
                              f"{len(examples)} examples in {args.data}")
-        metrics = answer_metrics(predictions, [list(e.answers) for e in examples])
+        metrics = answer_metrics(predictions, answers)
         if all(e.label is not None for e in examples):
             metrics["accuracy"] = label_accuracy(predictions, [e.label for e in examples])
-    else:
-        from rag_fast.models import RagModel
-        from rag_fast.training.cli import load_retriever
+        _print_metrics(_round(metrics), args.json)
+        return 0
 
-        retriever = load_retriever({"path": args.retriever} if args.retriever else None)
-        model = RagModel.load(args.model, retriever=retriever)
-        metrics = evaluate(model, examples, batch_size=args.batch_size,
-                           max_new_tokens=args.max_new_tokens).metrics
-    print(json.dumps(metrics, indent=1))
+    model = load_model_for_cli(args.model, args.index, args.device)
+    result = evaluate(model, examples, batch_size=args.batch_size,
+                      max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+    out = Path(args.out or f"eval-{Path(args.data).stem}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for e, prediction, passages, scores in zip(examples, result.predictions, result.passages,
+                                               result.doc_scores):
+        rows.append({
+            "question": e.question, "answers": list(e.answers), "prediction": prediction,
+            "em": exact_match_one(prediction, e.answers), "f1": round(f1_one(prediction, e.answers), 4),
+            "passages": [{"title": getattr(p, "title", ""), "id": getattr(p, "id", None),
+                          "score": round(float(s), 4)} for p, s in zip(passages, scores)],
+        })
+    _write_jsonl_atomic(out / "predictions.jsonl", rows)
+    metrics = _round(result.metrics)
+    tmp = out / f"metrics.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"data": str(args.data), "model": str(args.model),
+                               "examples": len(examples), "metrics": metrics}, indent=1) + "\n")
+    os.replace(tmp, out / "metrics.json")
+    _print_metrics(metrics, args.json)
+    if args.json:
+        return 0
+    print(f"{len(rows)} predictions: {out / 'predictions.jsonl'}; metrics: {out / 'metrics.json'}")
     return 0
+
+
+_DESCRIPTION = __doc__.splitlines()[0].replace("``", "")
 
 
 def register(subparsers) -> None:
     """Add ``eval`` to the ``rag-fast`` command's subparsers."""
-    p = subparsers.add_parser("eval", help="evaluate answers (EM, F1, BLEU-1, ROUGE-L, ...)",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser("eval", help="evaluate a model or predictions (EM, F1, BLEU-1, "
+                              "ROUGE-L, recall@K)", description=_DESCRIPTION)
     p.add_argument("--data", required=True, help="JSONL (question, answers) or TSV dataset")
     p.add_argument("--predictions", help="one predicted answer per line, in dataset order")
-    p.add_argument("--model", help="a RagModel checkpoint directory")
-    p.add_argument("--retriever", help="retriever directory (rag_fast.retrieval)")
+    p.add_argument("--model", metavar="DIR", help="model directory (or rag-fast train's output)")
+    p.add_argument("--index", metavar="DIR", default=None,
+                   help="index directory (default: the one the model records)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="where predictions.jsonl and metrics.json go (default eval-<data name>)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=run)

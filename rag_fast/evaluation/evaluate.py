@@ -12,9 +12,12 @@ from rag_fast.evaluation.metrics import answer_metrics, label_accuracy, retrieva
 
 @dataclass
 class EvalResult:
+    """metrics; per question: the predicted answer, the passages retrieved and their scores."""
+
     metrics: dict
     predictions: list[str]
     passages: list[list]
+    doc_scores: list[list[float]]
 
 
 def evaluate(
@@ -23,8 +26,11 @@ def evaluate(
     *,
     batch_size: int = 16,
     max_new_tokens: int = 16,
+    progress: bool = False,
 ) -> EvalResult:
     """Greedy answers of ``model`` (a RagModel with a retriever and tokenizers) on ``examples``.
+
+    ``progress``: a progress bar over the questions (stderr).
 
     Returns metrics ``em``, ``f1``, ``bleu1``, ``rougeL``, ``recall@K`` (an answer string in one
     of the K retrieved passages) and ``accuracy`` when examples carry labels.
@@ -38,7 +44,12 @@ def evaluate(
         raise ValueError("no examples to evaluate (empty dataset)")
     was_training = model.training
     model.eval()
-    predictions, passages = [], []
+    predictions, passages, scores = [], [], []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(examples), desc="eval", unit="q", dynamic_ncols=True)
     try:
         with torch.no_grad():
             for start in range(0, len(examples), batch_size):
@@ -46,11 +57,16 @@ def evaluate(
                 out = greedy_decode(model, [e.question for e in batch], max_new_tokens=max_new_tokens)
                 predictions += out.texts
                 passages += out.passages
+                scores += out.doc_scores.float().cpu().tolist()
+                if bar is not None:
+                    bar.update(len(batch))
     finally:
         model.train(was_training)
+        if bar is not None:
+            bar.close()
     answers = [list(e.answers) for e in examples]
     metrics = answer_metrics(predictions, answers)
     metrics[f"recall@{model.n_docs}"] = retrieval_recall(passages, answers)
     if all(e.label is not None for e in examples):
         metrics["accuracy"] = label_accuracy(predictions, [e.label for e in examples])
-    return EvalResult(metrics, predictions, passages)
+    return EvalResult(metrics, predictions, passages, scores)

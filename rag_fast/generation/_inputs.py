@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rag_fast._validation import check_context_length, check_decoding_scores
 from rag_fast.generation._decoder import check_generator
 
 
@@ -31,7 +32,9 @@ def resolve_inputs(
     """Accept a ``transformers`` RAG model (``.rag.generator``) or a bare seq2seq generator.
 
     Raises:
-        ValueError: shapes that disagree, non-integer ids, a generator without an encoder.
+        ValueError: shapes that disagree, non-integer ids, a generator without an encoder,
+            contexts longer than the generator's positions, a NaN / +inf passage score or a
+            question whose passages all score -inf (named).
     """
     rag = getattr(model, "rag", None)
     generator = rag.generator if rag is not None else model
@@ -60,5 +63,10 @@ def resolve_inputs(
         context_attention_mask = torch.ones_like(context_input_ids)
     if tuple(context_attention_mask.shape) != tuple(context_input_ids.shape):
         raise ValueError("context_attention_mask must have the shape of context_input_ids")
+    if doc_scores.dtype.is_floating_point is False:
+        raise ValueError(f"doc_scores must be floating point, got {doc_scores.dtype}")
+    check_decoding_scores(doc_scores)
+    positions = getattr(generator.config, "max_position_embeddings", None)
+    check_context_length(context_input_ids, int(positions) if positions else None)
     return GenerationInputs(generator, gen_config, rag_config, context_input_ids.long(),
                             context_attention_mask, doc_scores, B, K)

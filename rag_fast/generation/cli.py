@@ -1,20 +1,22 @@
-"""``rag-fast generate``: answer a question, or a JSONL file of questions, with a RAG model.
+"""``rag-fast generate``: answer a question, or a JSONL file of questions, with a model directory.
 
-    rag-fast generate --model DIR --question "who wrote hamlet?" --index INDEX_DIR
+    rag-fast generate --model DIR --question "who wrote hamlet?"
     rag-fast generate --model DIR --questions FILE.jsonl [--out answers.jsonl]
 
-``--model`` is a ``transformers`` RAG folder (``save_pretrained`` of RagTokenForGeneration or
-RagSequenceForGeneration; ``--mode`` picks the decoding, default from the folder's
-architecture) whose generator tokenizer is in ``DIR`` or ``DIR/generator_tokenizer``.
-Passages come from ``--index`` (an index directory of ``rag-fast index build``), or from each
-JSONL line: ``{"question": ..., "passages": [{"title": ..., "text": ...}, ...],
-"scores": [...]}``. Contexts are joined as ``title / text // question``, as the Hugging Face
-retriever does. One JSON line per question is printed (or written to ``--out``).
+``--model`` is a model directory (``rag-fast init`` / ``train``, or the ``output_dir`` of
+``train``, or any ``transformers`` RAG folder). Questions are embedded with the model's own
+question encoder and passages retrieved from ``--index`` (default: the index the model records)
+with the model's ``n_docs``; RAG-Token or RAG-Sequence decoding follows the model's mode.
+Without an index, each JSONL line may bring its passages:
+``{"question": ..., "passages": [{"title": ..., "text": ...}, ...], "scores": [...]}`` (scores
+default to equal). One JSON line per question is printed (or written to ``--out``):
+``{"question", "answer", "passages": [{"title", "score"}, ...]}``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,25 +25,25 @@ from rag_fast._jsonl import read_objects
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` sub-command (sets ``func``)."""
-    p = subparsers.add_parser("generate", help="answer questions with RAG-Token/RAG-Sequence")
+    p = subparsers.add_parser("generate", help="answer questions with a model directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--question", help="one question")
     src.add_argument("--questions", metavar="FILE", help="JSONL file, one {'question': ...} a line")
-    p.add_argument("--model", required=True, metavar="DIR", help="transformers RAG model folder")
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="generator tokenizer (default: DIR/generator_tokenizer, else DIR)")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="model directory (rag-fast init/train, or a transformers RAG folder)")
     p.add_argument("--index", metavar="DIR", default=None,
-                   help="index directory to retrieve passages from (else from the JSONL)")
-    p.add_argument("--mode", choices=["token", "sequence"], default=None,
-                   help="RAG-Token or RAG-Sequence decoding (default: the model's kind)")
+                   help="index directory (default: the one the model records; else passages "
+                        "from the JSONL)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="generator tokenizer, when the model directory has none")
     p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough",
                    help="RAG-Sequence decoding (default thorough)")
-    p.add_argument("--n-docs", type=int, default=5, help="passages per question (default 5)")
     p.add_argument("--num-beams", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8, help="questions decoded together")
-    p.add_argument("--max-context-tokens", type=int, default=300)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--out", metavar="FILE", default=None, help="write JSONL here (default stdout)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
@@ -61,94 +63,115 @@ def read_questions(args) -> list[dict]:
         raise FileNotFoundError(f"--questions: no such file {path}")
     rows = []
     for _, where, row in read_objects(path):
-        if not isinstance(row.get("question"), str):
-            raise ValueError(f"{where}: expected an object with a string 'question'")
+        if not isinstance(row.get("question"), str) or not row["question"].strip():
+            raise ValueError(f"{where}: expected an object with a non-empty string 'question'")
+        if "passages" in row and not (isinstance(row["passages"], list) and all(
+                isinstance(p, dict) and isinstance(p.get("text"), str) for p in row["passages"])):
+            raise ValueError(f"{where}: 'passages' must be a list of {{'title', 'text'}} objects")
+        if "scores" in row and not (isinstance(row["scores"], list) and all(
+                isinstance(s, (int, float)) for s in row["scores"])
+                and len(row["scores"]) == len(row.get("passages", []))):
+            raise ValueError(f"{where}: 'scores' must be a list of numbers, one per passage")
+        row["where"] = where
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no questions")
     return rows
 
 
-def _retrieve(rows: list[dict], index_dir: str | None, k: int) -> None:
-    """Fill each row's "passages" and "scores" from the index (when given) and check them."""
-    if index_dir is not None:
-        from rag_fast.cli import _load_bundle
-        from rag_fast.retrieval.encoders import Encoder
-
-        manifest, store, index = _load_bundle(index_dir)
-        spec = manifest["query_encoder"]
-        encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],
-                          max_length=spec["max_length"])
-        q = encoder.encode_queries([r["question"] for r in rows])
-        scores, ids = index.search(q, k)
-        for r, srow, irow in zip(rows, scores.tolist(), ids.tolist()):
-            found = [(s, store[i]) for s, i in zip(srow, irow) if i >= 0]
-            r["passages"] = [{"title": p.title, "text": p.text} for _, p in found]
-            r["scores"] = [s for s, _ in found]
-    for n, r in enumerate(rows, 1):
-        if not r.get("passages"):
-            raise ValueError(f"question {n} has no passages: give --index or 'passages' in the JSONL")
-
-
-def _batch_inputs(rows: list[dict], k: int, tokenizer, max_tokens: int, prefix: str):
-    """``context_input_ids [B*k, S]``, mask, ``doc_scores [B, k]``; missing passages get -inf."""
+def _load(args):
     import torch
 
-    texts, scores = [], []
-    for r in rows:
-        passages = list(r["passages"])[:k]
-        given = r.get("scores") or [0.0] * len(passages)
-        for i in range(k):
-            p = passages[i] if i < len(passages) else {"title": "", "text": ""}
-            texts.append(join_context(p.get("title", ""), p.get("text", ""), r["question"], prefix))
-            scores.append(float(given[i]) if i < len(passages) else float("-inf"))
-    enc = tokenizer(texts, max_length=max_tokens, truncation=True, padding=True, return_tensors="pt")
-    doc_scores = torch.tensor(scores, dtype=torch.float32).view(len(rows), k)
-    return enc["input_ids"], enc["attention_mask"], doc_scores
+    from rag_fast.evaluation.cli import load_model_for_cli
+    from rag_fast.models import RagModel
+    from rag_fast.models.checkpoint import resolve_model_dir
 
-
-def _load(args):
-    from transformers import AutoConfig, AutoTokenizer, RagSequenceForGeneration
-    from transformers import RagTokenForGeneration
-
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
+    model_dir = resolve_model_dir(args.model)
+    if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model: no such directory {model_dir}")
-    config = AutoConfig.from_pretrained(model_dir)
-    archs = getattr(config, "architectures", None) or []
-    mode = args.mode or ("sequence" if "RagSequenceForGeneration" in archs else "token")
-    cls = RagSequenceForGeneration if mode == "sequence" else RagTokenForGeneration
-    model = cls.from_pretrained(model_dir).eval()
-    tok_dir = args.tokenizer or (model_dir / "generator_tokenizer"
-                                 if (model_dir / "generator_tokenizer").is_dir() else model_dir)
-    return model, AutoTokenizer.from_pretrained(tok_dir), mode
+    model = RagModel.load(model_dir)
+    if args.index is not None or model.index_path is not None:
+        model = load_model_for_cli(model_dir, args.index, args.device)
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = model.to(device).eval()
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        model.generator_tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    if model.generator_tokenizer is None:
+        raise ValueError(f"--model {model_dir} has no generator tokenizer: pass --tokenizer DIR")
+    return model
+
+
+def _batch_from_rows(model, rows: list[dict]):
+    """Contexts and scores of questions that bring their own passages (no index)."""
+    import torch
+
+    K = model.n_docs
+    passages, scores = [], []
+    for n, r in enumerate(rows):
+        found = list(r.get("passages") or [])[:K]
+        if not found:
+            raise ValueError(f"{r.get('where', f'question {n + 1}')}: no passages: give --index "
+                             "(or record one in the model) or 'passages' in the JSONL")
+        given = list(r.get("scores") or [0.0] * len(found))[:K]
+        passages.append(found)
+        scores.append(given + [float("-inf")] * (K - len(found)))
+    ctx = model.build_contexts([r["question"] for r in rows], passages)
+    doc_scores = torch.tensor(scores, dtype=torch.float32, device=ctx["input_ids"].device)
+    return ctx, doc_scores, passages
 
 
 def run(args) -> int:
-    from rag_fast.generation import rag_sequence_generate, rag_token_generate
-
-    if args.n_docs < 1 or args.batch_size < 1:
-        raise ValueError("--n-docs and --batch-size must be >= 1")
+    if args.batch_size < 1 or args.num_beams < 1 or args.max_new_tokens < 1:
+        raise ValueError("--batch-size, --num-beams and --max-new-tokens must be >= 1")
     rows = read_questions(args)
-    _retrieve(rows, args.index, args.n_docs)
-    model, tokenizer, mode = _load(args)
-    prefix = getattr(model.config.generator, "prefix", None) or ""
-    out = open(args.out, "w") if args.out else sys.stdout
+    model = _load(args)
+    settings = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
+    if model.mode == "sequence":
+        settings["decoding"] = args.decoding
+    bar = None
+    if args.out and not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
+    out = open(args.out + f".tmp-{os.getpid()}", "w", encoding="utf-8") if args.out else sys.stdout
     try:
         for start in range(0, len(rows), args.batch_size):
             batch = rows[start:start + args.batch_size]
-            ids, mask, scores = _batch_inputs(batch, args.n_docs, tokenizer,
-                                              args.max_context_tokens, prefix)
-            settings = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
-            if mode == "sequence":
-                answers = rag_sequence_generate(model, ids, mask, scores, decoding=args.decoding,
-                                                **settings)
+            questions = [r["question"] for r in batch]
+            if model.retriever is not None:
+                result = model.generate(questions, **settings)
             else:
-                answers = rag_token_generate(model, ids, mask, scores, **settings)
-            texts = tokenizer.batch_decode(answers, skip_special_tokens=True)
-            for r, text in zip(batch, texts):
-                out.write(json.dumps({"question": r["question"], "answer": text.strip()}) + "\n")
-    finally:
+                ctx, doc_scores, passages = _batch_from_rows(model, batch)
+                result = model.generate(questions, passages=None,
+                                        context_input_ids=ctx["input_ids"],
+                                        context_attention_mask=ctx["attention_mask"],
+                                        doc_scores=doc_scores, **settings)
+                result.passages = passages
+            for i, (r, text) in enumerate(zip(batch, result.texts)):
+                found = result.passages[i] if result.passages is not None else []
+                out.write(json.dumps({
+                    "question": r["question"], "answer": text,
+                    "passages": [{"title": _title(p), "score": round(float(s), 4)}
+                                 for p, s in zip(found, result.doc_scores[i].tolist())],
+                }, ensure_ascii=False) + "\n")
+            if bar is not None:
+                bar.update(len(batch))
+    except BaseException:
         if args.out:
             out.close()
+            os.remove(out.name)
+        raise
+    if args.out:
+        out.close()
+        os.replace(out.name, args.out)
+    if bar is not None:
+        bar.close()
+        print(f"{len(rows)} answers -> {args.out}", file=sys.stderr)
     return 0
+
+
+def _title(passage) -> str:
+    return passage.get("title", "") if isinstance(passage, dict) else getattr(passage, "title", "")

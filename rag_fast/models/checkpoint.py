@@ -1,14 +1,22 @@
-"""RagModel checkpoints: our own format, and loading ``transformers`` RAG checkpoints.
+"""The model directory: one format for ``RagModel.save/load``, every ``rag-fast`` command and
+``transformers``.
 
-Our format is a directory:
+A model directory is a ``transformers`` RAG folder plus one side file:
 
-    rag_fast_model.json    format version, RagModel options, each module's class and config,
-                           and the SHA-256 of every other file (the manifest)
-    weights.pt             state dict {"generator.*", "question_encoder.*"} (torch.save)
-    generator_tokenizer/   question_tokenizer/    when the model has them (save_pretrained)
+    config.json                  RagConfig (architectures: RagTokenForGeneration or
+                                 RagSequenceForGeneration; question encoder and generator configs)
+    generation_config.json       the RAG model's generation defaults
+    model.safetensors            weights, ``rag.question_encoder.*`` and ``rag.generator.*``
+    question_encoder_tokenizer/  generator_tokenizer/     as ``RagTokenizer.save_pretrained``
+    rag_fast.json                rag_fast's settings (pooling, normalisation, lengths, ...), the
+                                 index the model was trained with, and the size and SHA-256 of
+                                 every other file
 
-It is written into a temporary sibling directory and renamed into place, so a crash never
-leaves a half-written checkpoint under ``path``; loading checks every file against the manifest.
+So ``RagTokenForGeneration.from_pretrained(DIR)`` (or ``RagSequenceForGeneration``) opens a
+model rag_fast saved, and ``RagModel.load`` opens any ``transformers`` RAG folder (without
+``rag_fast.json`` the settings come from its RagConfig). Weights are safetensors: loading never
+runs code. A directory is written under a temporary name and renamed into place; loading
+checks every file against ``rag_fast.json`` and names the file that does not match.
 """
 from __future__ import annotations
 
@@ -21,15 +29,19 @@ from typing import Any
 
 import torch
 
+from rag_fast._quiet import quiet_transformers
 from rag_fast.models.rag_model import RagModel
 
-FORMAT = 1
-MANIFEST = "rag_fast_model.json"
-WEIGHTS = "weights.pt"
+FORMAT = 2
+KIND = "rag_fast.model"
+SIDE_FILE = "rag_fast.json"
+QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
+GENERATOR_TOKENIZER_DIR = "generator_tokenizer"
+ARCHITECTURES = {"token": "RagTokenForGeneration", "sequence": "RagSequenceForGeneration"}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, corrupt or of an unknown format."""
+    """A model directory that is missing, incomplete, corrupt or of an unknown format."""
 
 
 def sha256_file(path: str) -> str:
@@ -47,140 +59,253 @@ def _fsync_tree(root: str) -> None:
                 os.fsync(f.fileno())
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Remove ``<path>.tmp-PID-*`` / ``<path>.old-PID`` siblings left by killed writers
+    (those whose process is gone)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    for entry in os.listdir(parent or "."):
+        for marker in (".tmp-", ".old-"):
+            if not entry.startswith(name + marker):
+                continue
+            pid = entry[len(name + marker):].split("-")[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 def atomic_replace_dir(tmp: str, path: str) -> None:
     """Move the finished directory ``tmp`` to ``path``, replacing an existing one."""
     _fsync_tree(tmp)
     old = None
     if os.path.exists(path):
         old = f"{path}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _module_spec(module: torch.nn.Module | None) -> dict | None:
-    if module is None:
-        return None
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return {"class": None, "config": None}  # a plain module: the caller passes it at load
-    return {"class": type(module).__name__, "config": config.to_dict()}
+def rag_config(model: RagModel):
+    """The ``transformers`` RagConfig describing ``model`` (what ``config.json`` holds)."""
+    from transformers import RagConfig
+
+    for name, module in (("generator", model.generator), ("question_encoder", model.question_encoder)):
+        if module is None or not hasattr(getattr(module, "config", None), "to_dict"):
+            what = "None" if module is None else type(module).__name__
+            raise CheckpointError(
+                f"a model directory needs a transformers {name} (a model with a .config); this "
+                f"RagModel's {name} is {what}")
+    config = RagConfig.from_question_encoder_generator_configs(
+        model.question_encoder.config, model.generator.config,
+        n_docs=model.n_docs, label_smoothing=model.epsilon, exclude_bos_score=model.exclude_bos,
+        max_combined_length=model.max_context_length,
+    )
+    config.architectures = [ARCHITECTURES[model.mode]]
+    return config
 
 
-def save_rag_model(model: RagModel, path: str) -> None:
-    """Write ``model`` to the directory ``path`` atomically (see the module docstring)."""
+def _hf_wrapper(model: RagModel, config):
+    """A transformers RAG model sharing ``model``'s modules (nothing is copied)."""
+    import transformers
+
+    cls = getattr(transformers, ARCHITECTURES[model.mode])
+    return cls(config, question_encoder=model.question_encoder, generator=model.generator)
+
+
+def _describe(root: str) -> dict:
+    files = {}
+    for folder, _, names in os.walk(root):
+        for name in sorted(names):
+            full = os.path.join(folder, name)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if rel != SIDE_FILE:
+                files[rel] = {"bytes": os.path.getsize(full), "sha256": sha256_file(full)}
+    return files
+
+
+def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> None:
+    """Write ``model`` to the directory ``path`` atomically (see the module docstring).
+
+    Args:
+        index: the index directory the model retrieves from, recorded so that ``rag-fast eval``
+            and ``generate`` find it without ``--index`` (default: the one recorded when the
+            model was loaded, if any).
+    Raises:
+        CheckpointError: a model without a transformers generator and question encoder.
+    """
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    config = rag_config(model)
+    remove_stale_temporaries(path)
+    tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(path)}.tmp-{os.getpid()}-", dir=parent)
     try:
-        state = {f"generator.{k}": v for k, v in model.generator.state_dict().items()}
-        if model.question_encoder is not None:
-            state.update({f"question_encoder.{k}": v
-                          for k, v in model.question_encoder.state_dict().items()})
-        torch.save(state, os.path.join(tmp, WEIGHTS))
-        for name in ("generator_tokenizer", "question_tokenizer"):
-            tokenizer = getattr(model, name)
-            if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(os.path.join(tmp, name))
-        files = {}
-        for folder, _, names in os.walk(tmp):
-            for name in names:
-                full = os.path.join(folder, name)
-                files[os.path.relpath(full, tmp)] = sha256_file(full)
-        manifest = {
+        with quiet_transformers():
+            _hf_wrapper(model, config).save_pretrained(tmp, safe_serialization=True)
+            for sub, tokenizer in ((GENERATOR_TOKENIZER_DIR, model.generator_tokenizer),
+                                   (QUESTION_TOKENIZER_DIR, model.question_tokenizer)):
+                if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+                    tokenizer.save_pretrained(os.path.join(tmp, sub))
+        index = index if index is not None else model.index_path
+        side = {
+            "kind": KIND,
             "format": FORMAT,
             "options": model.options(),
-            "generator": _module_spec(model.generator),
-            "question_encoder": _module_spec(model.question_encoder),
-            "files": files,
+            "index": os.path.abspath(index) if index else None,
+            "files": _describe(tmp),
         }
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
+        with open(os.path.join(tmp, SIDE_FILE), "w", encoding="utf-8") as f:
+            json.dump(side, f, indent=1)
         atomic_replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _read_manifest(path: str) -> dict:
-    manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"{path} is not a rag_fast model checkpoint (no {MANIFEST}); "
-                              "for a transformers RAG checkpoint use RagModel.from_transformers")
-    with open(manifest_path) as f:
-        try:
-            manifest = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{manifest_path} is not valid JSON: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path}: unknown checkpoint format "
-                              f"{manifest.get('format')!r} (this rag_fast reads {FORMAT})")
-    for rel, digest in manifest["files"].items():
+def read_side_file(path: str) -> dict | None:
+    """``rag_fast.json`` of a model directory, checked against the files (None if absent).
+
+    Raises:
+        CheckpointError: invalid JSON, an unknown kind or format, a missing file, or a file
+            whose size or SHA-256 differs from the record (named in the message).
+    """
+    side_path = os.path.join(path, SIDE_FILE)
+    if not os.path.isfile(side_path):
+        return None
+    try:
+        with open(side_path, encoding="utf-8") as f:
+            side = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{side_path} is not valid JSON: {e}") from None
+    if not isinstance(side, dict) or side.get("kind") != KIND:
+        raise CheckpointError(f"{side_path}: not a rag_fast model side file (kind "
+                              f"{side.get('kind') if isinstance(side, dict) else None!r})")
+    if side.get("format") != FORMAT:
+        raise CheckpointError(f"{side_path}: unknown format {side.get('format')!r} (this rag_fast "
+                              f"reads format {FORMAT}; save the model again with it)")
+    for key, kind in (("options", dict), ("files", dict)):
+        if not isinstance(side.get(key), kind):
+            raise CheckpointError(f"{side_path}: {key!r} is missing or not a {kind.__name__}")
+    for rel, record in side["files"].items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
-            raise CheckpointError(f"checkpoint {path} is incomplete: {rel} is missing")
-        if sha256_file(full) != digest:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} does not match its "
-                                  "SHA-256 in the manifest")
-    return manifest
+            raise CheckpointError(f"model directory {path} is incomplete: {rel} is missing")
+        if os.path.getsize(full) != record.get("bytes"):
+            raise CheckpointError(f"model directory {path} is corrupt: {rel} has "
+                                  f"{os.path.getsize(full)} bytes, {record.get('bytes')} expected "
+                                  "(truncated or replaced)")
+        if sha256_file(full) != record.get("sha256"):
+            raise CheckpointError(f"model directory {path} is corrupt: {rel} does not match its "
+                                  f"SHA-256 in {SIDE_FILE}")
+    return side
 
 
-def _build(spec: dict | None, given: torch.nn.Module | None, what: str):
-    if given is not None or spec is None:
-        return given
-    if spec["class"] is None:
-        raise CheckpointError(f"the checkpoint's {what} is not a transformers model: pass "
-                              f"{what}= to load its weights into")
-    import transformers
+def resolve_model_dir(path: str) -> str:
+    """``path`` if it is a model directory, else its ``model/`` when ``path`` is the output
+    directory of ``rag-fast train`` (which saves the trained model there)."""
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(
+            os.path.join(path, "model", "config.json")):
+        return os.path.join(path, "model")
+    return path
 
-    cls = getattr(transformers, spec["class"], None)
-    if cls is None:
-        raise CheckpointError(f"transformers has no class {spec['class']} (the {what})")
-    config_cls = cls.config_class
-    config = config_cls.from_dict(spec["config"])
-    return cls(config)
+
+def _rag_architecture(path: str) -> str:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        hint = (" (a format-1 directory of an older rag_fast: load it with that version and save "
+                "it again)" if os.path.isfile(os.path.join(path, "rag_fast_model.json")) else "")
+        raise CheckpointError(f"{path} is not a model directory: no config.json (expected "
+                              f"`rag-fast init`/`train` output or a transformers RAG folder){hint}")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+    arch = (config.get("architectures") or [None])[0]
+    if config.get("model_type") != "rag" or arch not in ARCHITECTURES.values():
+        raise CheckpointError(
+            f"{config_path}: model_type {config.get('model_type')!r} / architecture {arch!r} is "
+            f"not a RAG model (expected one of {sorted(ARCHITECTURES.values())})")
+    return arch
+
+
+def _load_tokenizers(path: str) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizers = {}
+    if not os.path.isdir(os.path.join(path, GENERATOR_TOKENIZER_DIR)) and os.path.isfile(
+            os.path.join(path, "tokenizer_config.json")):  # a generator tokenizer saved beside
+        tokenizers["generator_tokenizer"] = AutoTokenizer.from_pretrained(path)
+    for sub, name in ((GENERATOR_TOKENIZER_DIR, "generator_tokenizer"),
+                      (QUESTION_TOKENIZER_DIR, "question_tokenizer")):
+        folder = os.path.join(path, sub)
+        if os.path.isdir(folder):
+            tokenizers[name] = AutoTokenizer.from_pretrained(folder)
+    return tokenizers
+
+
+def _generation_config(path: str):
+    from transformers import GenerationConfig
+
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        return GenerationConfig.from_pretrained(path)
+    return None
 
 
 def load_rag_model(
     path: str,
     *,
     retriever: Any = None,
-    generator: torch.nn.Module | None = None,
-    question_encoder: torch.nn.Module | None = None,
-    map_location: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     **overrides,
 ) -> RagModel:
-    """Load a checkpoint written by :func:`save_rag_model`.
+    """Load a model directory: one ``rag_fast`` saved, or any ``transformers`` RAG folder.
 
-    Modules are rebuilt from their saved configs unless given (their weights are loaded into
-    the given ones); ``overrides`` change RagModel options (e.g. ``n_docs``).
-
+    Args:
+        retriever: what the model retrieves with (see RagModel); ``model.index_path`` names the
+            index recorded at save time, if any.
+        device: where to put the model (default: the CPU).
+        overrides: RagModel options to change (e.g. ``n_docs``, ``mode``).
     Raises:
-        CheckpointError: missing, incomplete or corrupt checkpoint; weights that do not fit.
+        CheckpointError: not a model directory, a missing or corrupt file (named), weights that
+            do not fit the config.
     """
-    manifest = _read_manifest(path)
-    generator = _build(manifest["generator"], generator, "generator")
-    question_encoder = _build(manifest["question_encoder"], question_encoder, "question_encoder")
-    state = torch.load(os.path.join(path, WEIGHTS), map_location=map_location, weights_only=True)
-    for prefix, module in (("generator.", generator), ("question_encoder.", question_encoder)):
-        if module is None:
-            continue
-        part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        try:
-            module.load_state_dict(part, strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"{path}: the {prefix[:-1]} weights do not fit: {e}") from None
-    tokenizers = {}
-    for name in ("generator_tokenizer", "question_tokenizer"):
-        folder = os.path.join(path, name)
-        if os.path.isdir(folder):
-            from transformers import AutoTokenizer
+    import transformers
 
-            tokenizers[name] = AutoTokenizer.from_pretrained(folder)
-    options = {**manifest["options"], **overrides}
-    return RagModel(generator, question_encoder, retriever, **tokenizers, **options).eval()
+    path = resolve_model_dir(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"model directory {path!r} does not exist")
+    arch = _rag_architecture(path)
+    side = read_side_file(path)
+    with quiet_transformers():
+        try:
+            hf = getattr(transformers, arch).from_pretrained(path)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{path}: the weights do not load: {e}") from None
+        tokenizers = _load_tokenizers(path)
+        generation_config = _generation_config(path)
+    if side is None:  # a transformers folder: settings from its RagConfig
+        model = from_transformers(hf, retriever=retriever, **tokenizers, **overrides)
+    else:
+        options = {**side["options"], **overrides}
+        model = RagModel(hf.rag.generator, hf.rag.question_encoder, retriever, **tokenizers,
+                         **options)
+        model.index_path = side.get("index")
+    model.generation_config = generation_config
+    if device is not None:
+        model.to(device)
+    return model.eval()
 
 
 def from_transformers(path_or_model: Any, *, retriever: Any = None, **overrides) -> RagModel:
@@ -195,31 +320,14 @@ def from_transformers(path_or_model: Any, *, retriever: Any = None, **overrides)
     Raises:
         CheckpointError: a path without a RAG config, or a model that is not a RAG model.
     """
-    from transformers import RagConfig, RagSequenceForGeneration, RagTokenForGeneration
+    from transformers import RagSequenceForGeneration, RagTokenForGeneration
 
-    classes = {"RagTokenForGeneration": RagTokenForGeneration,
-               "RagSequenceForGeneration": RagSequenceForGeneration}
-    tokenizers = {}
     if isinstance(path_or_model, (str, os.PathLike)):
-        path = str(path_or_model)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise CheckpointError(f"{path} has no config.json: not a transformers checkpoint")
-        config = RagConfig.from_pretrained(path)
-        arch = (config.architectures or [None])[0]
-        if arch not in classes:
-            raise CheckpointError(f"{path}: architecture {arch!r} is not one of {sorted(classes)}")
-        hf = classes[arch].from_pretrained(path)
-        from transformers import AutoTokenizer
-
-        for sub, name in (("generator_tokenizer", "generator_tokenizer"),
-                          ("question_encoder_tokenizer", "question_tokenizer")):
-            if os.path.isdir(os.path.join(path, sub)):
-                tokenizers[name] = AutoTokenizer.from_pretrained(os.path.join(path, sub))
-    else:
-        hf = path_or_model
-        if not isinstance(hf, tuple(classes.values())):
-            raise CheckpointError(f"expected a RagTokenForGeneration or RagSequenceForGeneration, "
-                                  f"got {type(hf).__name__}")
+        return load_rag_model(os.fspath(path_or_model), retriever=retriever, **overrides)
+    hf = path_or_model
+    if not isinstance(hf, (RagTokenForGeneration, RagSequenceForGeneration)):
+        raise CheckpointError(f"expected a RagTokenForGeneration or RagSequenceForGeneration, "
+                              f"got {type(hf).__name__}")
     config = hf.config
     mode = "token" if isinstance(hf, RagTokenForGeneration) else "sequence"
     options = {
@@ -231,4 +339,6 @@ def from_transformers(path_or_model: Any, *, retriever: Any = None, **overrides)
         "max_context_length": int(getattr(config, "max_combined_length", 300) or 300),
     }
     options.update(overrides)
-    return RagModel(hf.rag.generator, hf.rag.question_encoder, retriever, **tokenizers, **options)
+    model = RagModel(hf.rag.generator, hf.rag.question_encoder, retriever, **options)
+    model.generation_config = getattr(hf, "generation_config", None)
+    return model

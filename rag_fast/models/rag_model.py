@@ -25,6 +25,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch import nn
 
+from rag_fast._validation import check_context_length, check_decoding_scores
 from rag_fast.models import _seq2seq
 from rag_fast.ops import rag_sequence_nll, rag_token_nll
 
@@ -179,6 +180,10 @@ class RagModel(nn.Module):
         self.loss_impl = loss_impl
         # training steps reuse one logits buffer (see _seq2seq.LogitsWorkspace)
         self._logits_workspace = _seq2seq.LogitsWorkspace()
+        # the index directory recorded in a saved model (``rag-fast eval/generate`` default)
+        self.index_path: str | None = None
+        # generation defaults (a transformers GenerationConfig) of a loaded model directory
+        self.generation_config: Any = None
 
     def release_buffers(self) -> None:
         """Free the logits buffer that training steps reuse (it is rebuilt by the next step)."""
@@ -199,6 +204,22 @@ class RagModel(nn.Module):
     @property
     def vocab_size(self) -> int:
         return _seq2seq.vocab_size(self.generator)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.generator.parameters()).device
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest context the generator's position embeddings allow (None: no limit)."""
+        n = getattr(self.generator.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    def context_length(self) -> int:
+        """Tokens a context is truncated to: ``max_context_length``, at most the generator's
+        positions (a longer context would index past its position embeddings)."""
+        limit = self.max_positions
+        return self.max_context_length if limit is None else min(self.max_context_length, limit)
 
     # ----------------------------------------------------------------------- questions
     def tokenize_questions(self, questions: Sequence[str]) -> dict:
@@ -291,7 +312,7 @@ class RagModel(nn.Module):
                 else:
                     texts.append(question)
         enc = self.generator_tokenizer(texts, padding=True, truncation=True,
-                                       max_length=self.max_context_length, return_tensors="pt")
+                                       max_length=self.context_length(), return_tensors="pt")
         device = self.generator.device
         return {"input_ids": enc["input_ids"].to(device),
                 "attention_mask": enc["attention_mask"].to(device)}
@@ -322,13 +343,33 @@ class RagModel(nn.Module):
         Raises:
             ValueError: missing inputs, batch sizes that differ, labels out of the vocabulary.
         """
+        inputs = self._resolve_inputs(questions, question_input_ids, question_attention_mask,
+                                      passages, passage_embeddings, context_input_ids,
+                                      context_attention_mask, doc_scores)
+        doc_scores, passages = inputs.doc_scores, inputs.passages
+        context_input_ids, context_attention_mask = inputs.context_input_ids, inputs.context_mask
+        loss = self.loss_from_contexts(context_input_ids, context_attention_mask, doc_scores,
+                                       labels, reduction)
+        return RagOutput(loss, doc_scores, passages)
+
+    def _resolve_inputs(self, questions, question_input_ids, question_attention_mask, passages,
+                        passage_embeddings, context_input_ids, context_attention_mask,
+                        doc_scores) -> "_Inputs":
+        """Passage scores ``[B, K]`` and contexts ``[B*K, L]`` from whatever was given (see
+        :meth:`forward`): retrieving, scoring and tokenising only what is missing."""
         if doc_scores is None:
             if question_input_ids is None:
-                if questions is None:
+                if not questions:
                     raise ValueError("give questions (text or question_input_ids) or doc_scores")
                 q_inputs = self.tokenize_questions(questions)
                 question_input_ids, question_attention_mask = (q_inputs["input_ids"],
                                                                q_inputs["attention_mask"])
+            elif questions is None and context_input_ids is None:
+                if self.question_tokenizer is None:
+                    raise ValueError("question_input_ids without questions or contexts need "
+                                     "question_tokenizer= (to write the contexts)")
+                questions = [t.strip() for t in self.question_tokenizer.batch_decode(
+                    question_input_ids, skip_special_tokens=True)]
             q = self.encode_questions(question_input_ids, question_attention_mask)
             if questions is not None and q.shape[0] != len(questions):
                 raise ValueError(f"{len(questions)} questions but {q.shape[0]} question encodings")
@@ -338,10 +379,12 @@ class RagModel(nn.Module):
                 found = self.retrieve(q)
                 passages, passage_embeddings = found.passages, found.embeddings
             if passages is None:  # pre-tokenised contexts: every question has K passages
-                passages = [[None] * self.n_docs for _ in range(q.shape[0])]
                 if context_input_ids is None:
                     raise ValueError("passage_embeddings without passages need context_input_ids")
-            doc_scores = self.score_passages(q, passages, passage_embeddings)
+                scored = [[None] * self.n_docs for _ in range(q.shape[0])]
+                doc_scores = self.score_passages(q, scored, passage_embeddings)
+            else:
+                doc_scores = self.score_passages(q, passages, passage_embeddings)
         if context_input_ids is None:
             if questions is None or passages is None:
                 raise ValueError("give context_input_ids, or questions and passages as text")
@@ -349,10 +392,8 @@ class RagModel(nn.Module):
             context_input_ids, context_attention_mask = ctx["input_ids"], ctx["attention_mask"]
         if context_attention_mask is None:
             raise ValueError("context_input_ids needs context_attention_mask")
-        loss = self.loss_from_contexts(context_input_ids, context_attention_mask, doc_scores,
-                                       labels, reduction)
         kept = None if passages is None else [list(p) for p in passages]
-        return RagOutput(loss, doc_scores, kept)
+        return _Inputs(doc_scores, context_input_ids, context_attention_mask, kept, questions)
 
     def prepare_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(decoder_input_ids [B, T-1], targets [B, T-1])`` from labels ``[B, T]``."""
@@ -409,6 +450,7 @@ class RagModel(nn.Module):
                              f"{tuple(context_input_ids.shape)}")
         if labels.shape[0] != B:
             raise ValueError(f"labels are for {labels.shape[0]} questions, doc_scores for {B}")
+        check_context_length(context_input_ids, self.max_positions)
         V = self.vocab_size
         real = labels[(labels != -100) & (labels != self.pad_token_id)]
         if real.numel() and (int(real.min()) < 0 or int(real.max()) >= V):
@@ -417,16 +459,92 @@ class RagModel(nn.Module):
                              f"vocabulary [0, {V})")
         return B, K
 
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(
+        self,
+        questions: Sequence[str] | None = None,
+        *,
+        question_input_ids: torch.Tensor | None = None,
+        question_attention_mask: torch.Tensor | None = None,
+        passages: Sequence[Sequence[Any]] | None = None,
+        passage_embeddings: torch.Tensor | None = None,
+        context_input_ids: torch.Tensor | None = None,
+        context_attention_mask: torch.Tensor | None = None,
+        doc_scores: torch.Tensor | None = None,
+        decoding: str = "thorough",
+        impl: str = "auto",
+        **settings,
+    ) -> "Generation":
+        """Answer questions: retrieve with this model's question encoder and retriever, then
+        decode RAG-Token or RAG-Sequence (``self.mode``) over ``self.n_docs`` passages.
+
+        Inputs, as for :meth:`forward`: ``questions`` as text (or ``question_input_ids``
+        ``[B, L]``, decoded with the question tokenizer for the contexts); optionally the
+        passages (with ``passage_embeddings`` ``[B, K, d]``), or ready ``context_input_ids``
+        ``[B*K, S]`` with ``doc_scores`` ``[B, K]`` as ``transformers``' RAG ``generate`` takes.
+
+        Args:
+            decoding: RAG-Sequence only, ``"thorough"`` or ``"fast"``.
+            impl: beam-step backend (``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"``).
+            **settings: ``num_beams``, ``max_new_tokens`` / ``max_length``, ``min_length``,
+                ``length_penalty``, ``num_return_sequences`` ...; defaults from the model
+                directory's ``generation_config.json`` (as ``transformers``).
+        Returns:
+            :class:`Generation`: ``sequences`` ``[B*R, L]`` token ids (R answers per question),
+            ``texts`` (with a generator tokenizer), the passages used and ``doc_scores``.
+        Raises:
+            ValueError: missing inputs; a question whose passages all score ``-inf`` or a NaN
+                score (named); contexts longer than the generator's positions.
+
+        The model is in eval mode while it answers (no dropout) and returns to its mode after.
+        """
+        was_training = self.training
+        self.eval()  # no dropout while answering
+        try:
+            return self._generate(questions, question_input_ids, question_attention_mask,
+                                  passages, passage_embeddings, context_input_ids,
+                                  context_attention_mask, doc_scores, decoding, impl, settings)
+        finally:
+            self.train(was_training)
+
+    def _generate(self, questions, question_input_ids, question_attention_mask, passages,
+                  passage_embeddings, context_input_ids, context_attention_mask, doc_scores,
+                  decoding, impl, settings) -> "Generation":
+        from rag_fast.generation import rag_sequence_generate, rag_token_generate
+
+        inputs = self._resolve_inputs(questions, question_input_ids, question_attention_mask,
+                                      passages, passage_embeddings, context_input_ids,
+                                      context_attention_mask, doc_scores)
+        doc_scores, passages, questions = inputs.doc_scores, inputs.passages, inputs.questions
+        context_input_ids, context_attention_mask = inputs.context_input_ids, inputs.context_mask
+        check_decoding_scores(doc_scores.detach(), questions)
+        view = _TransformersView(self)
+        if self.mode == "token":
+            sequences = rag_token_generate(view, context_input_ids, context_attention_mask,
+                                           doc_scores, impl=impl, **settings)
+        else:
+            sequences = rag_sequence_generate(view, context_input_ids, context_attention_mask,
+                                              doc_scores, decoding=decoding, impl=impl, **settings)
+        texts = None
+        if self.generator_tokenizer is not None:
+            texts = [t.strip() for t in self.generator_tokenizer.batch_decode(
+                sequences, skip_special_tokens=True)]
+        return Generation(sequences, texts, passages, doc_scores)
+
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str) -> None:
-        """Write a checkpoint directory atomically (see ``rag_fast.models.checkpoint``)."""
+    def save(self, path: str, *, index: str | None = None) -> None:
+        """Write a model directory atomically: a ``transformers`` RAG folder (safetensors) plus
+        ``rag_fast.json`` (see ``rag_fast.models.checkpoint``). ``index``: the index directory
+        to record (default: ``self.index_path``)."""
         from rag_fast.models.checkpoint import save_rag_model
 
-        save_rag_model(self, path)
+        save_rag_model(self, path, index=index)
 
     @classmethod
     def load(cls, path: str, **kwargs) -> "RagModel":
-        """Load a checkpoint written by :meth:`save` (verified against its manifest)."""
+        """Load a model directory (``save``, ``rag-fast init/train``, or a ``transformers`` RAG
+        folder), verified file by file; ``device=`` and RagModel option overrides allowed."""
         from rag_fast.models.checkpoint import load_rag_model
 
         return load_rag_model(path, **kwargs)
@@ -443,9 +561,59 @@ class RagModel(nn.Module):
         """A RagModel sharing these modules with some options changed (e.g. ``mode``)."""
         retriever = changes.pop("retriever", self.retriever)
         opts = {**self.options(), **changes}
-        return RagModel(self.generator, self.question_encoder, retriever,
-                        generator_tokenizer=self.generator_tokenizer,
-                        question_tokenizer=self.question_tokenizer, **opts)
+        model = RagModel(self.generator, self.question_encoder, retriever,
+                         generator_tokenizer=self.generator_tokenizer,
+                         question_tokenizer=self.question_tokenizer, **opts)
+        model.index_path, model.generation_config = self.index_path, self.generation_config
+        return model
 
 
-__all__ = ["RagModel", "RagOutput", "Retrieved", "Retriever", "join_context", "passage_fields"]
+@dataclass
+class _Inputs:
+    doc_scores: torch.Tensor  # [B, K]
+    context_input_ids: torch.Tensor  # [B*K, L]
+    context_mask: torch.Tensor  # [B*K, L]
+    passages: list[list[Any]] | None
+    questions: Sequence[str] | None
+
+
+@dataclass
+class Generation:
+    """What :meth:`RagModel.generate` returns.
+
+    sequences: ``[B*R, L]`` int64 token ids (R = num_return_sequences), starting with the
+        decoder start token, padded with the pad token.
+    texts: the decoded answers (None without a generator tokenizer).
+    passages: per question, the passages decoded over (None when contexts were given).
+    doc_scores: ``[B, K]`` passage scores.
+    """
+
+    sequences: torch.Tensor
+    texts: list[str] | None
+    passages: list[list[Any]] | None
+    doc_scores: torch.Tensor
+
+
+class _TransformersView:
+    """What ``rag_fast.generation`` reads from a ``transformers`` RAG model (``rag.generator``,
+    ``config``, ``generation_config``), for a RagModel: the same decoding defaults as the
+    ``transformers`` model of the same directory."""
+
+    def __init__(self, model: RagModel) -> None:
+        from types import SimpleNamespace
+
+        self.rag = SimpleNamespace(generator=model.generator)
+        self.config = SimpleNamespace(n_docs=model.n_docs)
+        self.generation_config = model.generation_config
+        if self.generation_config is None:
+            from transformers import GenerationConfig
+
+            from rag_fast.models.checkpoint import rag_config
+
+            try:
+                self.generation_config = GenerationConfig.from_model_config(rag_config(model))
+            except ValueError:  # no transformers question encoder: the generator's defaults
+                self.generation_config = getattr(model.generator, "generation_config", None)
+
+
+__all__ = ["Generation", "RagModel", "RagOutput", "Retrieved", "Retriever", "join_context", "passage_fields"]

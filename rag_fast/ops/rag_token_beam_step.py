@@ -1,6 +1,6 @@
 """The fused RAG-Token beam step: the best next (score, beam, token) of every question.
 
-For question b, beam j, passage k and token v (DESIGN.md, "RAG-Token beam step"):
+For question b, beam j, passage k and token v (docs/design.md, "RAG-Token beam step"):
 
     M[b,j,v] = logsumexp_k (a[b,k] + x[b,j,k,v] - logsumexp_v' x[b,j,k,v'])
     c[b,j,v] = (M[b,j,v] + bias[b*W+j, v]) + beam_score[b,j]

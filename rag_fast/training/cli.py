@@ -1,88 +1,241 @@
-"""``rag-fast train --config FILE``: train a RagModel from a JSON configuration.
+"""``rag-fast train``: train a model directory on question-answer data from a JSON config.
+
+The config file (paths in it are relative to the file's own folder)::
 
     {
-      "model": {"checkpoint": "DIR"} | {"transformers": "DIR"},   plus RagModel option overrides
-      "retriever": {"path": "DIR"},          an index directory (`rag-fast index build --out DIR`)
-      "data": {"train": "train.jsonl", "eval": "dev.jsonl"},
-      "train": {TrainConfig fields; output_dir is where checkpoints and the final model go},
-      "resume": true
+      "model": "model0",                    a model directory (`rag-fast init`), or
+                                            {"path": DIR, <RagModel option>: value, ...}
+      "index": "kb",                        an index directory (default: the model's own)
+      "data": {"train": "train.jsonl",      JSONL {"question", "answers"} (or TSV) files;
+               "eval": "dev.jsonl"},        eval is optional (needs train.eval_every > 0)
+      "train": {<TrainConfig field>: value, ...},
+      "resume": true                        continue from output_dir's checkpoint if present
     }
 
-Under ``torchrun`` each process joins the group (gloo on CPU, nccl on GPU) and trains its slice
-of every global batch. The final model is saved to ``<output_dir>/model`` (RagModel.save).
+``--model``, ``--index``, ``--output-dir`` and ``--device`` on the command line replace the
+config's (relative to the current folder). The run writes into ``output_dir``: the resumable
+``checkpoint-last.pt`` (verified on resume), ``metrics.jsonl`` (loss, learning rate and speed
+per logged step, eval metrics), ``training.png`` (their plot) and, at the end, the trained
+model directory ``model/`` (which ``rag-fast eval`` and ``generate`` take).
+
+Under ``torchrun`` each process joins one group (nccl when the model trains on a GPU, gloo on
+the CPU) with the model on its own device, and trains its slice of every global batch.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
+
+TOP_LEVEL = {
+    "model": "model directory (str) or {'path': DIR, RagModel options...}",
+    "index": "index directory (str) or {'path': DIR, 'verify': bool}",
+    "data": "{'train': FILE, 'eval': FILE}",
+    "train": "TrainConfig fields (object)",
+    "resume": "true / false",
+}
+MODEL_OPTIONS = ("n_docs", "epsilon", "mode", "exclude_bos", "max_context_length",
+                 "max_question_length", "loss_impl", "question_pooling", "normalize_questions")
+
+
+def _fail(path: str, key: str, expected: str, got=None) -> ValueError:
+    tail = "" if got is None else f", got {got!r}"
+    return ValueError(f"{path}: {key}: expected {expected}{tail}")
+
+
+def _relative(base: str, value: str) -> str:
+    return value if os.path.isabs(value) else os.path.normpath(os.path.join(base, value))
+
+
+def _directory_section(value, key: str, allowed: tuple, expected: str, path: str, base: str):
+    """``"DIR"`` or ``{"path": DIR, option: value}`` -> the dict form with ``path`` made relative
+    to the config's folder; None stays None."""
+    if isinstance(value, str):
+        value = {"path": value}
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("path"), str):
+        raise _fail(path, key, expected, value)
+    bad = sorted(set(value) - set(allowed))
+    if bad:
+        raise ValueError(f"{path}: {key}.{bad[0]}: unknown option (expected one of "
+                         f"{', '.join(allowed)})")
+    return {**value, "path": _relative(base, value["path"])}
 
 
 def load_config(path: str) -> dict:
+    """Read and check a training config; paths become relative to the current folder.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: invalid JSON (with its line), an unknown key or a value of the wrong type
+            (named as ``FILE: section.key: expected ...``).
+    """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         try:
             config = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-    for key in ("model", "data", "train"):
-        if key not in config:
-            raise ValueError(f"{path}: missing section {key!r}")
-    if "train" not in config["data"]:
-        raise ValueError(f"{path}: data.train (the training file) is missing")
-    return config
+    if not isinstance(config, dict):
+        raise _fail(path, "(top level)", "a JSON object", type(config).__name__)
+    unknown = sorted(set(config) - set(TOP_LEVEL))
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r} (expected: {', '.join(TOP_LEVEL)})")
+    base = os.path.dirname(os.path.abspath(path))
+    out = {"resume": config.get("resume", True)}
+    if not isinstance(out["resume"], bool):
+        raise _fail(path, "resume", "true or false", out["resume"])
+
+    out["model"] = _directory_section(config.get("model"), "model", ("path", *MODEL_OPTIONS),
+                                      "a model directory or {'path': DIR, ...}", path, base)
+    out["index"] = _directory_section(config.get("index"), "index", ("path", "verify"),
+                                      "an index directory or {'path': DIR, 'verify': bool}",
+                                      path, base)
+
+    data = config.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("train"), str):
+        raise _fail(path, "data", "{'train': FILE, 'eval': FILE (optional)}", data)
+    bad = sorted(set(data) - {"train", "eval"})
+    if bad:
+        raise ValueError(f"{path}: data.{bad[0]}: unknown key (expected train, eval)")
+    if data.get("eval") is not None and not isinstance(data["eval"], str):
+        raise _fail(path, "data.eval", "a file path", data["eval"])
+    out["data"] = {k: _relative(base, v) for k, v in data.items() if v is not None}
+
+    train = config.get("train", {})
+    if not isinstance(train, dict):
+        raise _fail(path, "train", "an object of TrainConfig fields", train)
+    train = dict(train)
+    if isinstance(train.get("output_dir"), str):
+        train["output_dir"] = _relative(base, train["output_dir"])
+    out["train"] = train
+    return out
 
 
-def load_retriever(spec: dict | None):
-    """The Retriever of ``{"path": DIR, ...}`` (see ``rag_fast.models.retriever_io``), or None."""
+def train_config(values: dict, path: str):
+    """TrainConfig of the ``train`` section; errors name the file and ``train.KEY``."""
+    from rag_fast.training import TrainConfig
+
+    try:
+        return TrainConfig.from_dict(values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: train: {e}") from None
+
+
+def load_retriever(spec: dict | None, n_docs: int = 5):
+    """The Retriever of ``{"path": DIR, "verify": bool}`` (an index directory), or None."""
     if not spec:
         return None
     from rag_fast.models.retriever_io import load_retriever as load
 
-    if "path" not in spec:
-        raise ValueError(f"retriever needs 'path' (an index directory), got {spec}")
-    options = {k: v for k, v in spec.items() if k != "path"}
-    return load(spec["path"], **options)
-
-
-def build_model(spec: dict, retriever):
-    from rag_fast.models import RagModel
-
-    spec = dict(spec)
-    if "checkpoint" in spec:
-        return RagModel.load(spec.pop("checkpoint"), retriever=retriever, **spec)
-    if "transformers" in spec:
-        return RagModel.from_transformers(spec.pop("transformers"), retriever=retriever, **spec)
-    raise ValueError("model needs 'checkpoint' (rag_fast) or 'transformers' (save_pretrained dir)")
+    return load(spec["path"], n_docs=n_docs, verify=bool(spec.get("verify", False)))
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from rag_fast.evaluation import evaluate, load_qa
-    from rag_fast.training import TrainConfig, Trainer, rag_collate, rag_loss
+    from rag_fast.models import RagModel
+    from rag_fast.models.checkpoint import resolve_model_dir
+    from rag_fast.training import Trainer, rag_collate, rag_loss
     from rag_fast.training.distributed import init_from_env
+    from rag_fast.training.trainer import resolve_device
 
     config = load_config(args.config)
-    init_from_env()
-    train_config = TrainConfig.from_dict(config["train"])
-    model = build_model(config["model"], load_retriever(config.get("retriever")))
+    if args.model is not None:
+        config["model"] = {**(config["model"] or {}), "path": args.model}
+    if args.index is not None:
+        config["index"] = {"path": args.index}
+    if args.output_dir is not None:
+        config["train"]["output_dir"] = args.output_dir
+    if args.device is not None:
+        config["train"]["device"] = args.device
+    tc = train_config(config["train"], args.config)
+    if config["model"] is None:
+        raise ValueError(f"{args.config}: no model: set \"model\" or pass --model DIR")
+    if not tc.output_dir:
+        raise ValueError(f"{args.config}: train.output_dir is not set (or pass --output-dir DIR)")
+
+    device = resolve_device(tc.device)
+    init_from_env(device)
+    spec = dict(config["model"])
+    model_dir = resolve_model_dir(spec.pop("path"))
+    model = RagModel.load(model_dir, **spec)
+    index = config["index"]
+    if index is None and model.index_path:
+        index = {"path": model.index_path}
+    if index is None:
+        raise ValueError(f"{args.config}: no index: the model records none; set \"index\" or "
+                         "pass --index DIR (an index directory from `rag-fast index build`)")
+    model.retriever = load_retriever(index, model.n_docs)
+    model.to(device).train()
+
     train_data = load_qa(config["data"]["train"])
     eval_fn = None
     if config["data"].get("eval"):
         eval_data = load_qa(config["data"]["eval"])
-        eval_fn = lambda m: evaluate(m, eval_data).metrics  # noqa: E731
-    trainer = Trainer(model, train_data, rag_collate(model), rag_loss, train_config, eval_fn)
-    if config.get("resume", True) and train_config.output_dir and trainer.resume():
-        print(f"resumed from step {trainer.state.step}")
-    trainer.train()
-    if train_config.output_dir and trainer.rank == 0:
-        model.save(os.path.join(train_config.output_dir, "model"))
+        eval_fn = lambda m: evaluate(m, eval_data, progress=False).metrics  # noqa: E731
+    trainer = Trainer(model, train_data, rag_collate(model), rag_loss, tc, eval_fn)
+    if config["resume"] and trainer.resume():
+        print(f"resumed from step {trainer.state.step} ({trainer.checkpoint_path()})")
+    start = time.perf_counter()
+    state = trainer.train()
+    if trainer.rank == 0:
+        final = os.path.join(tc.output_dir, "model")
+        model.save(final, index=index["path"])
+        summary = f"loss {state.last_loss:.4f}"
+        if state.evals:
+            step, metrics = state.evals[-1]
+            summary += f"; eval at step {step}: " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, (int, float)) else f"{k} {v}"
+                for k, v in metrics.items())
+        print(f"trained {state.step} steps in {time.perf_counter() - start:.0f} s ({summary}); "
+              f"model: {final}  (metrics: {os.path.join(tc.output_dir, tc.metrics_file or '')}, "
+              f"plot: {os.path.join(tc.output_dir, tc.plot_file or '')})")
     return 0
+
+
+def schema_markdown() -> str:
+    """The ``train`` section's fields as a Markdown table (README.md holds this table verbatim;
+    a test keeps them equal)."""
+    from rag_fast.training import TrainConfig
+
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for name, kind, default, text in TrainConfig.schema():
+        shown = json.dumps(list(default) if isinstance(default, tuple) else default)
+        cells = [f"`{name}`", kind, f"`{shown}`", text]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def _schema_help() -> str:
+    from rag_fast.training import TrainConfig
+
+    lines = ["config file (JSON; paths relative to its folder):"]
+    lines += [f"  {k:<8} {v}" for k, v in TOP_LEVEL.items()]
+    lines.append("train (TrainConfig) fields:")
+    for name, kind, default, text in TrainConfig.schema():
+        lines.append(f"  {name:<24} {kind:<14} default {default!r:<16} {text}")
+    lines.append("example: examples/workflow/train.json")
+    return "\n".join(lines)
+
+
+_DESCRIPTION = __doc__.splitlines()[0].replace("``", "")
 
 
 def register(subparsers) -> None:
     """Add ``train`` to the ``rag-fast`` command's subparsers."""
-    p = subparsers.add_parser("train", help="train a RagModel (JSON config)",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser("train", help="train a model directory (JSON config)",
+                              description=_DESCRIPTION, epilog=_schema_help(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, metavar="FILE", help="JSON training configuration")
+    p.add_argument("--model", default=None, metavar="DIR", help="model directory to start from")
+    p.add_argument("--index", default=None, metavar="DIR", help="index directory to retrieve from")
+    p.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="where checkpoints, metrics, plot and the trained model/ go")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when CUDA is available)")
     p.set_defaults(func=run)

@@ -23,12 +23,22 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_from_env(backend: str | None = None) -> bool:
-    """Join the process group described by torchrun's variables; False when WORLD_SIZE <= 1."""
+def init_from_env(device: torch.device | str | None = None, backend: str | None = None) -> bool:
+    """Join the process group described by torchrun's variables; False when WORLD_SIZE <= 1.
+
+    The backend follows where this rank trains: nccl for a CUDA ``device`` (made the current
+    device), gloo for the CPU; ``device=None`` means CUDA when it is available."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return dist.is_initialized()
-    dist.init_process_group(backend or default_backend())
-    if torch.cuda.is_available():
+    if backend is None:
+        backend = "nccl" if (device.type == "cuda" if device is not None
+                             else torch.cuda.is_available()) else "gloo"
+    dist.init_process_group(backend)
+    if device is None and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return True
 

@@ -11,16 +11,33 @@ parameters as a single uninterrupted one:
   the gradients over ranks, which is the mean over the global batch;
 * a checkpoint (written atomically after a step) holds the model, optimizer, scheduler, grad
   scaler, step, data position and every RNG state, restored exactly on resume.
+
+Checkpoints are safe to load and verified. ``checkpoint-last.pt`` holds only tensors and plain
+containers and is read with ``torch.load(weights_only=True)``: everything else (TrainState, the
+config, the Python and NumPy RNG states) is a JSON string inside it. ``checkpoint-last.json``,
+its manifest, records the payload's size and SHA-256, checked before loading. Both are written
+to temporaries in the same folder, fsynced and renamed, the manifest last; a save killed between
+the two renames is completed on resume from the fsynced temporary manifest.
+
+Rank 0 also appends logged steps and evaluations to ``metrics.jsonl`` and draws ``training.png``
+at the end (both in ``output_dir``; see TrainConfig).
 """
 from __future__ import annotations
 
 import contextlib
+import difflib
+import glob
+import hashlib
+import json
 import math
 import os
 import random
+import re
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+import warnings
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from numbers import Integral, Real
+from typing import IO, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,52 +47,177 @@ from torch import nn
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("linear", "cosine", "constant")
 CHECKPOINT = "checkpoint-last.pt"
+CHECKPOINT_MANIFEST = "checkpoint-last.json"
+CHECKPOINT_FORMAT = "rag_fast.training-checkpoint/1"
+_PAYLOAD_KEYS = {"format", "model", "optimizer", "scheduler", "scaler", "rng_torch", "rng_cuda",
+                 "meta"}
+_META_KEYS = {"state", "config", "world_size", "rng_python", "rng_numpy"}
+
+
+class CheckpointError(ValueError):
+    """A training checkpoint that cannot be resumed from: corrupt, truncated, without its
+    manifest, holding objects other than tensors and plain data, or not fitting the model."""
+
+
+def _option(default: Any, help: str) -> Any:
+    """A TrainConfig field: its default and one-line help (see TrainConfig.schema)."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class TrainConfig:
-    """Training options (all JSON-serialisable; ``rag-fast train --config`` reads them)."""
+    """Training options (all JSON-serialisable; ``rag-fast train --config`` reads them).
 
-    max_steps: int = 1000
-    micro_batch_size: int = 8          # examples per process per forward
-    grad_accum: int = 1                # micro-batches per optimizer step
-    lr: float = 3e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: str = "linear"           # decay after warm-up: linear | cosine | constant
-    max_grad_norm: float | None = 1.0  # None: no clipping
-    precision: str = "fp32"            # fp32 | bf16 | fp16 (autocast)
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    output_dir: str | None = None      # checkpoints; None: none written
-    checkpoint_every: int = 0          # steps; 0: only at the end (if output_dir)
-    eval_every: int = 0                # steps; 0: never
-    log_every: int = 10
-    progress: bool = True
-    find_unused_parameters: bool = True
-    extra: dict = field(default_factory=dict)
+    Each field's help is in its metadata; :meth:`schema` lists them.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range, naming the field and what was
+            expected.
+    """
+
+    max_steps: int = _option(1000, "optimizer steps to train for")
+    micro_batch_size: int = _option(8, "examples per process per forward pass")
+    grad_accum: int = _option(1, "micro-batches per optimizer step")
+    lr: float = _option(3e-5, "peak learning rate")
+    weight_decay: float = _option(0.0, "AdamW weight decay of matrices (not biases or norms)")
+    betas: tuple[float, float] = _option((0.9, 0.999), "AdamW betas")
+    adam_eps: float = _option(1e-8, "AdamW epsilon")
+    warmup_steps: int = _option(0, "steps of linear warm-up to lr (at most max_steps)")
+    schedule: str = _option("linear", "decay after warm-up: linear | cosine | constant")
+    max_grad_norm: float | None = _option(1.0, "gradient clipping norm; None: no clipping")
+    precision: str = _option("fp32", "fp32 | bf16 | fp16 (autocast; fp16 with a grad scaler)")
+    gradient_checkpointing: bool = _option(
+        False, "recompute the generator's activations in the backward pass (less memory)")
+    seed: int = _option(0, "seed of the data order and of the Python, NumPy and torch RNGs")
+    output_dir: str | None = _option(
+        None, "checkpoints, metrics and plot go here; None: nothing is written")
+    checkpoint_every: int = _option(0, "steps between checkpoints; 0: only at the end")
+    eval_every: int = _option(0, "steps between evaluations; 0: never")
+    log_every: int = _option(10, "steps between loss records (history, metrics); 0: every step")
+    progress: bool = _option(True, "show a progress bar (rank 0)")
+    find_unused_parameters: bool = _option(True, "DDP's find_unused_parameters")
+    freeze_question_encoder: bool = _option(
+        False, "do not train the model's question_encoder (requires_grad off, not optimized)")
+    question_encoder_lr: float | None = _option(
+        None, "learning rate of the question_encoder's parameters; None: lr")
+    metrics_file: str | None = _option(
+        "metrics.jsonl", "JSON line per logged step and per eval, in output_dir; None: none")
+    plot_file: str | None = _option(
+        "training.png", "PNG of loss and eval metrics vs step, in output_dir; None: none")
+    device: str | None = _option(
+        None, "where the model trains: cpu, cuda, cuda:N; None = cuda:LOCAL_RANK if CUDA is "
+              "available else cpu")
+    extra: dict = _option({}, "free-form JSON for your own code (the Trainer ignores it)")
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), str(f.type)))
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {self.precision!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("max_steps", "micro_batch_size", "grad_accum"):
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("checkpoint_every", "eval_every", "log_every", "lr", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
-        self.betas = tuple(self.betas)
+        if self.adam_eps <= 0:
+            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps!r}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must both be in [0, 1), got {list(self.betas)}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        if self.question_encoder_lr is not None and self.question_encoder_lr < 0:
+            raise ValueError(f"question_encoder_lr must be >= 0 or None, got "
+                             f"{self.question_encoder_lr!r}")
+        if self.freeze_question_encoder and self.question_encoder_lr is not None:
+            raise ValueError("question_encoder_lr must be None when freeze_question_encoder is "
+                             "true (a frozen question encoder is not optimized)")
+        for name in ("output_dir", "metrics_file", "plot_file"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must be a non-empty path or None, got ''")
+        if self.plot_file is not None and not self.plot_file.lower().endswith(".png"):
+            raise ValueError(f"plot_file must end in .png (a PNG is written), got "
+                             f"{self.plot_file!r}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise ValueError(f"device must be cpu, cuda, cuda:N or None, got "
+                                 f"{self.device!r}") from None
+        try:
+            json.dumps(self.extra, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"extra must be JSON-serialisable, got {self.extra!r} ({e})") from None
 
     @classmethod
     def from_dict(cls, values: dict) -> "TrainConfig":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(values) - known)
+        """The config of a JSON object (``rag-fast train``'s ``"train"`` section).
+
+        Raises:
+            ValueError: not a dict; unknown keys (named, with the known ones); a value of the
+                wrong type or out of range (naming the key and what was expected).
+        """
+        if not isinstance(values, dict):
+            raise ValueError(f"training options must be a JSON object, got "
+                             f"{type(values).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in set(values) - set(known))
         if unknown:
-            raise ValueError(f"unknown training options {unknown}; known: {sorted(known)}")
+            close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            hints = [f"{k!r} -> {m[0]!r}" for k, m in close.items() if m]
+            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            raise ValueError(f"unknown training options {unknown}{hint}; known: {sorted(known)}")
         return cls(**values)
+
+    @classmethod
+    def schema(cls) -> list[tuple[str, str, Any, str]]:
+        """``(name, type, default, help)`` of every option in declaration order, e.g.
+        ``("max_grad_norm", "float | None", 1.0, "gradient clipping norm; None: no clipping")``
+        (for ``rag-fast train --help`` and the README)."""
+        return [(f.name, str(f.type), f.default_factory() if f.default is MISSING else f.default,
+                 f.metadata["help"]) for f in fields(cls)]
+
+
+_TYPE_WORDS = {"int": "an int", "float": "a float", "bool": "a bool (true or false)",
+               "str": "a str", "dict": "a dict (a JSON object)",
+               "tuple[float, float]": "a pair of floats"}
+
+
+def _coerce(name: str, value: Any, annotation: str) -> Any:
+    """``value`` as the plain type of TrainConfig's ``annotation`` (``"float | None"``...).
+
+    Ints pass as floats; bools never pass as numbers; paths become str.
+
+    Raises:
+        ValueError: naming ``name``, the expected type and the value.
+    """
+    kind, *rest = [k.strip() for k in annotation.split("|")]
+    if value is None and "None" in rest:
+        return None
+    is_bool = isinstance(value, (bool, np.bool_))
+    if kind == "bool" and is_bool:
+        return bool(value)
+    if kind == "int" and isinstance(value, Integral) and not is_bool:
+        return int(value)
+    if kind == "float" and isinstance(value, Real) and not is_bool and math.isfinite(value):
+        return float(value)
+    if kind == "str" and isinstance(value, (str, os.PathLike)):
+        return str(os.fspath(value))
+    if kind == "dict" and isinstance(value, dict):
+        return value
+    if (kind == "tuple[float, float]" and isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, Real) and not isinstance(v, bool) for v in value)):
+        return tuple(float(v) for v in value)
+    expected = _TYPE_WORDS[kind] + (" or None" if "None" in rest else "")
+    if kind == "float":
+        expected = expected.replace("a float", "a finite float")
+    raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 @dataclass
@@ -86,6 +228,41 @@ class TrainState:
     last_loss: float = float("nan")
     history: list = field(default_factory=list)  # (step, loss) every log_every steps
     evals: list = field(default_factory=list)    # (step, metrics)
+
+
+def resolve_device(config_device: str | None) -> torch.device:
+    """The device a process trains on, from ``TrainConfig.device`` (the Trainer itself does
+    not move the model; its caller does).
+
+    None is ``cuda:LOCAL_RANK`` when CUDA is available (LOCAL_RANK: torchrun's variable, 0
+    without it), else ``cpu``; a plain ``cuda`` is ``cuda:LOCAL_RANK`` too.
+
+    Raises:
+        ValueError: naming ``device``: not a device, or CUDA (or that CUDA index) unavailable.
+    """
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK must be an int, got {os.environ['LOCAL_RANK']!r}") from None
+    if config_device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+    try:
+        device = torch.device(config_device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or None, got "
+                         f"{config_device!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device is {config_device!r} but CUDA is not available here; use "
+                             "device 'cpu' (or None to choose)")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device is {config_device!r} (cuda:{device.index}) but only "
+                             f"{torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
 
 
 def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
@@ -109,52 +286,332 @@ _FUSED_ADAM_DEVICES = ("cpu", "cuda")
 _FUSED_ADAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _question_encoder(model: nn.Module, config: TrainConfig) -> nn.Module | None:
+    """The module the question-encoder options apply to; None when both are off.
+
+    Raises:
+        ValueError: an option is set but the model has no (non-None) ``question_encoder``.
+    """
+    if not config.freeze_question_encoder and config.question_encoder_lr is None:
+        return None
+    encoder = getattr(model, "question_encoder", None)
+    if not isinstance(encoder, nn.Module):
+        option = ("freeze_question_encoder" if config.freeze_question_encoder
+                  else "question_encoder_lr")
+        raise ValueError(f"{option} is set but the model ({type(model).__name__}) has no "
+                         "question_encoder")
+    return encoder
+
+
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW without weight decay on biases and norms; torch's fused implementation (one pass
     per tensor, no temporaries) where every parameter allows it, as transformers' Trainer
-    defaults to."""
-    decay, no_decay = [], []
+    defaults to.
+
+    ``model.question_encoder``'s parameters are left out with ``freeze_question_encoder``, and
+    get their own decay / no-decay groups at ``question_encoder_lr`` when that is set (after
+    the other groups).
+
+    Raises:
+        ValueError: a question-encoder option on a model without a question_encoder.
+    """
+    encoder = _question_encoder(model, config)
+    in_encoder = {id(p) for p in encoder.parameters()} if encoder is not None else set()
+    split = config.question_encoder_lr is not None
+    decay, no_decay, enc_decay, enc_no_decay = [], [], [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if not p.requires_grad or (config.freeze_question_encoder and id(p) in in_encoder):
+            continue
+        if split and id(p) in in_encoder:
+            (enc_no_decay if p.dim() < 2 else enc_decay).append(p)
+        else:
             (no_decay if p.dim() < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if split:
+        groups += [{"params": enc_decay, "weight_decay": config.weight_decay,
+                    "lr": config.question_encoder_lr},
+                   {"params": enc_no_decay, "weight_decay": 0.0, "lr": config.question_encoder_lr}]
+    params = [p for g in groups for p in g["params"]]
     fused = all(p.device.type in _FUSED_ADAM_DEVICES and p.dtype in _FUSED_ADAM_DTYPES
-                for p in decay + no_decay)
+                for p in params)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas,
                              eps=config.adam_eps, fused=fused or None)
 
 
+# ---------------------------------------------------------------------- RNG and files
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    """Every RNG state: torch's (and CUDA's) as tensors, Python's and NumPy's as JSON lists."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``."""
+def _json_default(obj: Any) -> Any:
+    """NumPy and torch values as plain ones (``tolist``); anything else as its str."""
+    return obj.tolist() if hasattr(obj, "tolist") else str(obj)
+
+
+def _number(value: Any) -> float | None:
+    """A metric as a float, or None when it is not a number."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, Real) and not isinstance(value, (bool, np.bool_)):
+        return float(value)
+    return None
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make renames in ``folder`` durable (where the OS allows opening a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """``write(f)`` to a temporary file in ``path``'s folder, fsync, then rename over ``path``."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(tmp, write)
         os.replace(tmp, path)
+        _fsync_dir(folder)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def _manifest_path(path: str) -> str:
+    """``checkpoint-last.pt`` -> ``checkpoint-last.json``."""
+    manifest = os.path.splitext(path)[0] + ".json"
+    if manifest == path:
+        raise ValueError(f"a checkpoint path must not end in .json (its manifest does): {path}")
+    return manifest
+
+
+def _digest(path: str) -> tuple[int, str]:
+    """Size and SHA-256 hex digest of a file."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _write_checkpoint(payload: dict, path: str, step: int) -> None:
+    """Payload, then manifest (size, SHA-256, step): each to an fsynced temporary, then renamed;
+    then the temporaries of earlier, killed saves (``<stem>*.tmp-*``) are removed."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    manifest = _manifest_path(path)
+    tmp_payload, tmp_manifest = f"{path}.tmp-{os.getpid()}", f"{manifest}.tmp-{os.getpid()}"
+    renamed = False
+    try:
+        _write_synced(tmp_payload, lambda f: torch.save(payload, f))
+        size, sha256 = _digest(tmp_payload)
+        record = {"format": CHECKPOINT_FORMAT, "payload": os.path.basename(path), "size": size,
+                  "sha256": sha256, "step": step}
+        _write_synced(tmp_manifest, lambda f: f.write(json.dumps(record, indent=1).encode()))
+        os.replace(tmp_payload, path)
+        renamed = True
+        _fsync_dir(folder)
+        # killed here: the new payload has the old manifest; _verify finds tmp_manifest
+        os.replace(tmp_manifest, manifest)
+        _fsync_dir(folder)
+    finally:
+        if os.path.exists(tmp_payload):
+            os.remove(tmp_payload)
+        if not renamed and os.path.exists(tmp_manifest):
+            os.remove(tmp_manifest)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    for stale in glob.glob(os.path.join(glob.escape(folder), glob.escape(stem) + "*.tmp-*")):
+        with contextlib.suppress(OSError):
+            os.remove(stale)
+
+
+def _read_manifest(manifest: str) -> dict:
+    try:
+        with open(manifest, "rb") as f:
+            record = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: JSON and UTF-8 errors
+        raise CheckpointError(f"checkpoint manifest {manifest} is corrupt: {e}") from None
+    if not (isinstance(record, dict) and record.get("format") == CHECKPOINT_FORMAT
+            and all(isinstance(record.get(k), int) for k in ("size", "step"))
+            and isinstance(record.get("sha256"), str)):
+        raise CheckpointError(f"checkpoint manifest {manifest} is corrupt (not a "
+                              f"{CHECKPOINT_FORMAT} manifest)")
+    return record
+
+
+def _mismatch(path: str, manifest: str, record: dict, size: int, sha256: str) -> str | None:
+    """Why the payload (``size``, ``sha256``) does not match ``record``; None when it does."""
+    if size != record["size"]:
+        how = "truncated" if size < record["size"] else "longer than written"
+        return f"{path} is corrupt ({how}): {size} bytes, {manifest} records {record['size']}"
+    if sha256 != record["sha256"]:
+        return (f"{path} is corrupt: its SHA-256 {sha256[:16]}... differs from "
+                f"{record['sha256'][:16]}... recorded in {manifest}")
+    return None
+
+
+def _verify(path: str) -> dict:
+    """The manifest record that the payload at ``path`` matches (see _write_checkpoint)."""
+    manifest = _manifest_path(path)
+    restart = (f"; to start from scratch instead, delete {path} and {manifest} (or do not "
+               "resume)")
+    if not os.path.isfile(path):
+        if not os.path.isfile(manifest):
+            raise FileNotFoundError(f"no checkpoint at {path}")
+        raise CheckpointError(f"checkpoint {path} is missing but its manifest {manifest} "
+                              f"exists{restart}")
+    size, sha256 = _digest(path)
+    if os.path.isfile(manifest):
+        try:
+            record = _read_manifest(manifest)
+            problem = _mismatch(path, manifest, record, size, sha256)
+        except CheckpointError as e:
+            problem = str(e)
+        if problem is None:
+            return record
+    else:
+        problem = (f"checkpoint {path} has no manifest {os.path.basename(manifest)}, so it "
+                   "cannot be verified (a save that was interrupted, or an older rag_fast "
+                   "wrote it)")
+    # a save killed between its two renames left the new payload's (fsynced) manifest here
+    for pending in sorted(glob.glob(glob.escape(manifest) + ".tmp-*")):
+        try:
+            record = _read_manifest(pending)
+        except CheckpointError:
+            continue
+        if _mismatch(path, pending, record, size, sha256) is None:
+            return record
+    raise CheckpointError(problem + restart)
+
+
+def load_checkpoint(path: str) -> dict:
+    """A Trainer checkpoint, verified against its manifest and loaded with
+    ``torch.load(weights_only=True)``: nothing in it but tensors and plain data is unpickled.
+
+    Args:
+        path: the payload (``<output_dir>/checkpoint-last.pt``); its manifest is beside it
+            (``checkpoint-last.json``).
+
+    Returns:
+        ``{"model", "optimizer", "scheduler", "scaler"}`` state dicts, ``"rng"`` (``torch``,
+        ``cuda``, ``python``, ``numpy`` states), ``"state"`` (TrainState fields), ``"config"``
+        (TrainConfig fields as saved) and ``"world_size"``.
+
+    Raises:
+        FileNotFoundError: neither the checkpoint nor its manifest exists.
+        CheckpointError: naming the file: missing manifest or payload, corrupt or truncated
+            (size or SHA-256 differ from the manifest), holding other objects (refused
+            without running them), or not a Trainer checkpoint.
+    """
+    record = _verify(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError for a refused object; zip errors...
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        detail = f"it references {found.group(1)}" if found else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint {path} was refused: it holds something other than tensors and plain "
+            f"data, and nothing in it was run ({detail})") from None
+    try:
+        if not isinstance(payload, dict) or set(payload) != _PAYLOAD_KEYS \
+                or payload["format"] != CHECKPOINT_FORMAT:
+            raise ValueError(f"not a {CHECKPOINT_FORMAT} payload")
+        meta = json.loads(payload["meta"])
+        if not isinstance(meta, dict) or set(meta) != _META_KEYS:
+            raise ValueError("its metadata lacks keys")
+        if meta["state"]["step"] != record["step"]:
+            raise ValueError(f"step {meta['state']['step']} but the manifest says "
+                             f"{record['step']}")
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path} is not a valid rag_fast training checkpoint "
+                              f"({e})") from None
+    return {"model": payload["model"], "optimizer": payload["optimizer"],
+            "scheduler": payload["scheduler"], "scaler": payload["scaler"],
+            "rng": {"torch": payload["rng_torch"], "cuda": payload["rng_cuda"],
+                    "python": meta["rng_python"], "numpy": meta["rng_numpy"]},
+            "state": meta["state"], "config": meta["config"], "world_size": meta["world_size"]}
+
+
+_warned_no_matplotlib = False
+
+
+def plot_training(state: TrainState, path: str) -> bool:
+    """A PNG (written atomically) of the logged loss vs step, and of each eval metric vs step
+    in a second panel when there are evals; matplotlib's Agg canvas, no pyplot.
+
+    Returns:
+        Whether it was written: False, with one warning per process, without matplotlib.
+    """
+    global _warned_no_matplotlib
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        if not _warned_no_matplotlib:
+            _warned_no_matplotlib = True
+            warnings.warn(f"matplotlib is not installed: no training plot {path} "
+                          "(pip install matplotlib)", stacklevel=2)
+        return False
+    series: dict[str, list] = {}
+    for step, metrics in state.evals:
+        for name, value in metrics.items():
+            if (value := _number(value)) is not None:
+                series.setdefault(name, []).append((step, value))
+    fig = Figure(figsize=(7, 6 if series else 3.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2 if series else 1, 1, sharex=True, squeeze=False)[:, 0]
+    if state.history:
+        steps, losses = zip(*state.history)
+        axes[0].plot(steps, [math.nan if v is None else v for v in losses], marker=".")
+    axes[0].set_ylabel("training loss")
+    for name, points in series.items():
+        axes[1].plot(*zip(*points), marker="o", label=name)
+    if series:
+        axes[1].set_ylabel("eval")
+        axes[1].legend()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    return True
 
 
 def world() -> tuple[int, int]:
@@ -168,13 +625,18 @@ class Trainer:
     """Trains ``model`` on ``dataset``.
 
     Args:
-        model: the module to train (a RagModel, or any module ``loss_fn`` understands).
+        model: the module to train (a RagModel, or any module ``loss_fn`` understands), on its
+            device already (see :func:`resolve_device`).
         dataset: a sequence of examples.
         collate: list of examples -> batch (whatever ``loss_fn`` takes).
         loss_fn: ``(model, batch) -> scalar loss``, a mean over the batch's examples.
         config: TrainConfig.
         eval_fn: ``(model) -> dict`` of metrics, run every ``eval_every`` steps on rank 0.
         on_step_end: ``(state) -> None`` after each step (and its checkpoint).
+
+    Raises:
+        ValueError: an empty dataset, a global batch larger than it, or a question-encoder
+            option on a model without a question_encoder.
     """
 
     def __init__(
@@ -197,10 +659,15 @@ class Trainer:
                              f"world_size) is larger than the dataset ({len(dataset)} examples)")
         self.model, self.dataset, self.collate, self.loss_fn = model, dataset, collate, loss_fn
         self.eval_fn, self.on_step_end = eval_fn, on_step_end
+        encoder = _question_encoder(model, config)
+        if config.freeze_question_encoder:
+            encoder.requires_grad_(False)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.optimizer = make_optimizer(model, config)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self._lr_factor = lr_lambda(config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self._step_lr = config.lr * self._lr_factor(0)  # lr of the last step (base groups)
         device = next(model.parameters()).device
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=config.precision == "fp16")
@@ -266,6 +733,7 @@ class Trainer:
         if config.max_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+        self._step_lr = config.lr * self._lr_factor(self.state.step)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -274,8 +742,14 @@ class Trainer:
         return total
 
     def train(self) -> TrainState:
-        """Run (or continue) until ``max_steps``; returns the final state."""
+        """Run (or continue) until ``max_steps``; returns the final state.
+
+        Rank 0 first drops the metrics file's lines after the current step (a resumed or
+        restarted run writes them again), and at the end writes the plot.
+        """
         config = self.config
+        if self.rank == 0:
+            self._trim_metrics()
         bar = None
         if config.progress and self.rank == 0:
             from tqdm.auto import tqdm
@@ -287,11 +761,14 @@ class Trainer:
             loss = self.train_step()
             seen += self.global_batch
             step = self.state.step
+            elapsed = max(time.perf_counter() - start, 1e-9)
             if step % max(1, config.log_every) == 0 or step == config.max_steps:
                 self.state.history.append((step, loss))
+                self._log_metrics({"step": step, "loss": loss if math.isfinite(loss) else None,
+                                   "lr": self._step_lr, "examples_per_s": round(seen / elapsed, 3),
+                                   "elapsed_s": round(elapsed, 3)})
             if bar is not None:
-                rate = seen / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(loss=f"{loss:.4f}", ex_per_s=f"{rate:.1f}")
+                bar.set_postfix(loss=f"{loss:.4f}", ex_per_s=f"{seen / elapsed:.1f}")
                 bar.update(1)
             if self.eval_fn is not None and config.eval_every and step % config.eval_every == 0:
                 self.evaluate()
@@ -304,65 +781,141 @@ class Trainer:
                 self.on_step_end(self.state)
         if bar is not None:
             bar.close()
+        plot = self._output_file(config.plot_file)
+        if plot is not None and self.rank == 0:
+            try:
+                plot_training(self.state, plot)
+            except Exception as e:  # the run is done and checkpointed: a plot is not worth it
+                warnings.warn(f"could not write the training plot {plot}: {e!r}", stacklevel=2)
         return self.state
 
     def evaluate(self) -> dict | None:
+        """Run ``eval_fn`` on rank 0, record the metrics in ``state.evals`` and the metrics file.
+
+        Returns:
+            The metrics on rank 0, None on the other ranks.
+        """
         metrics = None
         if self.rank == 0 and self.eval_fn is not None:
             metrics = self.eval_fn(self.model)
             self.state.evals.append((self.state.step, metrics))
+            rounded = {}
+            for name, value in metrics.items():
+                number = _number(value)
+                rounded[name] = (value if number is None
+                                 else round(number, 4) if math.isfinite(number) else None)
+            self._log_metrics({"step": self.state.step, "eval": rounded})
             if self.config.progress:
                 from tqdm.auto import tqdm
 
                 tqdm.write(f"step {self.state.step}: " +
-                           ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+                           ", ".join(f"{k}={v:.4f}" if _number(v) is not None else f"{k}={v}"
+                                     for k, v in metrics.items()))
         if self.world_size > 1:
             dist.barrier()
         return metrics
 
+    # ------------------------------------------------------------------ metrics
+    def _output_file(self, name: str | None) -> str | None:
+        """``output_dir/name``, or None when either is unset."""
+        if not name or not self.config.output_dir:
+            return None
+        return os.path.join(self.config.output_dir, name)
+
+    def _log_metrics(self, record: dict) -> None:
+        """Append one JSON line to the metrics file (rank 0; non-finite numbers as null)."""
+        path = self._output_file(self.config.metrics_file)
+        if path is None or self.rank != 0:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, default=_json_default) + "\n")
+
+    def _trim_metrics(self) -> None:
+        """Drop the metrics file's lines after ``state.step`` (and lines cut short by a kill),
+        rewriting it atomically, so that the log matches the run."""
+        path = self._output_file(self.config.metrics_file)
+        if path is None or not os.path.isfile(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+        keep = []
+        for line in lines:
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if isinstance(step, int) and step <= self.state.step and line.endswith("\n"):
+                keep.append(line)
+        if keep != lines:
+            _atomic_write(path, lambda f: f.write("".join(keep).encode("utf-8")))
+
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_path(self) -> str:
+        """``<output_dir>/checkpoint-last.pt`` (its manifest: ``checkpoint-last.json``)."""
         if not self.config.output_dir:
             raise ValueError("config.output_dir is not set")
         return os.path.join(self.config.output_dir, CHECKPOINT)
 
     def save_checkpoint(self) -> None:
-        """Write the resumable state atomically (rank 0; RNG state of rank 0)."""
+        """Write the resumable state (rank 0; RNG state of rank 0): the tensors and a JSON
+        string of the rest, then the manifest, each atomically; then remove the temporaries
+        of earlier, killed saves."""
         if self.rank == 0:
-            atomic_torch_save({
+            rng = _rng_state()
+            meta = {"state": asdict(self.state), "config": asdict(self.config),
+                    "world_size": self.world_size, "rng_python": rng["python"],
+                    "rng_numpy": rng["numpy"]}
+            _write_checkpoint({
+                "format": CHECKPOINT_FORMAT,
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
-                "state": asdict(self.state),
-                "rng": _rng_state(),
-                "config": asdict(self.config),
-                "world_size": self.world_size,
-            }, self.checkpoint_path())
+                "rng_torch": rng["torch"],
+                "rng_cuda": rng["cuda"],
+                "meta": json.dumps(meta, default=_json_default),
+            }, self.checkpoint_path(), self.state.step)
         if self.world_size > 1:
             dist.barrier()
 
     def resume(self, path: str | None = None) -> bool:
-        """Load the last checkpoint if there is one; returns whether it did.
+        """Load the last checkpoint, verified (see :func:`load_checkpoint`); returns whether
+        there was one. Only when neither the checkpoint nor its manifest exists does it return
+        False: a bad one raises rather than training from scratch.
+
+        Args:
+            path: the checkpoint; default ``<output_dir>/checkpoint-last.pt``.
 
         Raises:
+            CheckpointError: naming the file: corrupt, truncated, without its manifest (or the
+                manifest without it), holding objects other than tensors and plain data, or not
+                fitting this model and optimizer.
             ValueError: a checkpoint from a different global batch size (its data position
                 would not match).
         """
         path = path or self.checkpoint_path()
-        if not os.path.isfile(path):
+        if not os.path.isfile(path) and not os.path.isfile(_manifest_path(path)):
             return False
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = load_checkpoint(path)
         saved = ckpt["config"]
         global_batch = saved["micro_batch_size"] * saved["grad_accum"] * ckpt["world_size"]
         if global_batch != self.global_batch:
             raise ValueError(f"{path} was written with global batch {global_batch}, this run "
                              f"has {self.global_batch}: its data position would not match")
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        self.scaler.load_state_dict(ckpt["scaler"])
-        self.state = TrainState(**ckpt["state"])
+        try:
+            self.model.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+            self.scaler.load_state_dict(ckpt["scaler"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model and optimizer (written with other "
+                f"model or question-encoder options?): {e}") from None
+        state = dict(ckpt["state"])
+        state["history"] = [tuple(h) for h in state["history"]]
+        state["evals"] = [tuple(e) for e in state["evals"]]
+        self.state = TrainState(**state)
         _set_rng_state(ckpt["rng"])
         return True
 

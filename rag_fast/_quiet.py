@@ -1,0 +1,45 @@
+"""Third-party chatter (``transformers``' "Loading weights" bars and info logs, Hugging Face
+hub bars) off by default in rag_fast's own loads and commands.
+
+:func:`quiet_transformers` silences them for the duration of a block and restores what was
+there before, so a library user who turned them on keeps them everywhere else.
+:func:`set_verbose` is what ``rag-fast --verbose`` calls: on, everything third-party speaks.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+_VERBOSE = os.environ.get("RAG_FAST_VERBOSE", "0") not in ("", "0")
+
+
+def set_verbose(verbose: bool) -> None:
+    """Process-wide: let third-party libraries print their logs and progress bars (True) or
+    keep them quiet inside rag_fast's loads and commands (False, the default)."""
+    global _VERBOSE
+    _VERBOSE = bool(verbose)
+    if not verbose:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Inside the block ``transformers`` logs errors only and shows no progress bars."""
+    if _VERBOSE:
+        yield
+        return
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,217 @@
+"""A starting RagModel from a question encoder and a generator given by name or folder.
+
+    build_rag_model(question_encoder="facebook/dpr-question_encoder-single-nq-base",
+                    generator="facebook/bart-large", mode="token", n_docs=5)
+    build_rag_model(index="kb/", generator="generator.json",
+                    generator_tokenizer="sentence-transformers/all-MiniLM-L6-v2")
+
+The question encoder is any Hugging Face encoder: DPR question encoders give their pooled
+vector; other encoders are pooled as their sentence-transformers folder says (MiniLM: mean,
+then L2-normalised), else by CLS. ``index=`` takes the question encoder, its pooling and its
+normalisation from an index directory (what ``rag-fast index build`` used for questions), so
+the questions are embedded as the passages were, and records the index in the model.
+
+The generator is a ``*ForConditionalGeneration`` name or folder with weights, or a JSON
+config file (``{"model_type": "bart", "d_model": 256, ...}``) for a generator trained from
+scratch (random weights, seeded): its vocabulary size and special-token ids come from the
+generator tokenizer unless the file sets them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rag_fast._quiet import quiet_transformers
+from rag_fast.models.rag_model import RagModel
+
+
+def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
+    """(model, tokenizer, pooling, normalize) of a Hugging Face encoder name or folder."""
+    import transformers
+
+    from rag_fast.retrieval.encoders import _sentence_transformers_pooling
+
+    config = transformers.AutoConfig.from_pretrained(name)
+    if config.model_type == "dpr":  # AutoModel maps every DPR checkpoint to one class
+        arch = (config.architectures or ["DPRQuestionEncoder"])[0]
+        if arch != "DPRQuestionEncoder":
+            raise ValueError(f"question_encoder {name!r} is a {arch}, not a DPRQuestionEncoder")
+        model = transformers.DPRQuestionEncoder.from_pretrained(name)
+    else:
+        model = transformers.AutoModel.from_pretrained(name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+    st = _sentence_transformers_pooling(Path(name)) if Path(name).is_dir() else None
+    pooling, normalize = st if st else ("cls", False)
+    return model, tokenizer, pooling, normalize
+
+
+def _index_query_encoder(index: str) -> dict:
+    from rag_fast.models.retriever_io import read_bundle_manifest
+
+    manifest = read_bundle_manifest(index)
+    if manifest is None or "query_encoder" not in manifest:
+        raise ValueError(f"index {index!r} has no manifest.json naming its question encoder "
+                         "(expected a directory from `rag-fast index build`)")
+    return manifest["query_encoder"]
+
+
+def _special_ids(tokenizer: Any) -> dict:
+    """pad / bos / eos ids of a tokenizer; BERT-style ones use [CLS] and [SEP]."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    pad = tokenizer.pad_token_id
+    missing = [n for n, v in (("pad", pad), ("bos/cls", bos), ("eos/sep", eos)) if v is None]
+    if missing:
+        raise ValueError(f"generator_tokenizer has no {', '.join(missing)} token: a generator "
+                         "needs padding, start and end tokens")
+    return {"pad_token_id": pad, "bos_token_id": bos, "eos_token_id": eos}
+
+
+def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Module:
+    import transformers
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"generator config {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ValueError(f"generator config {path}: expected a JSON object with 'model_type' "
+                         "(a transformers config, e.g. \"bart\")")
+    values = dict(values)
+    model_type = values.pop("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **values)
+    except ValueError as e:
+        raise ValueError(f"generator config {path}: {e}") from None
+    ids = _special_ids(tokenizer)
+    for key, value in ids.items():
+        if key not in values:
+            setattr(config, key, value)
+    if "decoder_start_token_id" not in values:
+        # answers are trained as [start, tokens..., eos]: decoding starts where training did
+        config.decoder_start_token_id = config.bos_token_id
+    if "vocab_size" not in values:
+        config.vocab_size = len(tokenizer)
+    for key in ("forced_bos_token_id", "forced_eos_token_id"):
+        if key not in values and hasattr(config, key):
+            setattr(config, key, None)
+    if not getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"generator config {path}: model_type {model_type!r} is not an "
+                         "encoder-decoder model")
+    torch.manual_seed(seed)
+    return transformers.AutoModelForSeq2SeqLM.from_config(config)
+
+
+def build_rag_model(
+    *,
+    generator: str,
+    question_encoder: str | None = None,
+    index: str | None = None,
+    generator_tokenizer: str | None = None,
+    mode: str = "token",
+    n_docs: int = 5,
+    epsilon: float = 0.0,
+    max_context_length: int = 128,
+    max_question_length: int = 64,
+    seed: int = 0,
+) -> RagModel:
+    """A RagModel to start training from (see the module docstring).
+
+    Args:
+        generator: a seq2seq model name or folder, or a JSON config file (random weights).
+        question_encoder: an encoder name or folder; default: the index's question encoder.
+        index: an index directory; its question encoder (and pooling) is used unless
+            ``question_encoder`` is given, and the model records it for eval / generate.
+        generator_tokenizer: tokenizer name or folder (default: the generator's folder; needed
+            with a config file).
+        mode, n_docs, epsilon, max_context_length, max_question_length: RagModel options.
+        seed: the random initialisation of a generator built from a config file.
+    Raises:
+        ValueError: neither ``question_encoder`` nor ``index``; a config file without
+            ``model_type`` or not encoder-decoder; a tokenizer missing special tokens; a
+            question encoder whose dimension differs from the index's.
+        OSError: a name or folder that ``transformers`` cannot open.
+    """
+    import transformers
+
+    spec = _index_query_encoder(index) if index is not None else None
+    if question_encoder is None:
+        if spec is None:
+            raise ValueError("give question_encoder (a name or folder) or index (an index "
+                             "directory whose question encoder to use)")
+        question_encoder = spec["name"]
+    is_config = os.path.isfile(generator) and generator.endswith(".json")
+    if is_config and generator_tokenizer is None:
+        raise ValueError(f"generator {generator!r} is a config file: give generator_tokenizer "
+                         "(a tokenizer name or folder) for its vocabulary")
+    with quiet_transformers():
+        q_model, q_tok, pooling, normalize = _question_encoder(question_encoder)
+        if spec is not None and spec["name"] == question_encoder:
+            pooling = spec.get("pooling", pooling)
+            normalize = bool(spec.get("normalize", normalize))
+            if pooling == "pooler":  # DPR: the encoder returns its pooled vector itself
+                pooling = "auto"
+        if spec is not None and "dim" in spec:
+            dim = int(getattr(q_model.config, "projection_dim", 0) or q_model.config.hidden_size)
+            if dim != int(spec["dim"]):
+                raise ValueError(f"question_encoder {question_encoder!r} gives {dim}-d vectors, "
+                                 f"the index {index!r} holds {spec['dim']}-d passage vectors")
+        g_tok = transformers.AutoTokenizer.from_pretrained(generator_tokenizer or generator)
+        if is_config:
+            g_model = _generator_from_config(generator, g_tok, seed)
+        else:
+            g_model = transformers.AutoModelForSeq2SeqLM.from_pretrained(generator)
+    model = RagModel(g_model, q_model, None, mode=mode, n_docs=n_docs,
+                     generator_tokenizer=g_tok, question_tokenizer=q_tok, epsilon=epsilon,
+                     question_pooling=pooling if pooling in ("cls", "mean") else "auto",
+                     normalize_questions=normalize, max_context_length=max_context_length,
+                     max_question_length=max_question_length)
+    model.index_path = os.path.abspath(index) if index is not None else None
+    return model
+
+
+def register(subparsers) -> None:
+    """Add ``init`` to the ``rag-fast`` command's subparsers."""
+    p = subparsers.add_parser(
+        "init", help="create a starting model directory from a question encoder and a generator",
+        description="Create a model directory (a transformers RAG folder plus rag_fast.json) to "
+                    "train from: a question encoder and a generator by Hugging Face name or "
+                    "local folder; a generator JSON config file gives random weights.")
+    p.add_argument("--generator", required=True, metavar="NAME|DIR|FILE.json",
+                   help="seq2seq generator: name, folder, or a JSON config (random weights)")
+    p.add_argument("--question-encoder", default=None, metavar="NAME|DIR",
+                   help="question encoder (default: the --index's question encoder)")
+    p.add_argument("--index", default=None, metavar="DIR",
+                   help="index directory: its question encoder and pooling, recorded in the model")
+    p.add_argument("--generator-tokenizer", default=None, metavar="NAME|DIR",
+                   help="generator tokenizer (default: the generator's folder)")
+    p.add_argument("--mode", choices=["token", "sequence"], default="token",
+                   help="RAG-Token or RAG-Sequence (default token)")
+    p.add_argument("--n-docs", type=int, default=5, help="passages per question (default 5)")
+    p.add_argument("--label-smoothing", type=float, default=0.0, help="epsilon (default 0)")
+    p.add_argument("--max-context-length", type=int, default=128,
+                   help="generator tokens per passage + question (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation of a config generator")
+    p.add_argument("--out", required=True, metavar="DIR", help="model directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
+    model = build_rag_model(generator=args.generator, question_encoder=args.question_encoder,
+                            index=args.index, generator_tokenizer=args.generator_tokenizer,
+                            mode=args.mode, n_docs=args.n_docs, epsilon=args.label_smoothing,
+                            max_context_length=args.max_context_length, seed=args.seed)
+    model.save(str(out))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"initialised a RAG-{args.mode.capitalize()} model ({params / 1e6:.1f}M parameters, "
+          f"n_docs={model.n_docs}) -> {out}")
+    return 0
