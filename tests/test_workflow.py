@@ -51,8 +51,12 @@ def test_block_reads_only_what_the_previous_step_wrote():
 
 def test_index_and_starting_model(ran):
     root, out, _ = ran
+    from rag_fast.retrieval import DenseIndex
+
     manifest = json.loads((root / "work/kb/manifest.json").read_text())
     assert manifest["kind"] == "rag_fast.index_bundle"
+    quality = DenseIndex.load(root / "work/kb/index").describe()["search_quality"]
+    assert quality["recall"] == 1.0 and quality["k"] == 10  # 300 passages: the default is exact
     side = json.loads((root / "work/model0/rag_fast.json").read_text())
     assert side["index"] == str((root / "work/kb").resolve())
     assert side["options"]["question_pooling"] == "mean" and side["options"]["normalize_questions"]

@@ -36,13 +36,21 @@ def read_bundle_manifest(path: str | Path) -> dict | None:
     return manifest
 
 
-def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = False):
+def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True):
     """A ``rag_fast.retrieval.Retriever`` over the index directory ``path``.
+
+    Training, evaluation and serving open their index here, so by default every file's
+    content is verified: a flipped byte or a NaN written into the stored vectors is an error
+    naming the file, not garbage flowing into passage embeddings. The check is a streamed
+    SHA-256 of each file (constant memory), measured at about 0.95 s per GiB of index
+    directory (~1.05 GiB/s, one core, from the page cache; a cold cache adds the disk's read
+    time).
 
     Args:
         path: an index directory (see the module docstring).
         n_docs: the Retriever's default K (RagModel passes its own ``n_docs`` per call).
-        verify: check every file's SHA-256 (sizes are always checked).
+        verify: check every file's SHA-256 (default); ``verify=False`` opts out and checks
+            the sizes only, for huge indexes whose storage is trusted.
     Raises:
         FileNotFoundError: ``path`` is not a directory, or lacks ``passages/`` or ``index/``.
         ValueError: a manifest of another kind; an index whose dimension differs from the
@@ -50,6 +58,7 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = False):
         rag_fast.retrieval.StorageError: missing, truncated or corrupt files.
     """
     from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
+    from rag_fast.retrieval._files import read_manifest
 
     root = Path(path)
     if not root.is_dir():
@@ -60,6 +69,8 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = False):
             raise FileNotFoundError(f"retriever: {str(root)!r} has no {part}/ (expected an index "
                                     "directory from `rag-fast index build`)")
     manifest = read_bundle_manifest(root)
+    if manifest is not None:  # its files (the parts' manifests) exist, have their size and checksum
+        manifest = read_manifest(root, BUNDLE_KIND, verify=verify)
     dim = manifest["encoder"]["dim"] if manifest and "encoder" in manifest else None
     store = PassageStore.load(root / "passages", verify=verify)
     index = DenseIndex.load(root / "index", verify=verify, expected_dim=dim)

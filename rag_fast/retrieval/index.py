@@ -48,6 +48,7 @@ from rag_fast.retrieval._files import (
 INDEX_KIND = "rag_fast.dense_index"
 FORMAT = 1
 PRESETS = ("exact", "hnsw", "ivfpq")
+SMALL_CORPUS = 39 * 16  # below: every preset is exact search (k-means of 16 lists needs 624)
 GPU_MAX_K = 2048  # faiss GPU's largest k and nprobe
 _INDEX_FILE, _VECTORS_FILE = "index.faiss", "vectors.faiss"
 _warned: set[str] = set()
@@ -73,15 +74,16 @@ def preset_factory(preset: str, n: int, d: int) -> tuple[str, int]:
     ivfpq: ``nlist`` is the power of two nearest ``sqrt(n)`` (but at most ``n / 39`` so that
     k-means has 39 points per centroid) and the PQ has ``M`` 4-bit sub-quantisers with
     ``d / M`` near 8 (the largest even divisor of ``d`` up to ``d / 8``).
+
+    Presets adapt to the corpus size: below :data:`SMALL_CORPUS` vectors (where exact search
+    takes well under a millisecond and a quantiser has too little to train on) ``ivfpq`` and
+    ``hnsw`` are exact search, so no preset fails on a small corpus.
     """
-    if preset == "exact":
+    if preset == "exact" or (preset in ("ivfpq", "hnsw") and n < SMALL_CORPUS):
         return "Flat", 1
     if preset == "hnsw":
         return "HNSW32", 1
     if preset == "ivfpq":
-        if n < 39 * 16:
-            raise ValueError(f"preset 'ivfpq' needs at least {39 * 16} vectors to train its "
-                             f"quantisers, got {n}; use preset 'exact' for small corpora")
         nlist = 2 ** round(math.log2(max(1.0, math.sqrt(n))))
         nlist = max(1, min(nlist, 2 ** int(math.log2(max(1, n // 39)))))
         m = next((m for m in range(max(2, d // 8), 0, -1) if d % m == 0 and m % 2 == 0), 1)
@@ -89,10 +91,115 @@ def preset_factory(preset: str, n: int, d: int) -> tuple[str, int]:
     raise ValueError(f"preset must be one of {PRESETS} or a faiss factory string, got {preset!r}")
 
 
-def _check_int(name: str, value: object, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+def plan_factory(preset: str, n: int, d: int) -> str:
+    """The faiss factory string :meth:`DenseIndex.build` will use for ``n`` vectors of ``d``,
+    checked before anything is encoded (``rag-fast index build`` calls it first).
+
+    Raises:
+        ValueError: an unknown preset or factory string, or a factory whose quantiser needs
+            more training vectors than the corpus has (naming both numbers).
+    """
+    if preset in PRESETS:
+        return preset_factory(preset, n, d)[0]
+    try:
+        index = faiss.index_factory(d, preset, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        raise ValueError(f"preset {preset!r} is not a preset {PRESETS} nor a valid faiss "
+                         f"factory string: {str(exc).strip().splitlines()[-1]}") from None
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:
+        ivf = None
+    if ivf is not None and n < ivf.nlist:
+        raise ValueError(f"preset {preset!r} has {ivf.nlist} inverted lists but the corpus has "
+                         f"{n} vectors (k-means needs at least one per list); use fewer lists "
+                         "or preset 'exact'")
+    return preset
+
+
+_MAX_SETTING = 2**31 - 1  # faiss takes nprobe, efSearch and k as C ints
+SETTINGS = ("nprobe", "ef_search", "rerank")  # the search settings of params / search() / tune()
+_MANIFEST_KEYS = ("kind", "format", "preset", "factory", "count", "dim", "metric", "params",
+                  "faiss_version", "meta", "files")
+
+
+def _check_int(name: str, value: object, low: int = 1, high: int = _MAX_SETTING) -> int:
+    """``value`` as an int in ``[low, high]``.
+
+    Raises:
+        ValueError: naming ``name``, for a non-int (bools included) or an out-of-range value.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int >= {low}" + (f" and <= {high}" if high < _MAX_SETTING
+                                                             else "") + f", got {value!r}")
     return int(value)
+
+
+class _Owned:
+    """A raw buffer for numpy that keeps its owner alive: ``np.asarray(_Owned(...))`` has this
+    object as its ``base``, so every view of it holds the owner (e.g. a faiss index whose
+    memory, or memory map, the buffer is)."""
+
+    def __init__(self, array: np.ndarray, owner: object):
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], True)  # read-only
+        self.__array_interface__ = interface
+        self.owner = owner
+
+
+def _check_manifest(root: Path, manifest: dict) -> None:
+    """Validate every key of an index manifest (types, ranges, the format number), before any
+    value reaches faiss.
+
+    Raises:
+        StorageError: naming the manifest file, the key and what was expected.
+    """
+    where = root / MANIFEST
+
+    def bad(key: str, expected: str) -> StorageError:
+        got = repr(manifest.get(key, "<missing>")) if "." not in key else repr(
+            manifest["params"].get(key.split(".", 1)[1]))
+        return StorageError(f"{where}: key {key!r} must be {expected}, got {got:.80}")
+
+    missing = [key for key in _MANIFEST_KEYS if key not in manifest]
+    if missing:
+        raise StorageError(f"{where}: missing key(s) {missing}; an index manifest has "
+                           f"{list(_MANIFEST_KEYS)} (written by DenseIndex.save)")
+    unknown = sorted(set(manifest) - set(_MANIFEST_KEYS))
+    if unknown:
+        raise StorageError(f"{where}: unknown key(s) {unknown}; expected only {list(_MANIFEST_KEYS)}")
+    fmt = manifest["format"]
+    if isinstance(fmt, bool) or not isinstance(fmt, int):
+        raise bad("format", f"the int {FORMAT}")
+    if fmt != FORMAT:
+        raise StorageError(f"{where}: key 'format' is {fmt}, this version of rag_fast reads index "
+                           f"format {FORMAT} only (written by another version; rebuild the index)")
+    for key in ("preset", "factory", "faiss_version"):
+        if not isinstance(manifest[key], str) or not manifest[key]:
+            raise bad(key, "a non-empty string")
+    for key in ("count", "dim"):
+        value = manifest[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad(key, "an int >= 1")
+    if manifest["metric"] != "inner_product":
+        raise bad("metric", "'inner_product'")
+    if not isinstance(manifest["meta"], dict):
+        raise bad("meta", "an object")
+    params = manifest["params"]
+    if not isinstance(params, dict):
+        raise bad("params", f"an object with keys among {list(SETTINGS)}")
+    unknown = sorted(set(params) - set(SETTINGS))
+    if unknown:
+        raise StorageError(f"{where}: unknown key(s) {['params.' + u for u in unknown]}; "
+                           f"expected among {['params.' + k for k in SETTINGS]}")
+    if "rerank" not in params:
+        raise StorageError(f"{where}: missing key 'params.rerank' (an int >= 1)")
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_SETTING:
+            raise bad(f"params.{key}", f"an int >= 1 and <= {_MAX_SETTING}")
+    if set(manifest["files"]) != {_INDEX_FILE, _VECTORS_FILE}:
+        raise StorageError(f"{where}: key 'files' lists {sorted(manifest['files'])}, expected "
+                           f"{sorted([_INDEX_FILE, _VECTORS_FILE])}")
 
 
 def _rows(embeddings, start: int, stop: int) -> np.ndarray:
@@ -174,8 +281,12 @@ class DenseIndex:
         self._hnsw = isinstance(faiss.downcast_index(base), faiss.IndexHNSW)
         self._refine = faiss.IndexRefine(base, vectors) if self.params.get("rerank", 1) > 1 else None
         n, d = vectors.ntotal, vectors.d
-        # The fp16 store's codes, viewed (not copied) as [N, d] float16.
-        raw = faiss.rev_swig_ptr(vectors.codes.data(), n * d * 2) if n else np.zeros(0, np.uint8)
+        # The fp16 store's codes, viewed (not copied) as [N, d] float16. The view's base holds
+        # the faiss store, so the array stays valid after this index is garbage-collected.
+        if n:
+            raw = np.asarray(_Owned(faiss.rev_swig_ptr(vectors.codes.data(), n * d * 2), vectors))
+        else:
+            raw = np.zeros(0, np.uint8)
         self.embeddings: np.ndarray = raw.view(np.float16).reshape(n, d)
         self.embeddings.flags.writeable = False
         self._gpu: tuple[str, object] | None = None
@@ -196,9 +307,15 @@ class DenseIndex:
         seed: int = 0,
         progress: bool = True,
         meta: dict | None = None,
+        target_recall: float | None = None,
     ) -> "DenseIndex":
         """Build an index over ``embeddings`` ``[N, d]`` (float numpy, memmap, tensor, or a list
         of such shards in row order).
+
+        With ``target_recall`` the built index measures itself (:meth:`measure`): the cheapest
+        search settings whose recall@10 against exact search, on a seeded sample of the
+        corpus's own vectors, reaches the target become its defaults, and the measured recall
+        and speed are recorded in ``meta["search_quality"]``.
 
         Trains on ``train_size`` rows sampled with ``seed`` (default: enough for k-means, at
         most 2**17), then adds in batches of ``batch_size`` with a progress bar.
@@ -232,14 +349,14 @@ class DenseIndex:
         except RuntimeError:
             pass
         if ivf is not None:
-            params["nprobe"] = _check_int("nprobe", nprobe) if nprobe else max(1, ivf.nlist // 64)
+            params["nprobe"] = _check_int("nprobe", nprobe) if nprobe is not None else max(1, ivf.nlist // 64)
         if isinstance(base, faiss.IndexHNSW):
-            params["ef_search"] = _check_int("ef_search", ef_search) if ef_search else 64
+            params["ef_search"] = _check_int("ef_search", ef_search) if ef_search is not None else 64
 
         vectors = faiss.IndexScalarQuantizer(d, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
         if not base.is_trained:
             need = max(39 * (ivf.nlist if ivf is not None else 256), 2**16)
-            size = min(n, _check_int("train_size", train_size) if train_size else min(need, 2**17))
+            size = min(n, _check_int("train_size", train_size) if train_size is not None else min(need, 2**17))
             rng = np.random.default_rng(seed)
             rows = np.sort(rng.choice(n, size=size, replace=False))
             sample = np.concatenate([_rows(embeddings, int(r), int(r) + 1) for r in rows]) \
@@ -254,7 +371,55 @@ class DenseIndex:
             _check_finite("embeddings", chunk, offset=start)
             vectors.add(chunk)
             base.add(chunk)
-        return cls(base, vectors, preset, factory, params, meta)
+        index = cls(base, vectors, preset, factory, params, meta)
+        if target_recall is not None:
+            index.measure(target_recall, tune=index.factory != "Flat", progress=progress)
+        return index
+
+    def measure(self, target_recall: float = 0.95, *, tune: bool = True, k: int = 10,
+                n_queries: int = 1000, queries=None, seed: int = 0,
+                progress: bool = False) -> dict:
+        """Recall@k against exact search on a seeded sample of the stored vectors (or on given
+        ``queries``), after picking the cheapest settings that reach ``target_recall`` when
+        ``tune``; recorded in ``meta["search_quality"]`` (saved, shown by ``describe``).
+
+        Returns:
+            ``{"target_recall", "k", "queries", "recall", "ms_per_query", "reached",
+            "settings"}``.
+        """
+        k = min(_check_int("k", k), self.ntotal)  # recall@k of a corpus smaller than k: all of it
+        if queries is None:
+            rows = np.random.default_rng(seed).choice(
+                self.ntotal, min(_check_int("n_queries", n_queries), self.ntotal), replace=False)
+            q = self.embeddings[np.sort(rows)].astype(np.float32)
+        else:
+            q = np.ascontiguousarray(queries.cpu().numpy() if isinstance(queries, torch.Tensor)
+                                     else queries, dtype=np.float32)
+        approximate = self.factory != "Flat"
+        if tune and approximate:
+            if progress:
+                tqdm.write(f"tuning search settings: recall@{k} >= {target_recall} against exact "
+                           f"search on {len(q)} of the corpus's vectors")
+            self.tune(target_recall, queries=q, k=k, seed=seed)
+        truth = exact_search(self.embeddings, torch.from_numpy(q), k)[1].numpy()
+        found = {"recall": recall_at_k(self.search(q, k)[1], truth) if approximate else 1.0,
+                 "ms_per_query": _time_ms(lambda: self.search(q, k)) / max(1, len(q))}
+        found["reached"] = found["recall"] >= target_recall
+        n_q = len(q)
+        quality = {
+            "target_recall": float(target_recall), "k": int(k), "queries": int(n_q),
+            "recall": round(float(found["recall"]), 4),
+            "ms_per_query": round(float(found["ms_per_query"]), 4)
+            if math.isfinite(found["ms_per_query"]) else None,
+            "reached": bool(found["reached"]),
+            "settings": {key: int(v) for key, v in self.params.items()},
+        }
+        self.meta = {**(self.meta or {}), "search_quality": quality}
+        if not quality["reached"]:
+            _warn_once(f"target-{id(self)}", f"no search setting of this {self.factory} index "
+                       f"reaches recall@{k} {target_recall} against exact search (best "
+                       f"{quality['recall']}); consider preset 'exact' or a larger nprobe")
+        return quality
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -278,22 +443,32 @@ class DenseIndex:
         return int(faiss.serialize_index(self._base).size)
 
     def describe(self) -> dict:
+        """Preset, factory, size, search defaults and, when measured (:meth:`measure`, or
+        ``build(target_recall=...)``), ``search_quality``: recall@k against exact search and
+        milliseconds per query at those defaults."""
         return {"preset": self.preset, "factory": self.factory, "count": self.ntotal, "dim": self.dim,
-                "metric": "inner_product", "params": dict(self.params), "faiss_version": faiss.__version__}
+                "metric": "inner_product", "params": dict(self.params), "faiss_version": faiss.__version__,
+                "search_quality": (self.meta or {}).get("search_quality")}
 
     # ---- search ---------------------------------------------------------------------------
     def search_parameters(self, k: int, nprobe: int | None = None, ef_search: int | None = None,
                           rerank: int | None = None):
         """faiss SearchParameters for one call (None -> the index defaults), cached: they are
-        read-only once built, so concurrent searches share them."""
-        nprobe = self.params.get("nprobe") if nprobe is None else _check_int("nprobe", nprobe)
-        ef = self.params.get("ef_search") if ef_search is None else _check_int("ef_search", ef_search)
+        read-only once built, so concurrent searches share them.
+
+        Raises:
+            ValueError: naming ``k``, ``nprobe``, ``ef_search`` or ``rerank`` (a setting faiss
+                would reject, or abort the process on, never reaches it).
+        """
+        k = _check_int("k", k, 1, max(1, self.ntotal))
+        nprobe = self._setting("nprobe", nprobe, self._ivf is not None)
+        ef = self._setting("ef_search", ef_search, self._hnsw)
         if self._refine is None:
-            if rerank is not None and rerank > 1:
+            if rerank is not None and _check_int("rerank", rerank) > 1:
                 raise ValueError("rerank: this index was built without re-ranking (rerank=1)")
             factor = None
         else:
-            rerank = self.params["rerank"] if rerank is None else _check_int("rerank", rerank)
+            rerank = self._setting("rerank", rerank, True)
             factor = max(1, min(rerank, self.ntotal // k))
         key = (nprobe, max(ef, k) if ef else None, factor)
         params = self._param_cache.get(key)
@@ -301,6 +476,19 @@ class DenseIndex:
             params = self._make_parameters(*key)
             self._param_cache[key] = params
         return params
+
+    def _setting(self, name: str, value: int | None, used: bool) -> int | None:
+        """A search setting given to a call (validated) or else the index default (validated
+        too: ``params`` is public and :meth:`tune` or a caller may have changed it)."""
+        if value is not None:
+            return _check_int(name, value)
+        value = self.params.get(name)
+        if value is None:
+            if used:
+                raise ValueError(f"{name}: this index has no default {name} (params={self.params}); "
+                                 f"pass {name}=...")
+            return None
+        return _check_int(f"params[{name!r}]", value)
 
     def _make_parameters(self, nprobe: int | None, ef: int | None, factor: int | None):
         base_params = None
@@ -414,7 +602,7 @@ class DenseIndex:
             return exact_search(vectors, q, k, chunk=1 << 20)
         params = None
         if self._ivf is not None:
-            nprobe = self.params["nprobe"] if nprobe is None else _check_int("nprobe", nprobe)
+            nprobe = self._setting("nprobe", nprobe, True)
             params = faiss.SearchParametersIVF(nprobe=min(nprobe, GPU_MAX_K, self._ivf.nlist))
         scores, ids = obj.search(q.float().contiguous(), k, params=params)
         scores = torch.where(ids < 0, torch.full_like(scores, -math.inf), scores)
@@ -439,10 +627,20 @@ class DenseIndex:
         Returns:
             ``{"nprobe" | "ef_search", "rerank", "recall", "ms_per_query", "reached"}``;
             ``reached`` is False when no setting got there (the best recall is kept).
+        Raises:
+            ValueError: naming ``target_recall``, ``queries``, ``k``, ``n_queries`` or
+                ``rerank_factors``.
         """
-        if not 0.0 < float(target_recall) <= 1.0:
-            raise ValueError(f"target_recall must be in (0, 1], got {target_recall!r}")
-        k = _check_int("k", k)
+        if (isinstance(target_recall, bool) or not isinstance(target_recall, numbers.Real)
+                or not 0.0 < float(target_recall) <= 1.0):
+            raise ValueError(f"target_recall must be a number in (0, 1], got {target_recall!r}")
+        k = _check_int("k", k, 1, max(1, self.ntotal))
+        n_queries = _check_int("n_queries", n_queries)
+        if isinstance(rerank_factors, (str, bytes)) or not isinstance(rerank_factors, Sequence):
+            raise ValueError(f"rerank_factors must be a sequence of ints >= 1, got {rerank_factors!r}")
+        rerank_factors = [_check_int(f"rerank_factors[{i}]", f, 0) for i, f in enumerate(rerank_factors)]
+        if self._refine is not None and not any(f >= 1 for f in rerank_factors):
+            raise ValueError(f"rerank_factors must hold at least one int >= 1, got {rerank_factors!r}")
         if queries is None:
             rows = np.random.default_rng(seed).choice(self.ntotal, min(n_queries, self.ntotal), replace=False)
             queries = self.embeddings[np.sort(rows)].astype(np.float32)
@@ -486,7 +684,8 @@ class DenseIndex:
         with atomic_directory(path, overwrite) as tmp:
             faiss.write_index(self._base, str(tmp / _INDEX_FILE))
             faiss.write_index(self._vectors, str(tmp / _VECTORS_FILE))
-            manifest = {"kind": INDEX_KIND, "format": FORMAT, **self.describe(), "meta": self.meta,
+            described = {k: v for k, v in self.describe().items() if k != "search_quality"}
+            manifest = {"kind": INDEX_KIND, "format": FORMAT, **described, "meta": self.meta,
                         "files": describe_files(tmp, [_INDEX_FILE, _VECTORS_FILE])}
             write_json(tmp / MANIFEST, manifest)
         return Path(path)
@@ -501,11 +700,21 @@ class DenseIndex:
             expected_dim: raise unless the index has this dimension (e.g. the encoder's).
         Raises:
             StorageError: missing, truncated, corrupt, or inconsistent with its manifest.
+            StorageError: also a manifest with a missing, unknown or malformed key, an
+                out-of-range search setting, or another format number (naming file and key).
             ValueError: ``expected_dim`` differs from the index dimension.
+        Warns:
+            RuntimeWarning: once per faiss version, when the index was built with another.
         """
         root = Path(path)
         manifest = read_manifest(root, INDEX_KIND, verify)
+        _check_manifest(root, manifest)
         d, n = manifest["dim"], manifest["count"]
+        if manifest["faiss_version"] != faiss.__version__:
+            _warn_once(f"faiss-version-{manifest['faiss_version']}",
+                       f"index {str(root)!r} was built with faiss {manifest['faiss_version']}, this is "
+                       f"faiss {faiss.__version__}: it loads, but if searches fail or results "
+                       "change, rebuild the index with this faiss (said once per version)")
         if expected_dim is not None and expected_dim != d:
             raise ValueError(f"expected_dim={expected_dim} does not match the index dimension {d} "
                              f"of {str(root)!r} (built with another encoder?)")
@@ -522,6 +731,15 @@ class DenseIndex:
                                    f"says {n} x {d} (dimension mismatch or mixed-up files)")
         if not isinstance(vectors, faiss.IndexScalarQuantizer) or vectors.code_size != 2 * d:
             raise StorageError(f"{root / _VECTORS_FILE} is not an fp16 vector store")
+        try:
+            is_ivf = faiss.extract_index_ivf(base) is not None
+        except RuntimeError:
+            is_ivf = False
+        for key, needed in (("nprobe", is_ivf), ("ef_search", isinstance(faiss.downcast_index(base),
+                                                                         faiss.IndexHNSW))):
+            if needed and key not in manifest["params"]:
+                raise StorageError(f"{root / MANIFEST}: missing key 'params.{key}' (an int >= 1), "
+                                   f"which a {manifest['factory']!r} index needs")
         index = cls(base, vectors, manifest["preset"], manifest["factory"], manifest["params"],
                     manifest.get("meta"), source=root)
         return index

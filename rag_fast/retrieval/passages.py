@@ -13,11 +13,16 @@ paper's 100-word split).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
+import os
 import re
+import secrets
+import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -25,7 +30,6 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm.auto import tqdm
 
-from rag_fast._jsonl import read_objects
 from rag_fast.retrieval._files import (
     MANIFEST,
     RaggedArray,
@@ -66,41 +70,164 @@ def _clean(s: object) -> str:
     return " ".join(str(s).split()) if s is not None else ""
 
 
-def read_dpr_tsv(path: str | Path) -> Iterator[Passage]:
+class PassageFormatError(ValueError):
+    """A passages file is malformed (naming the file and line): the readers never guess."""
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def _decoded_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number from 1, line with its ending)`` of a UTF-8 file; a BOM at the start is
+    dropped.
+
+    Raises:
+        PassageFormatError: bytes that are not UTF-8, naming the file, line and column.
+    """
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PassageFormatError(
+                    f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                    f"{e.start + 1}); expected a UTF-8 text file"
+                ) from None
+
+
+def _read_text(path: Path) -> str:
+    """The whole UTF-8 text of ``path``, BOM dropped (see :func:`_decoded_lines`)."""
+    return "".join(line for _, line in _decoded_lines(path))
+
+
+def _unique(path: str | Path, rows: Iterable[tuple[int, Passage]], dedupe: bool) -> Iterator[Passage]:
+    """The passages of ``rows`` (``(line, passage)``), checking that ids are unique.
+
+    Raises:
+        PassageFormatError: a repeated id (unless ``dedupe``, which keeps the first), naming
+            both lines.
+    """
+    seen: dict[str, int] = {}
+    for line, p in rows:
+        first = seen.setdefault(p.id, line)
+        if first != line:
+            if dedupe:
+                continue
+            raise PassageFormatError(
+                f"{path}:{line}: duplicate passage id {p.id!r} (line {line} repeats the id of "
+                f"line {first}); expected unique ids (pass dedupe=True / --dedupe to keep the first)"
+            )
+        yield p
+
+
+def _tsv_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
+    csv.field_size_limit(sys.maxsize)
+    lines = _decoded_lines(path)
+    reader = csv.reader((line for _, line in lines), delimiter="\t", strict=True)
+    names = ("id", "text", "title")
+    columns: dict[str, int] | None = None
+    expected = 0
+    end = 0  # the last line of the previous record
+    while True:
+        start = end + 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            if reader.line_num > start:
+                _spans(path, start, reader.line_num)
+            raise PassageFormatError(f"{path}:{start}: malformed TSV record ({e}); "
+                                     "expected csv quoting (a quoted field ends with a quote, "
+                                     'inner quotes doubled as "")') from None
+        end = reader.line_num
+        if end > start:
+            _spans(path, start, end)
+        if not row:  # a blank line
+            continue
+        if columns is None:
+            header = [c.strip().lower() for c in row]
+            if {"id", "text"} <= set(header):
+                columns, expected = {c: j for j, c in enumerate(header)}, len(row)
+                names = tuple(row)
+                continue
+            if len(row) not in (2, 3):
+                raise PassageFormatError(f"{path}:{start}: expected 3 tab-separated columns (id, "
+                                         f"text, title) or 2 (id, text), got {len(row)}")
+            names = names[: len(row)]
+            columns, expected = {c: j for j, c in enumerate(names)}, len(row)
+        if len(row) != expected:
+            raise PassageFormatError(
+                f"{path}:{start}: expected {expected} tab-separated columns ({', '.join(names)}), "
+                f"got {len(row)}"
+            )
+        title = row[columns["title"]] if "title" in columns else ""
+        yield start, Passage(row[columns["id"]].strip(), _clean(title), _clean(row[columns["text"]]))
+
+
+def _spans(path: str | Path, start: int, end: int) -> None:
+    raise PassageFormatError(
+        f"{path}:{start}: a quoted field spans lines {start}-{end} (an unbalanced '\"'?); "
+        "expected one passage per line"
+    )
+
+
+def read_dpr_tsv(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
     """Passages of a DPR-style TSV (``id<TAB>text<TAB>title``, header optional, csv quoting).
 
-    Raises:
-        ValueError: a row without the three columns, naming the file and line.
-    """
-    csv.field_size_limit(sys.maxsize)
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f, delimiter="\t")
-        columns = {"id": 0, "text": 1, "title": 2}
-        for row in reader:
-            if reader.line_num == 1 and {"id", "text"} <= {c.strip().lower() for c in row}:
-                columns = {c.strip().lower(): j for j, c in enumerate(row)}
-                continue
-            if len(row) <= max(columns.get("id", 0), columns["text"]):
-                raise ValueError(
-                    f"passages file {str(path)!r} line {reader.line_num}: expected the columns "
-                    f"id, text, title separated by tabs, got {len(row)} column(s)"
-                )
-            title = row[columns["title"]] if columns.get("title", 99) < len(row) else ""
-            yield Passage(row[columns["id"]].strip(), _clean(title), _clean(row[columns["text"]]))
-
-
-def read_jsonl(path: str | Path) -> Iterator[Passage]:
-    """Passages of a JSONL file: one object per line with ``text`` and optional ``title``,
-    ``id`` (default: the line number, from 0).
+    Without a header the first row fixes the columns: ``id, text, title`` or ``id, text``.
+    Blank lines are skipped; a UTF-8 BOM is dropped.
 
     Raises:
-        ValueError: a line that is not a JSON object with a ``text`` field, naming file and line.
+        PassageFormatError: (a ValueError) naming the file and line: a row with another number
+            of columns, a quoted field spanning lines or otherwise malformed quoting, bytes that
+            are not UTF-8, a duplicate id (unless ``dedupe``: keep the first).
     """
-    for number, where, obj in read_objects(path):
+    return _unique(path, _tsv_rows(path), dedupe)
+
+
+def _jsonl_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
+    for number, line in _decoded_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PassageFormatError(f"{where}: malformed JSON line ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise PassageFormatError(f"{where}: expected a JSON object, got {_json_type(obj)}")
         if "text" not in obj:
-            raise ValueError(f'{where}: expected an object with a "text" field (and optional '
-                             '"title", "id")')
-        yield Passage(str(obj.get("id", number - 1)), _clean(obj.get("title")), _clean(obj["text"]))
+            raise PassageFormatError(f'{where}: expected an object with a "text" field (and '
+                                     'optional "title", "id")')
+        text, title, pid = obj["text"], obj.get("title"), obj.get("id", number - 1)
+        if not isinstance(text, str):
+            raise PassageFormatError(f'{where}: "text" must be a string, got {_json_type(text)}')
+        if title is not None and not isinstance(title, str):
+            raise PassageFormatError(f'{where}: "title" must be a string or null, got {_json_type(title)}')
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise PassageFormatError(f'{where}: "id" must be a string or an integer, got {_json_type(pid)}')
+        yield number, Passage(str(pid), _clean(title), _clean(text))
+
+
+def _json_type(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def read_jsonl(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
+    """Passages of a JSONL file: one object per line with ``text`` and optional ``title``,
+    ``id`` (default: the line number, from 0). ``text`` and ``title`` are strings (a null
+    ``title`` is empty), ``id`` a string or an integer. Blank lines are skipped; a UTF-8 BOM
+    is dropped.
+
+    Raises:
+        PassageFormatError: (a ValueError) naming the file and line: a line that is not a JSON
+            object with a string ``text``, a field of another type, bytes that are not UTF-8,
+            a duplicate id (unless ``dedupe``: keep the first).
+    """
+    return _unique(path, _jsonl_rows(path), dedupe)
 
 
 def _split_all(passages: Iterable[Passage], words: int) -> Iterator[Passage]:
@@ -109,16 +236,17 @@ def _split_all(passages: Iterable[Passage], words: int) -> Iterator[Passage]:
             yield Passage(f"{p.id}-{j}", p.title, chunk)
 
 
-def read_passages(path: str | Path, split: int | None = None) -> Iterator[Passage]:
+def read_passages(path: str | Path, split: int | None = None, dedupe: bool = False) -> Iterator[Passage]:
     """Passages from a file or directory, chosen by extension.
 
     ``.tsv``: DPR TSV; ``.jsonl``/``.json``: JSONL; ``.txt``: one raw document titled by the
     file's stem; a directory: every ``*.txt`` in it (sorted), as raw documents. Raw documents
     are split into ``split`` words (default 100); TSV and JSONL rows are split only when
-    ``split`` is given.
+    ``split`` is given. Ids must be unique; ``dedupe`` keeps the first passage of each id.
 
     Raises:
-        ValueError: an unknown extension or a malformed file, naming ``passages``.
+        ValueError: an unknown extension or a malformed file (:class:`PassageFormatError`,
+            naming the file and line), naming ``passages``.
         FileNotFoundError: ``path`` does not exist.
     """
     path = Path(path)
@@ -126,7 +254,7 @@ def read_passages(path: str | Path, split: int | None = None) -> Iterator[Passag
         raise FileNotFoundError(f"passages: {str(path)!r} does not exist")
     if path.is_dir() or path.suffix == ".txt":
         files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
-        docs = (Passage(f.stem, f.stem.replace("_", " "), f.read_text(encoding="utf-8")) for f in files)
+        docs = (Passage(f.stem, f.stem.replace("_", " "), _read_text(f)) for f in files)
         return _split_all(docs, split or PAPER_PASSAGE_WORDS)
     readers = {".tsv": read_dpr_tsv, ".jsonl": read_jsonl, ".json": read_jsonl}
     if path.suffix not in readers:
@@ -134,8 +262,27 @@ def read_passages(path: str | Path, split: int | None = None) -> Iterator[Passag
             f"passages: cannot tell the format of {str(path)!r}; expected .tsv (DPR: id, text, "
             "title), .jsonl, .txt or a directory of .txt documents"
         )
-    rows = readers[path.suffix](path)
+    rows = readers[path.suffix](path, dedupe=dedupe)
     return _split_all(rows, split) if split else rows
+
+
+def passages_digest(path: str | Path) -> str:
+    """SHA-256 of what :func:`read_passages` reads at ``path``: the file's bytes, or for a
+    directory each ``*.txt`` file's name and bytes (sorted).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"passages: {str(path)!r} does not exist")
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.txt")) if path.is_dir() else [path]:
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 23):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def tokenizer_key(tokenizer) -> str:
@@ -193,14 +340,16 @@ class PassageStore:
         with atomic_directory(out, overwrite) as tmp:
             writers = {name: RaggedWriter(tmp, name, np.uint8) for name in _FIELDS}
             count = 0
-            for item in tqdm(passages, desc="passages", unit=" psg", disable=not progress):
-                p = _as_passage(item, count)
-                writers["ids"].append(p.id.encode())
-                writers["titles"].append(p.title.encode())
-                writers["texts"].append(p.text.encode())
-                count += 1
-            for w in writers.values():
-                w.close()
+            try:
+                for item in tqdm(passages, desc="passages", unit=" psg", disable=not progress):
+                    p = _as_passage(item, count)
+                    writers["ids"].append(p.id.encode())
+                    writers["titles"].append(p.title.encode())
+                    writers["texts"].append(p.text.encode())
+                    count += 1
+            finally:  # also on a reader's error: no open file is left behind
+                for w in writers.values():
+                    w.close()
             if count == 0:
                 raise ValueError(
                     f"passages: the corpus is empty{f' ({source})' if source else ''}; "
@@ -214,10 +363,11 @@ class PassageStore:
 
     @classmethod
     def from_file(
-        cls, path: str | Path, out: str | Path, split: int | None = None, **kwargs
+        cls, path: str | Path, out: str | Path, split: int | None = None, dedupe: bool = False,
+        **kwargs,
     ) -> "PassageStore":
         """:meth:`create` from a TSV, JSONL, ``.txt`` or directory (see :func:`read_passages`)."""
-        return cls.create(read_passages(path, split), out, source=str(path), **kwargs)
+        return cls.create(read_passages(path, split, dedupe), out, source=str(path), **kwargs)
 
     @classmethod
     def load(cls, path: str | Path, verify: bool = True) -> "PassageStore":
@@ -273,15 +423,41 @@ class PassageStore:
                   key: str | None = None) -> TokenizedPassages:
         """The store's titles and texts tokenised by ``tokenizer`` (a Hugging Face tokenizer),
         built on first use under ``tokens/<key>/`` (atomically) and memory-mapped after.
-        ``key`` defaults to :func:`tokenizer_key` (pass it to skip hashing the vocabulary)."""
+        ``key`` defaults to :func:`tokenizer_key` (pass it to skip hashing the vocabulary).
+        Safe when several threads or processes ask for the same new key at once.
+
+        Raises:
+            StorageError: the stored copy is corrupt or does not match the store.
+        """
         key = key or tokenizer_key(tokenizer)
         if key in self._tokenized:
             return self._tokenized[key]
         root = self.root / "tokens" / key
         if not (root / MANIFEST).exists():
-            with atomic_directory(root, overwrite=True) as tmp:
-                titles = RaggedWriter(tmp, "titles", np.int32)
-                texts = RaggedWriter(tmp, "texts", np.int32)
+            self._build_tokenized(root, key, tokenizer, progress, batch_size)
+        manifest = read_manifest(root, TOKENS_KIND, verify=False)
+        tok = TokenizedPassages(root, RaggedArray.load(root, "titles", np.int32),
+                                RaggedArray.load(root, "texts", np.int32), manifest)
+        if len(tok) != len(self):
+            raise StorageError(f"tokenized passages {str(root)!r} have {len(tok)} rows, the store {len(self)}")
+        self._tokenized[key] = tok
+        return tok
+
+    def _build_tokenized(self, root: Path, key: str, tokenizer, progress: bool, batch_size: int) -> None:
+        """Tokenise into a private temporary directory, then publish it at ``root`` with one
+        rename. Safe between threads and processes: if another writer published ``root``
+        first, ours is discarded and theirs is used, so no reader ever sees a partial one.
+
+        Raises:
+            OSError: ``root`` cannot be written.
+        """
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = root.parent / f".{key}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            titles = RaggedWriter(tmp, "titles", np.int32)
+            texts = RaggedWriter(tmp, "texts", np.int32)
+            try:
                 bar = tqdm(total=len(self), desc=f"tokenizing ({key})", unit=" psg", disable=not progress)
                 for start in range(0, len(self), batch_size):
                     rows = range(start, min(start + batch_size, len(self)))
@@ -292,20 +468,30 @@ class PassageStore:
                         texts.append(np.asarray(b, np.int32))
                     bar.update(len(rows))
                 bar.close()
+            finally:
                 titles.close()
                 texts.close()
-                files = RaggedArray.files("titles") + RaggedArray.files("texts")
-                write_json(tmp / MANIFEST, {
-                    "kind": TOKENS_KIND, "format": FORMAT, "count": len(self), "tokenizer": key,
-                    "name_or_path": str(tokenizer.name_or_path), "files": describe_files(tmp, files),
-                })
-        manifest = read_manifest(root, TOKENS_KIND, verify=False)
-        tok = TokenizedPassages(root, RaggedArray.load(root, "titles", np.int32),
-                                RaggedArray.load(root, "texts", np.int32), manifest)
-        if len(tok) != len(self):
-            raise StorageError(f"tokenized passages {str(root)!r} have {len(tok)} rows, the store {len(self)}")
-        self._tokenized[key] = tok
-        return tok
+            files = RaggedArray.files("titles") + RaggedArray.files("texts")
+            write_json(tmp / MANIFEST, {
+                "kind": TOKENS_KIND, "format": FORMAT, "count": len(self), "tokenizer": key,
+                "name_or_path": str(tokenizer.name_or_path), "files": describe_files(tmp, files),
+            })
+            for attempt in range(2):
+                try:
+                    os.rename(tmp, root)  # atomic; fails if root exists and is not empty
+                    return
+                except OSError:
+                    if (root / MANIFEST).exists():
+                        return  # another thread or process published first: use theirs
+                    if attempt or not root.exists():
+                        raise
+                    # a directory without a manifest is nobody's finished work: move it aside
+                    trash = root.parent / f".{key}.trash-{os.getpid()}-{secrets.token_hex(4)}"
+                    with contextlib.suppress(OSError):
+                        os.rename(root, trash)
+                    shutil.rmtree(trash, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _as_passage(item: Passage | dict | tuple, row: int) -> Passage:

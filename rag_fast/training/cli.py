@@ -131,7 +131,7 @@ def load_retriever(spec: dict | None, n_docs: int = 5):
         return None
     from rag_fast.models.retriever_io import load_retriever as load
 
-    return load(spec["path"], n_docs=n_docs, verify=bool(spec.get("verify", False)))
+    return load(spec["path"], n_docs=n_docs, verify=bool(spec.get("verify", True)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,138 @@
+"""`rag-fast index build` staging cannot go stale: the staged passages and embeddings are keyed
+by the passages' content, the encoder and the settings; a failed build's staging is reused only
+by a build with the same key, discarded otherwise, and shard runs never mix keys. A tiny random
+BERT encoder saved to a temporary folder keeps this fast."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rag_fast import cli
+from rag_fast.retrieval import DenseIndex, Encoder
+
+WORDS = "paris france tower iron river water mountain nepal chess board game planet gas red".split()
+PASSAGES = [("d0", "Paris", "paris france tower iron"), ("d1", "River", "river water gas planet"),
+            ("d2", "Chess", "chess board game red"), ("d3", "Nepal", "nepal mountain water river")]
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory):
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny_bert")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", *WORDS]) + "\n")
+    tok = BertTokenizerFast(vocab_file=str(vocab))
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32))
+    model.save_pretrained(str(root))
+    tok.save_pretrained(str(root))
+    return str(root)
+
+
+def _write_corpus(path, passages):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, delimiter="\t")
+        w.writerow(["id", "text", "title"])
+        for pid, title, text in passages:
+            w.writerow([pid, text, title])
+    return path
+
+
+def _fresh_vectors(encoder_dir, passages, pooling):
+    enc = Encoder(encoder_dir, pooling=pooling, device="cpu")
+    return enc.encode([t for _, _, t in passages], [ti for _, ti, _ in passages]).numpy()
+
+
+def _build(corpus, encoder_dir, out, *extra):
+    return cli.main(["index", "build", "--passages", str(corpus), "--encoder", encoder_dir,
+                     "--preset", "exact", "--out", str(out), "--no-progress", "--device", "cpu", *extra])
+
+
+def _fail_after_encoding(monkeypatch):
+    def fail(*args, **kwargs):
+        raise ValueError("simulated failure after encoding")
+
+    monkeypatch.setattr(DenseIndex, "build", fail)
+
+
+def _stored(out):
+    return DenseIndex.load(out / "index").embeddings.astype(np.float32)
+
+
+def test_edited_passages_after_a_failed_build_are_re_encoded(tmp_path, encoder_dir, monkeypatch, capsys):
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    out = tmp_path / "idx"
+    with monkeypatch.context() as m:
+        _fail_after_encoding(m)
+        assert _build(corpus, encoder_dir, out) == 2
+    assert (tmp_path / "idx.staging").is_dir() and not out.exists()
+    edited = [*PASSAGES[:2], ("d2", "Chess", "planet gas red tower"), PASSAGES[3]]
+    _write_corpus(corpus, edited)
+    capsys.readouterr()
+    assert _build(corpus, encoder_dir, out, "--overwrite") == 0
+    np.testing.assert_allclose(_stored(out), _fresh_vectors(encoder_dir, edited, "cls"), atol=2e-3)
+    assert "discarding stale staging" in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["passages_sha256"]
+    assert not (tmp_path / "idx.staging").exists()
+
+
+def test_pooling_change_after_a_failed_build_is_re_encoded(tmp_path, encoder_dir, monkeypatch):
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    out = tmp_path / "idx"
+    with monkeypatch.context() as m:
+        _fail_after_encoding(m)
+        assert _build(corpus, encoder_dir, out, "--pooling", "cls") == 2
+    assert _build(corpus, encoder_dir, out, "--pooling", "mean") == 0
+    mean = _fresh_vectors(encoder_dir, PASSAGES, "mean")
+    assert not np.allclose(mean, _fresh_vectors(encoder_dir, PASSAGES, "cls"), atol=1e-2)
+    np.testing.assert_allclose(_stored(out), mean, atol=2e-3)
+    assert json.loads((out / "manifest.json").read_text())["encoder"]["pooling"] == "mean"
+
+
+def test_same_settings_resume_the_staging(tmp_path, encoder_dir, monkeypatch, capsys):
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    out = tmp_path / "idx"
+    with monkeypatch.context() as m:
+        _fail_after_encoding(m)
+        assert _build(corpus, encoder_dir, out, "--max-length", "16") == 2
+    staged = tmp_path / "idx.staging" / "embeddings-0-of-1.npy"
+    mtime = staged.stat().st_mtime_ns
+    capsys.readouterr()
+    assert _build(corpus, encoder_dir, out, "--max-length", "16") == 0
+    assert "discarding" not in capsys.readouterr().out
+    assert not staged.exists()  # used (not re-encoded: the build would have rewritten it first)
+    assert mtime  # the file existed before the resumed build
+    np.testing.assert_allclose(_stored(out), _fresh_vectors(encoder_dir, PASSAGES, "cls"), atol=2e-3)
+
+
+def test_shards_share_a_staging_only_with_the_same_key(tmp_path, encoder_dir, capsys):
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    out = tmp_path / "idx"
+    assert _build(corpus, encoder_dir, out, "--shard", "0/2", "--pooling", "mean") == 0
+    capsys.readouterr()
+    assert _build(corpus, encoder_dir, out, "--shard", "1/2", "--pooling", "cls") == 2
+    err = capsys.readouterr().err
+    assert "another build with other settings is in progress" in err and "pooling" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "idx.staging" / "embeddings-1-of-2.npy").exists()
+    assert _build(corpus, encoder_dir, out, "--shard", "1/2", "--pooling", "mean") == 0
+    assert _build(corpus, encoder_dir, out, "--pooling", "mean") == 0
+    np.testing.assert_allclose(_stored(out), _fresh_vectors(encoder_dir, PASSAGES, "mean"), atol=2e-3)
+
+
+def test_a_staging_without_a_key_is_stale(tmp_path, encoder_dir, capsys):
+    """A staging left by an older version (no key.json) is never reused."""
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    staging = tmp_path / "idx.staging"
+    staging.mkdir()
+    np.save(staging / "embeddings-0-of-1.npy", np.zeros((len(PASSAGES), 16), np.float16))
+    assert _build(corpus, encoder_dir, tmp_path / "idx") == 0
+    assert "discarding stale staging" in capsys.readouterr().out
+    np.testing.assert_allclose(_stored(tmp_path / "idx"), _fresh_vectors(encoder_dir, PASSAGES, "cls"),
+                               atol=2e-3)
