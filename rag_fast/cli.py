@@ -3,7 +3,7 @@
     rag-fast index build --passages FILE --encoder NAME [--preset ivfpq] --out DIR [--shard i/n]
     rag-fast index search DIR "question" [-k 5]
     rag-fast index info DIR
-    rag-fast init --index DIR --generator NAME|CONFIG.json --out MODEL_DIR
+    rag-fast init --index DIR --generator NAME|DIR|CONFIG.json --out MODEL_DIR
     rag-fast train --config FILE [--model MODEL_DIR] [--output-dir RUN_DIR]
     rag-fast eval --data dev.jsonl --model RUN_DIR [--out EVAL_DIR]
     rag-fast generate --model RUN_DIR --question "..."

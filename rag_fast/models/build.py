@@ -2,8 +2,8 @@
 
     build_rag_model(question_encoder="facebook/dpr-question_encoder-single-nq-base",
                     generator="facebook/bart-large", mode="token", n_docs=5)
-    build_rag_model(index="kb/", generator="generator.json",
-                    generator_tokenizer="sentence-transformers/all-MiniLM-L6-v2")
+    build_rag_model(index="kb/", generator="examples/workflow/generator.json",
+                    generator_tokenizer="examples/workflow/generator-tokenizer")
 
 The question encoder is any Hugging Face encoder: DPR question encoders give their pooled
 vector; other encoders are pooled as their sentence-transformers folder says (MiniLM: mean,

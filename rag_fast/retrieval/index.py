@@ -619,11 +619,12 @@ class DenseIndex:
         seed: int = 0,
     ) -> dict:
         """Pick the fastest ``nprobe`` (IVF) or ``ef_search`` (HNSW), and re-rank factor, whose
-        recall@k against exact search on held-out ``queries`` reaches ``target_recall``; make
-        it the default and return it.
+        recall@k against exact search on ``queries`` reaches ``target_recall``; make it the
+        default and return it.
 
         Args:
-            queries: ``[Q, d]`` held-out queries; None -> ``n_queries`` stored vectors (seeded).
+            queries: ``[Q, d]`` queries (real question embeddings where you have them); None ->
+                ``n_queries`` stored vectors (seeded), an optimistic stand-in: each finds itself.
         Returns:
             ``{"nprobe" | "ef_search", "rerank", "recall", "ms_per_query", "reached"}``;
             ``reached`` is False when no setting got there (the best recall is kept).

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None:
         config["model"] = {**(config["model"] or {}), "path": args.model}
     if args.index is not None:
-        config["index"] = {"path": args.index}
+        config["index"] = {**(config["index"] or {}), "path": args.index}
     if args.output_dir is not None:
         config["train"]["output_dir"] = args.output_dir
     if args.device is not None:
