@@ -3,7 +3,8 @@ hub bars) off by default in rag_fast's own loads and commands.
 
 :func:`quiet_transformers` silences them for the duration of a block and restores what was
 there before, so a library user who turned them on keeps them everywhere else.
-:func:`set_verbose` is what ``rag-fast --verbose`` calls: on, everything third-party speaks.
+:func:`set_verbose` is what the ``rag-fast`` command calls (``--verbose``: everything
+third-party speaks; otherwise it is silenced for the whole process).
 """
 from __future__ import annotations
 
@@ -14,12 +15,30 @@ _VERBOSE = os.environ.get("RAG_FAST_VERBOSE", "0") not in ("", "0")
 
 
 def set_verbose(verbose: bool) -> None:
-    """Process-wide: let third-party libraries print their logs and progress bars (True) or
-    keep them quiet inside rag_fast's loads and commands (False, the default)."""
+    """Process-wide, for a command line: let third-party libraries print their logs, warnings
+    and progress bars (True), or silence them for the whole process (False)."""
     global _VERBOSE
     _VERBOSE = bool(verbose)
-    if not verbose:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if verbose:
+        return
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - a dependency
+        pass
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover - comes with transformers
+        pass
+    warnings.filterwarnings("ignore", module="transformers")
+    warnings.filterwarnings("ignore", module="huggingface_hub")
 
 
 @contextlib.contextmanager

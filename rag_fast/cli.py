@@ -381,27 +381,6 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ---- entry point ---------------------------------------------------------------------------
-def _quiet_third_party() -> None:
-    """The command's own output only: transformers' and the hub's logs and bars off."""
-    import warnings
-
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - a dependency
-        pass
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-    except ImportError:  # pragma: no cover
-        pass
-    warnings.filterwarnings("ignore", module="transformers")
-    warnings.filterwarnings("ignore", module="huggingface_hub")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rag-fast", description="Fast Retrieval-Augmented Generation. The workflow: "
@@ -421,8 +400,6 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     set_verbose(args.verbose)
-    if not args.verbose:
-        _quiet_third_party()
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError, StorageError) as exc:

@@ -84,4 +84,6 @@ def test_bad_question_files(tmp_path):
 
 
 def test_join_context_matches_hf_retriever_format():
-    assert cli.join_context("T", "body", "q?") == "T / body // q?"
+    from rag_fast.models import join_context
+
+    assert join_context("T", "body", "q?") == "T / body // q?"

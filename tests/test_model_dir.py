@@ -140,7 +140,7 @@ def test_every_file_is_verified(tmp_path):
 
 def test_save_is_atomic_and_removes_stale_temporaries(tmp_path):
     model = _ours("sequence")
-    stale = tmp_path / "m.tmp-999999999-abc"  # a writer that was killed (no such process)
+    stale = tmp_path / ".m.tmp-999999999-0abc"  # a writer that was killed (no such process)
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
     model.save(str(tmp_path / "m"))

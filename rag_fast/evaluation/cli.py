@@ -30,34 +30,37 @@ def _print_metrics(metrics: dict, as_json: bool = False) -> None:
         print(f"{key:<{width}}  {value:.4f}")
 
 
-def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+def _write_atomic(path: Path, text: str) -> None:
+    """``text`` to a temporary file beside ``path``, then renamed over it (never half written)."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def load_model_for_cli(model_dir: str, index: str | None, device: str | None):
-    """A model directory with its retriever (``index``, else the one the model records) on
-    ``device`` (default: CUDA when available), for ``eval`` and ``generate``."""
-    import torch
-
+def load_model_for_cli(model_dir: str, index: str | None, device: str | None,
+                       require_index: bool = True):
+    """A model directory with its retriever (``index``, else the one the model records; none
+    when the model records none and ``require_index`` is False) on ``device`` (default: CUDA
+    when available), for ``eval`` and ``generate``."""
     from rag_fast.models import RagModel
     from rag_fast.models.retriever_io import load_retriever
+    from rag_fast.training.trainer import resolve_device
 
+    device = resolve_device(device)  # a bad --device fails before the model loads
     model = RagModel.load(model_dir)
     index = index or model.index_path
     if index is None:
-        raise ValueError(f"--model {model_dir!r} records no index directory: pass --index DIR")
-    if not os.path.isdir(index):
-        raise FileNotFoundError(f"index directory {index!r} does not exist (the model records it;"
-                                " pass --index DIR if it moved)")
-    model.retriever = load_retriever(index, n_docs=model.n_docs)
-    model.index_path = index
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+        if require_index:
+            raise ValueError(f"--model {model_dir!r} records no index directory: pass --index DIR")
+    else:
+        if not os.path.isdir(index):
+            raise FileNotFoundError(f"index directory {index!r} does not exist (the model "
+                                    "records it; pass --index DIR if it moved)")
+        model.retriever = load_retriever(index, n_docs=model.n_docs)
+        model.index_path = index
     return model.to(device).eval()
 
 
@@ -95,12 +98,12 @@ def run(args: argparse.Namespace) -> int:
             "passages": [{"title": getattr(p, "title", ""), "id": getattr(p, "id", None),
                           "score": round(float(s), 4)} for p, s in zip(passages, scores)],
         })
-    _write_jsonl_atomic(out / "predictions.jsonl", rows)
+    _write_atomic(out / "predictions.jsonl",
+                  "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     metrics = _round(result.metrics)
-    tmp = out / f"metrics.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({"data": str(args.data), "model": str(args.model),
-                               "examples": len(examples), "metrics": metrics}, indent=1) + "\n")
-    os.replace(tmp, out / "metrics.json")
+    _write_atomic(out / "metrics.json", json.dumps({
+        "data": str(args.data), "model": str(args.model), "examples": len(examples),
+        "metrics": metrics}, indent=1) + "\n")
     _print_metrics(metrics, args.json)
     if args.json:
         return 0

@@ -47,11 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def join_context(title: str, text: str, question: str, prefix: str = "") -> str:
-    """The generator input of one (passage, question), as the Hugging Face retriever builds it."""
-    return f"{prefix}{title} / {text} // {question}"
-
-
 def read_questions(args) -> list[dict]:
     """Questions as dicts with "question" (and optional "passages", "scores")."""
     if args.question is not None:
@@ -80,21 +75,13 @@ def read_questions(args) -> list[dict]:
 
 
 def _load(args):
-    import torch
-
     from rag_fast.evaluation.cli import load_model_for_cli
-    from rag_fast.models import RagModel
     from rag_fast.models.checkpoint import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model: no such directory {model_dir}")
-    model = RagModel.load(model_dir)
-    if args.index is not None or model.index_path is not None:
-        model = load_model_for_cli(model_dir, args.index, args.device)
-    else:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = model.to(device).eval()
+    model = load_model_for_cli(model_dir, args.index, args.device, require_index=False)
     if args.tokenizer is not None:
         from transformers import AutoTokenizer
 
@@ -124,6 +111,8 @@ def _batch_from_rows(model, rows: list[dict]):
 
 
 def run(args) -> int:
+    from rag_fast.models.rag_model import passage_fields
+
     if args.batch_size < 1 or args.num_beams < 1 or args.max_new_tokens < 1:
         raise ValueError("--batch-size, --num-beams and --max-new-tokens must be >= 1")
     rows = read_questions(args)
@@ -154,7 +143,7 @@ def run(args) -> int:
                 found = result.passages[i] if result.passages is not None else []
                 out.write(json.dumps({
                     "question": r["question"], "answer": text,
-                    "passages": [{"title": _title(p), "score": round(float(s), 4)}
+                    "passages": [{"title": passage_fields(p)[0], "score": round(float(s), 4)}
                                  for p, s in zip(found, result.doc_scores[i].tolist())],
                 }, ensure_ascii=False) + "\n")
             if bar is not None:
@@ -172,6 +161,3 @@ def run(args) -> int:
         print(f"{len(rows)} answers -> {args.out}", file=sys.stderr)
     return 0
 
-
-def _title(passage) -> str:
-    return passage.get("title", "") if isinstance(passage, dict) else getattr(passage, "title", "")

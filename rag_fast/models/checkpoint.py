@@ -15,16 +15,16 @@ A model directory is a ``transformers`` RAG folder plus one side file:
 So ``RagTokenForGeneration.from_pretrained(DIR)`` (or ``RagSequenceForGeneration``) opens a
 model rag_fast saved, and ``RagModel.load`` opens any ``transformers`` RAG folder (without
 ``rag_fast.json`` the settings come from its RagConfig). Weights are safetensors: loading never
-runs code. A directory is written under a temporary name and renamed into place; loading
-checks every file against ``rag_fast.json`` and names the file that does not match.
+runs code. A directory is written and replaced as index directories are
+(``rag_fast.retrieval._files.atomic_directory``: after a kill the path holds the old or the
+new model, leftovers of dead writers are cleaned); loading checks every file against
+``rag_fast.json`` and names the file that does not match.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import torch
@@ -57,42 +57,6 @@ def _fsync_tree(root: str) -> None:
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:
                 os.fsync(f.fileno())
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def remove_stale_temporaries(path: str) -> None:
-    """Remove ``<path>.tmp-PID-*`` / ``<path>.old-PID`` siblings left by killed writers
-    (those whose process is gone)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    for entry in os.listdir(parent or "."):
-        for marker in (".tmp-", ".old-"):
-            if not entry.startswith(name + marker):
-                continue
-            pid = entry[len(name + marker):].split("-")[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-
-
-def atomic_replace_dir(tmp: str, path: str) -> None:
-    """Move the finished directory ``tmp`` to ``path``, replacing an existing one."""
-    _fsync_tree(tmp)
-    old = None
-    if os.path.exists(path):
-        old = f"{path}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def rag_config(model: RagModel):
@@ -143,20 +107,18 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
     Raises:
         CheckpointError: a model without a transformers generator and question encoder.
     """
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
+    from rag_fast.retrieval._files import atomic_directory
+
     config = rag_config(model)
-    remove_stale_temporaries(path)
-    tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(path)}.tmp-{os.getpid()}-", dir=parent)
-    try:
+    index = index if index is not None else model.index_path
+    with atomic_directory(os.path.abspath(path), overwrite=True) as tmp:
+        tmp = str(tmp)
         with quiet_transformers():
             _hf_wrapper(model, config).save_pretrained(tmp, safe_serialization=True)
             for sub, tokenizer in ((GENERATOR_TOKENIZER_DIR, model.generator_tokenizer),
                                    (QUESTION_TOKENIZER_DIR, model.question_tokenizer)):
                 if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
                     tokenizer.save_pretrained(os.path.join(tmp, sub))
-        index = index if index is not None else model.index_path
         side = {
             "kind": KIND,
             "format": FORMAT,
@@ -166,10 +128,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
         }
         with open(os.path.join(tmp, SIDE_FILE), "w", encoding="utf-8") as f:
             json.dump(side, f, indent=1)
-        atomic_replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _fsync_tree(tmp)
 
 
 def read_side_file(path: str) -> dict | None:
@@ -283,7 +242,10 @@ def load_rag_model(
     """
     import transformers
 
+    from rag_fast.retrieval._files import recover_directory
+
     path = resolve_model_dir(path)
+    recover_directory(path)  # a save killed between its renames left it aside
     if not os.path.isdir(path):
         raise CheckpointError(f"model directory {path!r} does not exist")
     arch = _rag_architecture(path)

@@ -30,6 +30,7 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm.auto import tqdm
 
+from rag_fast._jsonl import decoded_lines, json_type, read_objects
 from rag_fast.retrieval._files import (
     MANIFEST,
     RaggedArray,
@@ -74,27 +75,15 @@ class PassageFormatError(ValueError):
     """A passages file is malformed (naming the file and line): the readers never guess."""
 
 
-_BOM = b"\xef\xbb\xbf"
 
 
 def _decoded_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """``(line number from 1, line with its ending)`` of a UTF-8 file; a BOM at the start is
-    dropped.
+    """Line-numbered UTF-8 lines, BOM dropped (see ``rag_fast._jsonl.decoded_lines``).
 
     Raises:
         PassageFormatError: bytes that are not UTF-8, naming the file, line and column.
     """
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1 and raw.startswith(_BOM):
-                raw = raw[len(_BOM):]
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise PassageFormatError(
-                    f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                    f"{e.start + 1}); expected a UTF-8 text file"
-                ) from None
+    return decoded_lines(path, PassageFormatError)
 
 
 def _read_text(path: Path) -> str:
@@ -189,31 +178,18 @@ def read_dpr_tsv(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
 
 
 def _jsonl_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
-    for number, line in _decoded_lines(path):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PassageFormatError(f"{where}: malformed JSON line ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise PassageFormatError(f"{where}: expected a JSON object, got {_json_type(obj)}")
+    for number, where, obj in read_objects(path, PassageFormatError):
         if "text" not in obj:
             raise PassageFormatError(f'{where}: expected an object with a "text" field (and '
                                      'optional "title", "id")')
         text, title, pid = obj["text"], obj.get("title"), obj.get("id", number - 1)
         if not isinstance(text, str):
-            raise PassageFormatError(f'{where}: "text" must be a string, got {_json_type(text)}')
+            raise PassageFormatError(f'{where}: "text" must be a string, got {json_type(text)}')
         if title is not None and not isinstance(title, str):
-            raise PassageFormatError(f'{where}: "title" must be a string or null, got {_json_type(title)}')
+            raise PassageFormatError(f'{where}: "title" must be a string or null, got {json_type(title)}')
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise PassageFormatError(f'{where}: "id" must be a string or an integer, got {_json_type(pid)}')
+            raise PassageFormatError(f'{where}: "id" must be a string or an integer, got {json_type(pid)}')
         yield number, Passage(str(pid), _clean(title), _clean(text))
-
-
-def _json_type(value: object) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 def read_jsonl(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
