@@ -213,8 +213,8 @@ def markdown_table(rows: list[Row]) -> str:
     """Rows as one Markdown table; extra columns are the union of the rows' ``extra`` keys."""
     extra_keys: list[str] = []
     for r in rows:
-        for k in r.extra:
-            if k not in extra_keys:
+        for k, v in r.extra.items():
+            if k not in extra_keys and not isinstance(v, (list, dict)):  # curves: plotted, not tabled
                 extra_keys.append(k)
     head = ["bench", "case", "provider", "median ms", "peak MB", *extra_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -238,3 +238,45 @@ def write_json(path: str, rows: list[Row], machine: dict, args: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def plot_curves(rows: list[Row], path: str) -> bool:
+    """One recall/throughput panel per data set of the rows whose ``extra`` has a ``curve``
+    (``[setting, recall, queries/s]`` points), with exact search as a horizontal line; PNG at
+    ``path``. Returns False when no row has a curve."""
+    curves = [r for r in rows if r.extra.get("curve")]
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r.case for r in curves))
+    providers = list(dict.fromkeys(r.provider for r in curves))  # one colour each, in every panel
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.2 * len(cases), 4.2), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        for r in (r for r in curves if r.case == case):
+            pts = r.extra["curve"]
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=r.provider,
+                    color=f"C{providers.index(r.provider)}")
+            for p in pts:
+                ax.annotate(str(p[0]), (p[1], p[2]), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        exact = [r.extra["QPS"] for r in rows if r.case == case and "exact" in r.provider
+                 and "QPS" in r.extra and not r.extra.get("curve")]
+        if exact:
+            ax.axhline(max(exact), color="gray", linestyle="--", label="exact search (fastest)")
+        low = min(p[1] for r in curves if r.case == case for p in r.extra["curve"])
+        ax.set_xlim(max(0.0, low - 0.02), 1.002)
+        ax.set_yscale("log")
+        ax.set_xlabel("recall@10 against exact search")
+        ax.set_ylabel("queries/s (batches of 128)")
+        ax.set_title(case, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = f"{path}.tmp.{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True

@@ -5,7 +5,8 @@ prints one Markdown table per bench and writes all rows, with the machine's desc
 ``benchmarks/results/local/<device>-<time>.json`` (ignored by git, so running the benchmarks
 leaves the checkout clean; ``--out PATH`` writes elsewhere, e.g. a results file to commit next to
 ``benchmarks/results/*.json``). ``--quick`` (the default) keeps the whole run within about 3
-minutes on 2 CPU cores.
+minutes on 2 CPU cores, plus about 2 minutes the first time, when the index bench embeds its
+real-text corpus (cached under the git-ignored ``benchmarks/results/local/cache``).
 """
 from __future__ import annotations
 
@@ -19,23 +20,20 @@ HERE = pathlib.Path(__file__).resolve().parent
 LOCAL_RESULTS = HERE / "results" / "local"  # in .gitignore
 sys.path.insert(0, str(HERE))
 
-from harness import Context, machine_description, markdown_table, write_json  # noqa: E402
+from harness import Context, machine_description, markdown_table, plot_curves, write_json  # noqa: E402
 
 
 def available_benches() -> dict[str, str]:
-    """bench NAME -> module name, for every benchmarks/bench_*.py."""
-    benches = {}
-    for path in sorted(HERE.glob("bench_*.py")):
-        module = importlib.import_module(path.stem)
-        benches[module.NAME] = path.stem
-    return benches
+    """bench NAME -> module name, for every benchmarks/bench_NAME.py. Nothing is imported
+    here: a bench's dependencies (faiss for the index) are only needed when it runs."""
+    return {path.stem.removeprefix("bench_"): path.stem for path in sorted(HERE.glob("bench_*.py"))}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="quick", action="store_true", default=True,
-                      help="small sizes, about 3 minutes on 2 CPU cores (default)")
+                      help="small sizes, about 3 minutes on 2 CPU cores (default; +2 the first time)")
     size.add_argument("--full", dest="quick", action="store_false",
                       help="the sizes named in the issues' acceptance lists")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -64,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     all_rows = []
     for name in names:
         start = time.perf_counter()
-        rows = importlib.import_module(benches[name]).run(ctx)
+        module = importlib.import_module(benches[name])
+        assert module.NAME == name, f"{benches[name]}.py must set NAME = {name!r}"
+        rows = module.run(ctx)
         all_rows += rows
         print(f"## {name}  ({time.perf_counter() - start:.0f} s)\n")
         print(markdown_table(rows) + "\n", flush=True)
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out, all_rows, machine, vars(args))
     note = "" if args.out else " (not tracked by git; --out PATH to choose)"
     print(f"results written to {out}{note}")
+    plot = str(pathlib.Path(out).with_suffix("")) + "-recall-qps.png"
+    if plot_curves(all_rows, plot):
+        print(f"recall/throughput plot written to {plot}")
     return 0
 
 

@@ -7,7 +7,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "kernels.h"
 #include "vec.h"
@@ -342,13 +347,20 @@ void token_smooth_stats_impl(const TokenSmoothStatsArgs& a) {
 
 // ---- Fused RAG-Token forward with label smoothing: one read of the K rows of each (b, t) ----
 // Pass 1 streams each row once from memory in blocks of kBlock entries: block max, then
-// e = exp(x - block max) into a per-thread buffer [K, V] (K*V*4 bytes, cache resident) while the
-// row's lse, sum and target logit accumulate. Pass 2 walks the buffer block by block: with
+// e = exp(x - block max) into a buffer [K, V] (K*V*4 bytes, cache resident) while the row's
+// lse, sum and target logit accumulate. Pass 2 walks the buffer block by block: with
 // c_k = a_k - lse_k + blockmax_k and G = max_k c_k, the marginal is
 //   M_v = G + log s_v,   s_v = sum_k exp(c_k - G) e_kv,   R_kv = exp(c_k - G) e_kv / s_v,
 // so no exp is recomputed: per entry one fma for s and one for rho, per v one log and one
 // division. A vector where some s_v < 2^-100 (every passage puts v more than ~69 below G) has
 // lost precision and is redone from the logits with the exact max over k (max_shifted_at).
+//
+// Scratch: the [K, V] buffers of all threads together stay within kScratchBytes, whatever the
+// thread count: threads 0 .. n-1 get one each (n = kScratchBytes / (K*V*4 bytes + maxima)), the
+// others (and every thread when one buffer alone is larger) keep only one [K, kBlock] block and
+// recompute its maxima and exps in pass 2 from the logits (from cache while K * V elements fit
+// there). Both compute the same bits, so which thread takes a pair never changes a result.
+constexpr int64_t kScratchBytes = int64_t{16} << 20;
 
 struct TokenForwardArgs {
   const int64_t* targets;
@@ -380,17 +392,68 @@ inline vfloat max_shifted_at(const std::vector<const Elem*>& rows, const float* 
   return safe + vlog(sum);
 }
 
+// Block blk of a row: e = exp(x - block max) into eb (lanes past the row's end get 0), with
+// acc += e and vt += x (lanes past the end add 0); returns the block max (-inf: all -inf).
+template <typename Elem>
+inline float exps_of_block(const Elem* row, int64_t blk, int64_t V, float* eb, vfloat& acc,
+                           vfloat& vt) {
+  const int64_t start = blk * kBlock, len = std::min(kBlock, V - start);
+  const int64_t full = len / kLanes, rem = len % kLanes;
+  const Elem* xb = row + start;
+  // The max sweep streams from memory; the exp sweep re-reads the block from L1 and also sums
+  // x (off the max sweep's short dependency chain).
+  vfloat vm = vsplat(kNegInf);
+  for (int64_t j = 0; j < full; ++j) {
+    __builtin_prefetch(xb + j * kLanes + kPrefetch);
+    vm = vmax(vm, load(xb + j * kLanes));
+  }
+  if (rem) vm = vmax(vm, load_part(xb + full * kLanes, rem, kNegInf));
+  const float bm = hmax(vm);
+  const vfloat safe = vsplat(bm == kNegInf ? 0.f : bm);
+  for (int64_t j = 0; j < full; ++j) {
+    const vfloat v = load(xb + j * kLanes);
+    const vfloat ev = vexp_nonpos(v - safe);
+    vstore(eb + j * kLanes, ev);
+    acc += ev;
+    vt += v;
+  }
+  if (rem) {
+    const vfloat v = load_part(xb + full * kLanes, rem, kNegInf);
+    const vfloat ev = vexp_nonpos(v - safe);
+    vstore(eb + full * kLanes, ev);
+    acc += ev;
+    vt += first_lanes(v, rem);
+  }
+  return bm;
+}
+
 template <typename Elem>
 void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
   const int64_t K = x.K, T = x.T, V = x.V, pairs = x.B * x.T;
   const int64_t blocks = (V + kBlock - 1) / kBlock;
+  // A thread's buffer: exp(x - block max), block-major (block j of row k at (j * K + k) *
+  // kBlock, so that pass 2 reads one contiguous K * kBlock run per block), then the K * blocks
+  // block maxima. Not zeroed: pass 1 writes every entry pass 2 reads.
+  const int64_t buffer_floats = blocks * K * kBlock + K * blocks;
+  const int64_t buffers = std::min<int64_t>(num_threads(), kScratchBytes / (buffer_floats * 4));
+  std::unique_ptr<float[]> pool(buffers > 0 ? new float[buffers * buffer_floats] : nullptr);
 #pragma omp parallel
   {
     FlushDenormals ftz;
-    // exp(x - block max), block-major: block j of row k at (j * K + k) * kBlock, so that pass 2
-    // reads one contiguous K * kBlock run per block.
-    std::vector<float> e(blocks * K * kBlock);
-    std::vector<float> bmax(K * blocks);   // block maxima
+#ifdef _OPENMP
+    const int64_t thread = omp_get_thread_num();
+#else
+    const int64_t thread = 0;
+#endif
+    float* const buffer = thread < buffers ? pool.get() + thread * buffer_floats : nullptr;
+    std::vector<float> block(buffer ? 0 : K * kBlock), block_max(buffer ? 0 : K);
+    // Block blk of row k: its exps and its max (in the buffer, or the one block's scratch).
+    auto block_exps = [&](int64_t blk, int64_t k) {
+      return buffer ? buffer + (blk * K + k) * kBlock : block.data() + k * kBlock;
+    };
+    auto block_max_of = [&](int64_t blk, int64_t k) -> float& {
+      return buffer ? buffer[blocks * K * kBlock + k * blocks + blk] : block_max[k];
+    };
     std::vector<float> shift(K), w(K);
     std::vector<double> rho(K);
     std::vector<const Elem*> rows(K);
@@ -407,36 +470,9 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
         float m = kNegInf, sum = 0.f;
         double total = 0.0;
         for (int64_t blk = 0; blk < blocks; ++blk) {
-          const int64_t start = blk * kBlock, len = std::min(kBlock, V - start);
-          const int64_t full = len / kLanes, rem = len % kLanes;
-          const Elem* xb = row + start;
-          float* eb = &e[(blk * K + k) * kBlock];
-          // The max sweep streams from memory; the exp sweep re-reads the block from L1 and
-          // also sums x (off the max sweep's short dependency chain).
-          vfloat vm = vsplat(kNegInf);
-          for (int64_t j = 0; j < full; ++j) {
-            __builtin_prefetch(xb + j * kLanes + kPrefetch);
-            vm = vmax(vm, load(xb + j * kLanes));
-          }
-          if (rem) vm = vmax(vm, load_part(xb + full * kLanes, rem, kNegInf));
-          const float bm = hmax(vm);
-          bmax[k * blocks + blk] = bm;
-          const vfloat safe = vsplat(bm == kNegInf ? 0.f : bm);
           vfloat acc{}, vt{};
-          for (int64_t j = 0; j < full; ++j) {
-            const vfloat v = load(xb + j * kLanes);
-            const vfloat ev = vexp_nonpos(v - safe);
-            vstore(eb + j * kLanes, ev);
-            acc += ev;
-            vt += v;
-          }
-          if (rem) {
-            const vfloat v = load_part(xb + full * kLanes, rem, kNegInf);
-            const vfloat ev = vexp_nonpos(v - safe);
-            vstore(eb + full * kLanes, ev);
-            acc += ev;
-            vt += first_lanes(v, rem);
-          }
+          const float bm = exps_of_block(row, blk, V, block_exps(blk, k), acc, vt);
+          block_max_of(blk, k) = bm;
           total += hsum(vt);
           if (bm == kNegInf) continue;
           const float bs = hsum(acc);
@@ -456,15 +492,21 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
         shift[k] = a.a[b * K + k] - a.lse[r];
         rho[k] = 0.0;
       }
-      // Pass 2: the marginal from the buffer, block by block.
+      // Pass 2: the marginal from the buffer (or the block recomputed), block by block.
       double sum_m = 0.0;
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t start = blk * kBlock, len = std::min(kBlock, V - start);
         const int64_t full = len / kLanes, rem = len % kLanes, nv = full + (rem ? 1 : 0);
+        if (!buffer) {
+          for (int64_t k = 0; k < K; ++k) {
+            vfloat acc{}, vt{};
+            block_max[k] = exps_of_block(rows[k], blk, V, block_exps(blk, k), acc, vt);
+          }
+        }
         // c_k = shift_k + block max; -inf (missing passage, empty block) gives weight 0.
         float G = kNegInf;
         for (int64_t k = 0; k < K; ++k) {
-          w[k] = shift[k] + bmax[k * blocks + blk];
+          w[k] = shift[k] + block_max_of(blk, k);
           G = w[k] > G ? w[k] : G;
         }
         const float safe_g = G == kNegInf ? 0.f : G;
@@ -472,7 +514,7 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
         std::fill(slow_rho.begin(), slow_rho.end(), vfloat{});
         std::fill(racc.begin(), racc.end(), vfloat{});
         for (int64_t k = 0; k < K; ++k) wv[k] = vsplat(w[k]);
-        const float* eb = &e[blk * K * kBlock];
+        const float* eb = block_exps(blk, 0);
         // One sweep over the block: per vector the K buffer entries (L1) give s and, when rho is
         // wanted, R summed into K independent accumulators. sum_v M = sum_v (G + log s) needs
         // no log per vector: s = 2^ex * m with m in [1, 2), so the exponents add as integers

@@ -67,8 +67,10 @@ struct TokenSmoothStatsArgs {
   float* rho;
 };
 
-// row_stats and token_smooth_stats in one read of the logits (the K rows of each (b, t) are
-// read from memory once and kept, as exp(x - block max), in a per-thread K x V fp32 buffer):
+// row_stats and token_smooth_stats in one read of the logits: the K rows of each (b, t) are
+// read from memory once and kept, as exp(x - block max), in a K x V fp32 buffer per thread
+// while all threads' buffers fit in a fixed budget (16 MiB), else recomputed block by block
+// (see kernels.cpp):
 //   lse, x_tgt, x_sum as RowStatsArgs; sum_m[b,t] = sum_v M; rho[b,k,t] = sum_v R.
 // a: float32 [B, K] log-prior; targets: int64 [B, T] contiguous or null; rho may be null (not
 // computed: only the backward needs it).

@@ -58,8 +58,13 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
                        help=f"one of {', '.join(PRESETS)} or a faiss factory string (default ivfpq)")
     build.add_argument("--out", required=True, metavar="DIR", help="output index directory")
     build.add_argument("--target-recall", type=float, default=0.95, metavar="R",
-                       help="recall@10 against exact search that the stored search settings must "
-                            "reach, measured on a sample of the corpus's own vectors (default 0.95)")
+                       help="quality the stored search settings must reach against exact search: "
+                            "recall@10, and the fraction of queries with exact search's top 5 "
+                            "(default 0.95); measured on --queries, else on one sentence from each "
+                            "of 1000 sampled passages encoded as a question")
+    build.add_argument("--queries", default=None, metavar="FILE",
+                       help="real questions to measure and tune the index on: .txt (one per line) "
+                            "or .jsonl (objects with 'question')")
     build.add_argument("--shard", default=None, metavar="i/n",
                        help="only encode shard i of n (0-based) into DIR.staging/")
     build.add_argument("--split", type=int, default=None, metavar="WORDS",
@@ -82,6 +87,8 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--ef-search", type=int, default=None)
     search.add_argument("--json", action="store_true", help="print JSON lines")
     search.add_argument("--device", default=None)
+    search.add_argument("--no-verify", action="store_true",
+                        help="skip the SHA-256 check of the index files (sizes are still checked)")
     search.set_defaults(func=_index_search)
 
     info = sub.add_parser("info", help="describe an index directory")
@@ -228,6 +235,7 @@ def _index_build(args) -> int:
     from rag_fast.retrieval._files import atomic_directory, describe_files, write_json
     from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard
     from rag_fast.retrieval.index import DenseIndex, plan_factory
+    from rag_fast.retrieval.passages import stand_in_questions
 
     out = Path(args.out)
     progress = not args.no_progress
@@ -236,6 +244,7 @@ def _index_build(args) -> int:
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
     shard = parse_shard(args.shard) if args.shard is not None else None
+    questions = _tuning_questions(args.queries) if args.queries is not None else None
     staging = _staging(out)
     key = _staging_key(args)
     _claim_staging(staging, key, sharded=shard is not None)
@@ -258,8 +267,18 @@ def _index_build(args) -> int:
         shards = [encode_passages(encoder, store, staging / "embeddings-0-of-1.npy", None,
                                   args.batch_size, progress)]
     embeddings = [np.load(f, mmap_mode="r") for f in shards]
+    queries, source = None, None
+    if factory != "Flat":  # exact search needs no measuring
+        if questions is None:
+            questions = stand_in_questions(store, TUNING_QUESTIONS)
+            source = f"one sentence from each of {len(questions)} sampled passages"
+        else:
+            source = f"{len(questions)} questions from {args.queries}"
+        if progress:
+            print(f"encoding {len(questions)} questions to measure the index on ({source})")
+        queries = query_encoder.encode_queries(questions).numpy()
     index = DenseIndex.build(embeddings, args.preset, progress=progress,
-                             target_recall=args.target_recall)
+                             target_recall=args.target_recall, queries=queries, query_source=source)
     with atomic_directory(out, overwrite=args.overwrite) as tmp:
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
         index.save(tmp / "index")
@@ -275,9 +294,36 @@ def _index_build(args) -> int:
     settings = ", ".join(f"{k}={v}" for k, v in index.params.items() if k != "rerank" or
                          index.factory != "Flat")
     print(f"built {factory} over {len(index)} passages ({index.dim}-d) -> {out}; "
-          f"recall@{quality['k']} {quality['recall']:.3f} vs exact search on {quality['queries']} "
-          f"of its vectors" + (f" at {settings}" if settings else ""))
+          + _quality_line(quality) + (f"; search defaults {settings}" if settings else ""))
     return 0
+
+
+TUNING_QUESTIONS = 1000  # stand-in questions drawn from the passages when --queries is not given
+
+
+def _tuning_questions(path: str) -> list[str]:
+    """The questions of ``--queries``: a .txt file (one per non-empty line) or JSONL objects
+    with a non-empty string ``question``.
+
+    Raises:
+        FileNotFoundError, ValueError: naming ``--queries``, the file and line.
+    """
+    from rag_fast._jsonl import decoded_lines, read_objects
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--queries: no such file {path}")
+    if Path(path).suffix.lower() == ".txt":
+        questions = [line.strip() for _, line in decoded_lines(path) if line.strip()]
+    else:
+        questions = []
+        for _, where, row in read_objects(path):
+            if not isinstance(row.get("question"), str) or not row["question"].strip():
+                raise ValueError(f"--queries {where}: expected an object with a non-empty string "
+                                 "'question'")
+            questions.append(row["question"])
+    if not questions:
+        raise ValueError(f"--queries {path}: no questions")
+    return questions
 
 
 def _load_bundle(directory: str, verify: bool = False):
@@ -295,7 +341,7 @@ def _load_bundle(directory: str, verify: bool = False):
 def _index_search(args) -> int:
     from rag_fast.retrieval.encoders import Encoder
 
-    manifest, store, index = _load_bundle(args.dir)
+    manifest, store, index = _load_bundle(args.dir, verify=not args.no_verify)
     spec = manifest["query_encoder"]
     encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],
                       max_length=spec["max_length"], device=args.device)
@@ -323,8 +369,10 @@ def _quality_line(quality: dict | None) -> str:
     speed = (f", {quality['ms_per_query']:.3f} ms/query (batch)"
              if quality.get("ms_per_query") is not None else "")
     reached = "" if quality.get("reached", True) else " (target NOT reached)"
-    return (f"recall@{quality['k']} {quality['recall']:.3f} vs exact search on "
-            f"{quality['queries']} of the corpus's vectors (target {quality['target_recall']})"
+    same = f", same top 5 for {quality['same_top5']:.1%} of queries" if "same_top5" in quality else ""
+    source = quality.get("query_source", "the corpus's vectors")
+    return (f"recall@{quality['k']} {quality['recall']:.3f}{same} vs exact search on "
+            f"{quality['queries']} queries ({source}; target {quality['target_recall']})"
             f"{reached}{speed}")
 
 

@@ -12,7 +12,7 @@ import torch
 from rag_fast.ops import rag_token_beam_step
 from rag_fast.reference_decoding import rag_token_beam_candidates
 from rag_fast.reference_decoding import rag_token_beam_step as reference_step
-from utils import FLOOR, assert_close_rule, requires_ext, requires_triton
+from utils import assert_close_rule, requires_ext, requires_triton
 
 IMPLS = [
     pytest.param("torch", id="torch"),
@@ -114,7 +114,6 @@ def test_bf16_cpp():
     ref, _, _ = reference_step(x.double(), a.double(), beam.double())
     plain, _, _ = reference_step(x, a, beam)
     assert_close_rule(scores, plain, ref, torch.bfloat16, "bf16 scores")
-    assert FLOOR[torch.bfloat16] > 0
 
 
 def test_bad_inputs():

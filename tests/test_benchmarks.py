@@ -38,3 +38,34 @@ def test_every_bench_is_discovered_and_unknown_names_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench_run.main(["--only", "no-such-bench"])
     assert "unknown bench" in capsys.readouterr().err
+
+
+def test_curves_are_plotted_not_tabled(tmp_path):
+    rows = [harness.Row("index", "data batch (B=128)", "rag_fast exact", 10.0, None, {"QPS": 100.0, "x exact": 1.0}),
+            harness.Row("index", "data batch (B=128)", "rag_fast ivfpq", 1.0, None,
+                        {"QPS": 1000.0, "x exact": 10.0, "curve": [[1, 0.8, 3000.0], [8, 0.97, 1000.0]]})]
+    assert "curve" not in harness.markdown_table(rows)
+    png = tmp_path / "plot.png"
+    assert harness.plot_curves(rows, str(png)) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not harness.plot_curves(rows[:1], str(tmp_path / "none.png"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+
+
+def test_readme_tables_are_what_the_committed_results_render_to(tmp_path):
+    """The README's generated sections equal what benchmarks/render.py makes of the committed
+    JSON; an edited figure is caught and named."""
+    import render
+
+    readme = BENCH_DIR.parent / "README.md"
+    for name in render.SECTIONS:
+        assert render.readme_section(readme.read_text(), name) == render.rendered(name), name
+    assert render.main(["--check"]) == 0
+    edited = tmp_path / "README.md"
+    text = readme.read_text()
+    section = render.readme_section(text, "index")
+    line = next(line for line in section.splitlines() if line.startswith("| real text"))
+    cells = line.split(" | ")
+    cells[2] = "0.999"  # a hand-typed recall
+    edited.write_text(text.replace(line, " | ".join(cells)))
+    assert render.main(["--check", "--readme", str(edited)]) == 1
+    assert render.main(["--readme", str(edited)]) == 0 and edited.read_text() == text

@@ -2,8 +2,9 @@
 
 Each launcher is checked directly, below the autograd layer, with the tolerance rule of
 tests/utils.py: the "plain" version is the same formula in float32 (bf16 gradients rounded to
-bf16 at the end), the oracle the formula in float64. The generic (portable) SIMD variant runs in
-a subprocess with RAG_FAST_SIMD=generic.
+bf16 at the end), the oracle the formula in float64. Every SIMD variant this CPU can run
+(generic, AVX2, AVX-512) also runs the checks, up to V = 50265, in a subprocess with
+RAG_FAST_SIMD set to it.
 """
 from __future__ import annotations
 
@@ -280,20 +281,68 @@ def test_nan_propagates(dtype):
     assert out[1, :, 1].isnan().all() and out.isnan().sum() == K * V
 
 
-def test_generic_variant_in_subprocess():
-    # The portable variant, forced with RAG_FAST_SIMD=generic, on the same checks.
+# The instruction-set variants, weakest first; this CPU runs the best one (what simd_level
+# reports) and every weaker one (RAG_FAST_SIMD caps the choice).
+VARIANTS = ["generic", "avx2", "avx512"]
+
+
+def runnable_variants() -> list[str]:
+    import rag_fast._C as C
+
+    return VARIANTS[: VARIANTS.index(C.simd_level()) + 1]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_on_long_rows(variant):
+    # Each variant this CPU can run, forced with RAG_FAST_SIMD in a subprocess, on every shape
+    # including V = 50265 (the long-row paths: block rescaling, many tiles, the vector tail)
+    # and the peaked logits (the max-shifted path), in fp32 and bf16, under the tolerance rule.
+    if variant not in runnable_variants():
+        pytest.skip(f"this CPU cannot run the {variant} variant")
     script = (
-        "import torch, rag_fast._C as C, test_cpp_kernels as t\n"
-        "assert C.simd_level() == 'generic', C.simd_level()\n"
-        "for shape in t.SHAPES[:3]:\n"
-        "    for dtype in (torch.float32, torch.bfloat16):\n"
+        "import sys, torch, rag_fast._C as C, test_cpp_kernels as t\n"
+        "assert C.simd_level() == sys.argv[1], C.simd_level()\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    for shape in t.SHAPES:\n"
         "        t.check_launchers(shape, dtype)\n"
+        "    t.test_peaked_logits((1, 5, 2, 50265), dtype)\n"
         "t.check_launchers((2, 3, 3, 37), torch.float32, strided=True)\n"
         "print('ok')\n"
     )
     here = str(Path(__file__).resolve().parent)
-    env = dict(os.environ, RAG_FAST_SIMD="generic",
+    env = dict(os.environ, RAG_FAST_SIMD=variant,
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = run_python(["-c", script], env=env, timeout=120)
+    proc = run_python(["-c", script, variant], env=env, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
+
+def _smooth_forward_outputs(x, a, y, threads):
+    import rag_fast._C as C
+    from rag_fast.ops import _cpp
+
+    before = C.num_threads()
+    C.set_num_threads(threads)
+    try:
+        return _cpp.token_smooth_forward(x, y, IGNORE, a)
+    finally:
+        C.set_num_threads(before)
+
+
+def test_fused_forward_scratch_is_bounded_and_exact():
+    # The fused forward keeps a K x V buffer of exps per thread only while all of them fit in
+    # 16 MiB (csrc/kernels.cpp, kScratchBytes); other threads recompute each block. K * V * 4 =
+    # 12 MB here: with two threads one pair in two is computed each way, and every output must
+    # equal, bit for bit, the one-thread run (one buffer, never recomputed).
+    B, K, T, V = 2, 3, 2, 1_000_003
+    x, a, y, _ = _inputs(B, K, T, V, torch.float32)
+    one = _smooth_forward_outputs(x, a, y, threads=1)
+    two = _smooth_forward_outputs(x, a, y, threads=2)
+    for name, got, want in zip(("lse", "x_tgt", "x_sum", "sum_m", "rho"), two, one):
+        assert torch.equal(got, want), f"token_smooth_forward {name}: differs between paths"
+
+
+def test_fused_forward_without_any_buffer():
+    # K * V * 4 = 18 MB: larger than the whole budget, so every block is recomputed in pass 2.
+    B, K, T, V = 1, 5, 2, 900_001
+    x, a, y, _ = _inputs(B, K, T, V, torch.float32)
+    check_smooth_forward(x, a, y)

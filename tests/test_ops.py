@@ -163,6 +163,89 @@ def test_inplace_grad_writes_into_the_logits(impl, kind, eps):
     torch.testing.assert_close(x.detach(), expected)  # the gradient now lives in the logits
 
 
+# ---- inplace_grad: never a wrong gradient ------------------------------------------------
+# The gradient overwrites the logits and bumps their version counter, so autograd refuses any
+# later use of the old values; logits that cannot take their own gradient are refused upfront.
+KERNEL_IMPLS = [p for p in IMPLS if p.id != "torch"]
+
+
+def _intermediate_logits(logits):
+    leaf = logits.clone().requires_grad_()
+    return leaf, leaf * 1.0  # non-leaf logits, like a language-model head's output
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("first,second", [(("token", 0.0), ("sequence", 0.0)),
+                                          (("token", 0.1), ("sequence", 0.1)),
+                                          (("token", 0.0), ("token", 0.0))])
+def test_inplace_grad_twice_on_the_same_logits_raises(impl, first, second):
+    logits, scores, targets = make_case(B=2, K=3, T=4, V=9, seed=5)
+    _, x = _intermediate_logits(logits)
+    loss = sum(LOSSES[kind][0](x, scores, targets, impl=impl, epsilon=eps,
+                               inplace_grad=True).sum() for kind, eps in (first, second))
+    with pytest.raises(RuntimeError, match="overwritten after the forward.*inplace_grad=True"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("kind,eps", [("token", 0.0), ("token", 0.1), ("sequence", 0.0)])
+def test_inplace_grad_second_backward_with_retain_graph_raises(impl, kind, eps):
+    logits, scores, targets = make_case(B=2, K=3, T=4, V=9, seed=6)
+    _, x = _intermediate_logits(logits)
+    loss = LOSSES[kind][0](x, scores, targets, impl=impl, epsilon=eps, inplace_grad=True).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="overwritten after the forward.*retain_graph=True"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("kind,eps", [("token", 0.0), ("token", 0.1), ("sequence", 0.0)])
+def test_inplace_grad_on_expanded_or_leaf_logits_is_refused(impl, kind, eps):
+    logits, scores, targets = make_case(B=2, K=3, T=4, V=9, seed=7)
+    fn = LOSSES[kind][0]
+    _, one = _intermediate_logits(logits[:, :1])
+    expanded = one.expand(2, 3, 4, 9)  # one passage's logits for all K: shared memory
+    with pytest.raises(ValueError, match="inplace_grad=True .* overlap in memory"):
+        fn(expanded, scores, targets, impl=impl, epsilon=eps, inplace_grad=True)
+    leaf = logits.clone().requires_grad_()
+    with pytest.raises(ValueError, match="inplace_grad=True would overwrite the leaf tensor"):
+        fn(leaf, scores, targets, impl=impl, epsilon=eps, inplace_grad=True)
+    # Without inplace_grad both are fine and agree with the reference.
+    expected = run(LOSSES[kind][1], logits[:, :1].expand(2, 3, 4, 9).double(), scores.double(),
+                   targets, torch.ones(2, dtype=torch.float64), epsilon=eps)
+    leaf, one = _intermediate_logits(logits[:, :1])
+    fn(one.expand(2, 3, 4, 9), scores, targets, impl=impl, epsilon=eps).sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), expected[1].sum(1, keepdim=True),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_inplace_grad_after_a_plain_loss_on_the_same_logits_is_right_or_raises(impl):
+    """A second loss without inplace_grad on the same logits: whichever backward runs first,
+    the gradient is the plain one or autograd refuses; never a wrong one."""
+    logits, scores, targets = make_case(B=2, K=3, T=4, V=9, seed=8)
+    leaf, x = _intermediate_logits(logits)
+    plain = rag_fast.rag_sequence_nll(x, scores, targets, impl=impl).sum()
+    (plain + rag_fast.rag_token_nll(x, scores, targets, impl=impl).sum()).backward()
+    expected = leaf.grad
+    outcomes = set()
+    for inplace_first in (True, False):  # autograd runs the later loss's backward first
+        leaf, x = _intermediate_logits(logits)
+        losses = [lambda: rag_fast.rag_token_nll(x, scores, targets, impl=impl,
+                                                 inplace_grad=True).sum(),
+                  lambda: rag_fast.rag_sequence_nll(x, scores, targets, impl=impl).sum()]
+        a, b = (f() for f in (losses if inplace_first else losses[::-1]))
+        try:
+            (a + b).backward()
+        except RuntimeError as exc:
+            assert "inplace_grad=True" in str(exc)
+            outcomes.add("raised")
+        else:
+            torch.testing.assert_close(leaf.grad, expected)
+            outcomes.add("right")
+    assert outcomes == {"raised", "right"}
+
+
 @pytest.mark.parametrize("impl", [p for p in IMPLS if p.id != "torch"])
 @pytest.mark.parametrize("kind", ["token", "sequence"])
 def test_nan_logits_propagate(impl, kind):

@@ -135,3 +135,52 @@ def test_cli_errors_are_one_clear_line(tmp_path, built, corpus, minilm, capsys):
     assert cli.main(["index", "build", "--passages", str(corpus), "--encoder", minilm, "--out",
                      str(tmp_path / "s"), "--shard", "3/2", "--no-progress"]) == 2
     assert "shard must satisfy 0 <= i < n" in capsys.readouterr().err
+
+
+def test_build_measures_on_given_or_stand_in_questions(tmp_path, corpus, minilm, capsys, monkeypatch):
+    """`index build` tunes and measures on real questions (--queries) or, without them, on
+    one sentence of each sampled passage encoded as a question; `index info` shows it."""
+    questions = tmp_path / "questions.txt"
+    questions.write_text("\n".join(q for q, _ in QUESTIONS) + "\n\n")
+    common = ["--passages", str(corpus), "--encoder", minilm, "--preset", "IVF2,Flat", "--no-progress"]
+    assert cli.main(["index", "build", *common, "--queries", str(questions), "--out", str(tmp_path / "a")]) == 0
+    quality = DenseIndex.load(tmp_path / "a" / "index").describe()["search_quality"]
+    assert quality["queries"] == 4 and quality["query_source"] == f"4 questions from {questions}"
+    assert quality["reached"] and quality["recall"] >= 0.95 and quality["same_top5"] >= 0.95
+    assert cli.main(["index", "build", *common, "--out", str(tmp_path / "b")]) == 0
+    quality = DenseIndex.load(tmp_path / "b" / "index").describe()["search_quality"]
+    assert quality["queries"] == len(CORPUS)
+    assert quality["query_source"] == f"one sentence from each of {len(CORPUS)} sampled passages"
+    capsys.readouterr()
+    assert cli.main(["index", "info", str(tmp_path / "b")]) == 0
+    info = capsys.readouterr().out
+    assert f"same top 5 for 100.0% of queries vs exact search on {len(CORPUS)} queries (one sentence" in info
+
+    # a bad questions file is refused before anything is encoded
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("encoded before checking --queries")
+
+    monkeypatch.setattr("rag_fast.retrieval.encoders.encode_passages", no_encoding)
+    bad = tmp_path / "questions.jsonl"
+    bad.write_text('{"question": "who discovered penicillin?"}\n{"q": "no question key"}\n')
+    assert cli.main(["index", "build", *common, "--queries", str(bad), "--out", str(tmp_path / "c")]) == 2
+    assert f"--queries {bad}:2: expected an object with a non-empty string 'question'" in capsys.readouterr().err
+    assert cli.main(["index", "build", *common, "--queries", str(tmp_path / "nope.txt"), "--out",
+                     str(tmp_path / "c")]) == 2
+    assert "--queries: no such file" in capsys.readouterr().err
+
+
+def test_search_verifies_the_index_unless_told_not_to(tmp_path, built, capsys):
+    """Serving from the command line checks the files' SHA-256 by default (a flipped byte in
+    the stored vectors is an error, not a wrong answer); --no-verify skips it."""
+    import shutil
+
+    copy = tmp_path / "idx"
+    shutil.copytree(built, copy)
+    vectors = copy / "index" / "vectors.faiss"
+    data = bytearray(vectors.read_bytes())
+    data[-7] ^= 0x40  # same size: only a checksum sees it
+    vectors.write_bytes(bytes(data))
+    assert cli.main(["index", "search", str(copy), "who painted the Mona Lisa?"]) == 2
+    assert "SHA-256" in capsys.readouterr().err
+    assert cli.main(["index", "search", str(copy), "who painted the Mona Lisa?", "--no-verify"]) == 0

@@ -228,14 +228,36 @@ def test_build_measures_and_stores_the_cheapest_settings_reaching_the_target(dat
     quality = index.describe()["search_quality"]
     assert quality["reached"] and quality["recall"] >= 0.95 and quality["queries"] == 1000
     assert quality["settings"] == index.params and quality["ms_per_query"] > 0
-    # the measured recall is the recall of the stored defaults on those vectors
+    assert quality["query_source"] == "corpus (leave-one-out)"
+    # the measured recall is the leave-one-out recall of the stored defaults on those vectors:
+    # each sampled vector's own row is left out of its exact and approximate top 10
     rows = np.sort(np.random.default_rng(0).choice(len(xb), 1000, replace=False))
     sample = index.embeddings[rows].astype(np.float32)
-    truth = exact_search(index.embeddings, torch.from_numpy(sample), 10)[1].numpy()
-    assert recall_at_k(index.search(sample, 10)[1], truth) == pytest.approx(quality["recall"],
-                                                                            abs=1e-4)
+    truth = exact_search(index.embeddings, torch.from_numpy(sample), 11)[1].numpy()
+    found = index.search(sample, 11)[1]
+
+    def without_self(ids):
+        return np.stack([[i for i in row if i != own][:10] for row, own in zip(ids, rows)])
+
+    assert recall_at_k(without_self(found), without_self(truth)) == pytest.approx(
+        quality["recall"], abs=1e-4)
+    same = np.mean([set(f[:5]) == set(t[:5]) for f, t in zip(without_self(found), without_self(truth))])
+    assert same == pytest.approx(quality["same_top5"], abs=1e-4) and same >= 0.95
     index.save(tmp_path / "idx")
     assert DenseIndex.load(tmp_path / "idx").describe()["search_quality"] == quality
+
+
+def test_build_tunes_on_given_queries(data):
+    """Given real query vectors, the stored settings reach the target on those queries."""
+    xb, q, held_out = data
+    index = DenseIndex.build(xb, "ivfpq", progress=False, target_recall=0.95, queries=held_out)
+    quality = index.describe()["search_quality"]
+    assert quality["query_source"] == "given" and quality["queries"] == len(held_out)
+    truth = exact_search(index.embeddings, torch.from_numpy(held_out), 10)[1].numpy()
+    assert recall_at_k(index.search(held_out, 10)[1], truth) == pytest.approx(quality["recall"], abs=1e-4)
+    assert quality["recall"] >= 0.95
+    with pytest.raises(ValueError, match=r"queries must have shape \[Q >= 1, d=64\]"):
+        DenseIndex.build(xb, "ivfpq", progress=False, target_recall=0.95, queries=held_out[:, :8])
 
 
 def test_build_from_shards_equals_build_from_whole(data):
@@ -309,3 +331,27 @@ def test_embeddings_are_read_only_views_holding_their_owner(exact):
     del emb
     gc.collect()
     assert owner() is None  # and no longer
+
+
+def test_a_setting_must_reach_the_target_with_confidence():
+    """The tuner takes a setting only when the lower 95% bound of each per-query measure
+    reaches the target: a sample mean just at the target is not enough."""
+    from rag_fast.retrieval.index import _reaches
+
+    at = np.r_[np.ones(950), np.zeros(50)]  # mean 0.95 exactly
+    assert not _reaches((at,), 0.95)
+    surely = np.r_[np.ones(970), np.zeros(30)]  # 0.97 - 1.645 * 0.171 / sqrt(1000) = 0.961
+    assert _reaches((surely,), 0.95) and not _reaches((surely, at), 0.95)
+    assert _reaches((np.ones(4),), 1.0)  # a perfect small sample reaches any target
+
+
+def test_a_small_k_reranks_as_many_candidates_as_the_tuned_k(data):
+    """Defect: a top-5 search re-ranked 5 * rerank candidates, half of what the build measured
+    (its top 10), and found fewer of exact search's top 5 than measured. Now its results are
+    the first 5 of the top-10 search."""
+    xb, q, _ = data
+    index = DenseIndex.build(xb, "ivfpq", progress=False, nprobe=2)
+    ten, five = index.search(q, 10)[1], index.search(q, 5)[1]
+    np.testing.assert_array_equal(five, ten[:, :5])
+    assert index.search_parameters(5).k_factor == 2 * index.search_parameters(10).k_factor
+    assert index.search_parameters(20).k_factor == index.params["rerank"]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from rag_fast import _ext
 from rag_fast.generation._decoder import BartDecoder, CrossState
 from rag_fast.generation._inputs import resolve_inputs
 from rag_fast.generation._search import (
@@ -39,6 +38,7 @@ from rag_fast.generation._search import (
     forced_token,
     settings_from,
 )
+from rag_fast.ops._dispatch import resolve_impl
 from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
 from rag_fast.reference_decoding import select_top
 
@@ -74,7 +74,8 @@ def rag_sequence_generate(
         n_docs: K, optional check.
         num_return_sequences: answers per question (default: the RAG config's, else 1).
         decoding: ``"thorough"`` or ``"fast"``.
-        impl: beam-step backend (``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"``).
+        impl: kernel backend of the beam steps and the rescoring's row statistics
+            (``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"``; "cpp" needs CPU tensors).
         **settings: the per-passage beam search's ``num_beams``, ``max_length`` /
             ``max_new_tokens``, ``min_length`` / ``min_new_tokens``, ``length_penalty``,
             ``early_stopping`` and token ids (defaults: the generator's generation config).
@@ -267,12 +268,15 @@ def _lower_bounds(owner: torch.Tensor, beam_logp: torch.Tensor, log_prior: torch
 
 
 def _lm_row_stats(dec: BartDecoder, hidden: torch.Tensor, impl: str):
-    """Logits of ``hidden [U, K, d]`` -> ``(logits [U, K, V], lse [U, K], sum_v x [U, K])``."""
-    logits = dec.logits(hidden)
-    if impl in ("auto", "cpp") and logits.dtype == torch.float32 and _ext.available():
-        from rag_fast.ops import _cpp
+    """Logits of ``hidden [U, K, d]`` -> ``(logits [U, K, V], lse [U, K], sum_v x [U, K])``.
 
-        lse, _, xsum = _cpp.row_stats(logits[:, :, None, :], None, -100)
+    fp32 logits go through the fused row statistics (``torch.ops.rag_fast.row_stats``: C++ for
+    CPU tensors, Triton for CUDA ones, as ``impl`` resolves); other dtypes and impl="torch"
+    through plain PyTorch."""
+    logits = dec.logits(hidden)
+    resolved = resolve_impl(impl, logits)
+    if resolved != "torch" and logits.dtype == torch.float32:
+        lse, _, xsum = torch.ops.rag_fast.row_stats(logits.unsqueeze(2), None, -100, resolved)
         return logits, lse[:, :, 0], xsum[:, :, 0]
     return logits, torch.logsumexp(logits, dim=-1), logits.sum(-1)
 

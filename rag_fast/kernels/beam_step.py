@@ -1,9 +1,12 @@
 """Triton kernels of the fused RAG-Token beam step (see rag_fast/ops/rag_token_beam_step.py).
 
-Trade-off: the GPU version reads the logits twice (row normalisers, then the marginal over the
-K passages of each (b, j) tile by tile) and writes one float32 candidate score per (b, j, v),
-K times smaller than the logits; the top-n selection is a stable sort of those scores, which
-gives the documented tie order (lower flat index first) without a custom in-kernel top-k.
+Trade-off: the GPU version reads the logits twice (row normalisers with the loss kernels'
+``row_stats``, whose vocabulary split fills the GPU at T = 1; then the marginal over the K
+passages of each (b, j), an online logsumexp over k tile by tile) and writes one float32
+candidate score per (b, j, v), K times smaller than the logits; the top-n selection is a
+stable sort of those scores, which gives the documented tie order (lower flat index first)
+without a custom in-kernel top-k. Offsets are int64 (B*W*K*V may exceed 2^31); tiles are
+autotuned on a GPU, fixed under the interpreter.
 """
 from __future__ import annotations
 
@@ -11,61 +14,33 @@ import torch
 import triton
 import triton.language as tl
 
+from rag_fast.kernels.rag_losses import _launch, _tile_marginal, _tuned, row_stats
 from rag_fast.reference_decoding import select_top
 
 
-@triton.jit
-def _row_lse_kernel(x_ptr, lse_ptr, W, K, V, sb, sw, sk, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)  # (b*W + j)*K + k
-    k = row % K
-    bj = row // K
-    j = bj % W
-    b = bj // W
-    base = x_ptr + b * sb + j * sw + k * sk
-    offs = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
-        nm = tl.maximum(m, x)
-        safe = tl.where(nm == float("-inf"), 0.0, nm)
-        s = s * tl.exp(m - safe) + tl.exp(x - safe)
-        m = nm
-    gm = tl.max(m, axis=0)
-    gsafe = tl.where(gm == float("-inf"), 0.0, gm)
-    total = tl.sum(s * tl.exp(m - gsafe), axis=0)
-    total = tl.where(gm == float("-inf"), 1.0, total)  # keeps log() away from 0
-    tl.store(lse_ptr + row, tl.where(gm == float("-inf"), gm, gm + tl.log(total)))
-
-
+@_tuned()
 @triton.jit
 def _candidates_kernel(
-    x_ptr, lse_ptr, a_ptr, beam_ptr, bias_ptr, out_ptr, W, K, V, sb, sw, sk,
+    x_ptr, shift_ptr, beam_ptr, bias_ptr, out_ptr, W, K, V, CHUNK, sb, sw, sk,
     HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0)  # b*W + j
-    tile = tl.program_id(1)
+    row = tl.program_id(0).to(tl.int64)  # b * W + j
+    tile = tl.program_id(1).to(tl.int64)
     j = row % W
     b = row // W
-    offs = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    valid = offs < V
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    for k in range(0, K):
-        shift = tl.load(a_ptr + b * K + k) - tl.load(lse_ptr + row * K + k)
-        x = tl.load(x_ptr + b * sb + j * sw + k * sk + offs, mask=valid, other=0.0).to(tl.float32)
-        # A missing passage (prior -inf) or an all -inf row gives t = -inf or NaN: skip it.
-        t = tl.where(shift == shift, x + shift, float("-inf"))
-        t = tl.where(shift == float("-inf"), float("-inf"), t)
-        nm = tl.maximum(m, t)
-        safe = tl.where(nm == float("-inf"), 0.0, nm)
-        s = s * tl.exp(m - safe) + tl.exp(t - safe)
-        m = nm
-    marginal = tl.where(m == float("-inf"), m, m + tl.log(tl.where(m == float("-inf"), 1.0, s)))
-    if HAS_BIAS:
-        marginal = marginal + tl.load(bias_ptr + row * V + offs, mask=valid, other=0.0)
-    score = marginal + tl.load(beam_ptr + row)
-    tl.store(out_ptr + row * V + offs, score, mask=valid)
+    lo = tile * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    cols = tl.arange(0, BLOCK_V)
+    beam = tl.load(beam_ptr + row)
+    for start in range(lo, hi, BLOCK_V):
+        v = start + cols
+        valid = v < hi
+        # shift [B, W, K]: a - L, -inf for a missing passage (whatever L is).
+        marginal = _tile_marginal(x_ptr + b * sb + j * sw, sk, shift_ptr + row * K, 1, K, v,
+                                  valid, BLOCK_V)
+        if HAS_BIAS:
+            marginal = marginal + tl.load(bias_ptr + row * V + v, mask=valid, other=0.0)
+        tl.store(out_ptr + row * V + v, marginal + beam, mask=valid)
 
 
 def beam_step(
@@ -78,15 +53,16 @@ def beam_step(
     """Launcher: ``x [B, W, K, V]`` (stride 1 along V), ``a [B, K]``, ``beam_scores [B, W]``,
     ``bias [B*W, V]`` or None (all float32 contiguous but x) -> top-n (scores, beams, tokens)."""
     B, W, K, V = x.shape
-    lse = torch.empty(B * W * K, dtype=torch.float32, device=x.device)
-    block = min(1024, triton.next_power_of_2(V))
-    _row_lse_kernel[(B * W * K,)](x, lse, W, K, V, x.stride(0), x.stride(1), x.stride(2),
-                                  BLOCK_V=block)
+    # [B, W, K, V] read as the losses' [B, K', T', V] with K' = W, T' = K: lse [B, W, K].
+    lse, _, _ = row_stats(x, None, 0)
+    a3 = a[:, None, :]
+    # A missing passage (a = -inf) is skipped even where its row is all -inf (L = -inf).
+    shift = torch.where(a3 == float("-inf"), a3, a3 - lse).contiguous()
     cand = torch.empty((B * W, V), dtype=torch.float32, device=x.device)
-    grid = (B * W, triton.cdiv(V, block))
-    _candidates_kernel[grid](
-        x, lse, a, beam_scores, bias if bias is not None else cand, cand, W, K, V,
-        x.stride(0), x.stride(1), x.stride(2), HAS_BIAS=bias is not None, BLOCK_V=block,
-    )
+    chunk = min(V, 8192)  # (b, j) x chunks: enough programs at any batch size
+    grid = (B * W, triton.cdiv(V, chunk))
+    _launch(_candidates_kernel, grid, x, shift, beam_scores, bias if bias is not None else cand,
+            cand, W, K, V, chunk, x.stride(0), x.stride(1), x.stride(2),
+            HAS_BIAS=bias is not None)
     scores, flat = select_top(cand.view(B, W * V), n)
     return scores, flat // V, flat % V

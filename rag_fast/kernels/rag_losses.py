@@ -2,28 +2,33 @@
 # docstring of rag_fast/ops/_cpp.py; docs/design.md, "Gradients", derives the math).
 #
 # What they compute, for logits x [B, K, T, V] (stride 1 along V), passage log-prior a [B, K]:
-#   row_stats            L = logsumexp_v x, x[y], sum_v x            one program per row
-#   row_grad             c_p * P + c_y * onehot(y) + c_1             one program per row
+#   row_stats            L = logsumexp_v x, x[y], sum_v x            programs: rows x splits
+#   row_grad             c_p * P + c_y * onehot(y) + c_1             programs: rows x splits
 #   token_smooth_forward row_stats, then token_smooth_stats            (launcher only)
-#   token_smooth_stats   sum_v M and rho = sum_v R                   one program per (b, t)
-#   token_smooth_grad    row_grad's terms + c_r[b, t] * R            one program per (b, t)
-#   token_marginal       M = logsumexp_k (a + x - L)                 one program per (b, t)
-#   token_marginal_grad  c = sum_v R g, then R g - P c               one program per (b, t)
-# with P = exp(x - L) and R = exp(a + x - L - M).
+#   token_smooth_stats   sum_v M and rho = sum_v R                   programs: (b, t) x splits
+#   token_smooth_grad    row_grad's terms + c_r[b, t] * R            programs: (b, t) x splits
+#   token_marginal       M = logsumexp_k (a + x - L)                 programs: (b, t) x splits
+#   token_marginal_grad  c = sum_v R g, then R g - P c               programs: (b, t) x splits
+# with P = exp(x - L) and R = exp(a + x - L - M) (token_marginal_grad: M from the forward).
 #
-# Trade-off: a row program streams its row through BLOCK_V-wide tiles with an online
-# max/sum-of-exp, so the forward statistics cost one read of the logits and the gradient one
-# read and one write, at the price of one scalar reduction per tile. The (b, t) programs hold
-# the K rows of a position together as a [BLOCK_K, BLOCK_V] tile (K is small, padded to a power
-# of two), which is what M needs; fewer, wider programs than rows, so the V tile shrinks as K
-# grows to keep the tile in registers. Everything accumulates in float32; nothing allocates a
-# [B, K, T, V] temporary; no launcher reads a tensor value on the host.
+# Trade-off: a program streams one vocabulary chunk of its row (or of the K rows of its (b, t))
+# through BLOCK_V-wide tiles with an online max/sum-of-exp, so the forward statistics cost one
+# read of the logits and the gradient one read and one write. The vocabulary is split into as
+# many chunks as it takes to give the GPU about _PROGRAMS_PER_SM programs per multiprocessor
+# (T = 1 in generation, small batches); per-chunk partial results (a logsumexp, sums) are then
+# combined by a small reduction over the chunks, the second pass of a two-pass max/sum-of-exp.
+# The (b, t) programs loop over the K passages (an online logsumexp over k per tile, then a
+# second sweep over k, from cache, for R and the gradient): no row is padded, whatever K is.
+# Tile sizes and warps are autotuned on a GPU (keyed on the chunk length); the interpreter
+# uses one small fixed tile. Everything accumulates in float32; nothing allocates a
+# [B, K, T, V] temporary; no launcher reads a tensor value on the host; offsets are int64.
 #
 # Edge cases: a missing passage (a = -inf) gets R = 0 and no NaN; a position where every
-# a + x - L is -inf has M = -inf and R = 0; NaN logits propagate as NaN. Offsets are int64.
+# a + x - L is -inf has M = -inf and R = 0; NaN logits propagate as NaN.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -31,13 +36,32 @@ import triton.language as tl
 
 from rag_fast.kernels import interpreter_enabled
 
-# Elements per tile. On a GPU a tile is a register block per program. The interpreter runs
-# programs in NumPy at a fixed cost per operation and per tile, so its tiles are small enough
-# for tiny test shapes to cover several tiles and a ragged tail (V = 70 for a row; V = 33 for
-# K = 3 rows, 16 columns each) and no smaller, to keep V ~ 1000 quick.
-_MAX_TILE_GPU = 4096
-_MAX_TILE_INTERPRETER = 64
-_MIN_BLOCK_V = 16
+# GPU: programs per multiprocessor the vocabulary split aims for, and the shortest chunk worth
+# a program of its own. Interpreter: one small tile, and few programs, so that the tests' tiny
+# shapes still cover several tiles, ragged tails and split rows (V = 70: two chunks of 35).
+_PROGRAMS_PER_SM = 4
+_MIN_CHUNK_GPU = 256
+_GPU_CONFIGS = [
+    triton.Config({"BLOCK_V": block_v}, num_warps=warps)
+    for block_v, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8))
+]
+_INTERPRETER_BLOCK_V = 32
+_INTERPRETER_PROGRAMS = 8
+_MIN_CHUNK_INTERPRETER = 16
+
+
+def _tuned(*restore: str):
+    """Autotune a kernel's BLOCK_V and warps on a GPU (keyed on CHUNK); under the interpreter
+    the kernel is left as is and :func:`_launch` gives it the fixed tile. ``restore`` names
+    outputs the tuning runs must put back (a gradient written over the logits)."""
+
+    def wrap(kernel):
+        if interpreter_enabled():
+            return kernel
+        return triton.autotune(configs=_GPU_CONFIGS, key=["CHUNK"],
+                               restore_value=list(restore) or None)(kernel)
+
+    return wrap
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,24 +78,66 @@ def _load_target(y_ptr, b, t, T, V, ignore_index):
 
 
 @triton.jit
+def _tile_marginal(x_row0, sx_k, shift_row0, shift_sk, K, v_off, in_row,
+                   BLOCK_V: tl.constexpr):
+    """M [BLOCK_V] = logsumexp_k (shift_k + x_k) at the tile's columns, an online logsumexp over
+    the K passages. x_row0: the passage-0 row of the tile's (b, t); row k is at + k * sx_k, its
+    shift (a - L, -inf for a missing passage) at shift_row0 + k * shift_sk; v_off: the columns'
+    element offsets. M = -inf where every term is -inf; NaN in gives NaN out."""
+    run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_V], tl.float32)
+    x_row = x_row0  # advanced by a pointer increment, never by an int32 product k * sx_k
+    for k in range(0, K):
+        shift = tl.load(shift_row0 + k * shift_sk)
+        x = tl.load(x_row + v_off, mask=in_row, other=float("-inf")).to(tl.float32)
+        x_row += sx_k
+        z = shift + x
+        new_max = tl.maximum(run_max, z)
+        # All -inf so far: shift by 0 instead of -inf so that exp gives 0, not NaN.
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe) + tl.exp(z - safe)
+        run_max = new_max
+    empty = run_sum == 0.0
+    safe = tl.where(run_max == float("-inf"), 0.0, run_max)
+    return tl.where(empty, float("-inf"), safe + tl.log(tl.where(empty, 1.0, run_sum)))
+
+
+@triton.jit
+def _posterior(z, m):
+    """R = exp(z - M); where M = -inf every z is -inf too, and R = exp(-inf - 0) = 0."""
+    return tl.exp(z - tl.where(m == float("-inf"), 0.0, m))
+
+
+@triton.jit
+def _chunk(split, CHUNK, V):
+    """[lo, hi): the vocabulary chunk of program column ``split``."""
+    lo = split * CHUNK
+    return lo, tl.minimum(lo + CHUNK, V)
+
+
+@_tuned()
+@triton.jit
 def _row_stats_kernel(
     x_ptr, y_ptr, lse_ptr, tgt_ptr, sum_ptr,
-    K, T, V, sx_b, sx_k, sx_t, sx_v, ignore_index,
+    K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v, ignore_index,
     HAS_Y: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # (b * K + k) * T + t
+    split = tl.program_id(1).to(tl.int64)
+    n_split = tl.num_programs(1)
     t = row % T
     b = row // T // K
     k = row // T % K
     x_row = x_ptr + b * sx_b + k * sx_k + t * sx_t
+    lo, hi = _chunk(split, CHUNK, V)
     cols = tl.arange(0, BLOCK_V)
 
     run_max = float("-inf")
     run_sum = 0.0
     x_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         v = start + cols
-        in_row = v < V
+        in_row = v < hi
         x = tl.load(x_row + v * sx_v, mask=in_row, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(run_max, tl.max(x, axis=0))
         # All -inf so far: shift by 0 instead of -inf so that exp gives 0, not NaN.
@@ -80,23 +146,27 @@ def _row_stats_kernel(
         run_max = new_max
         x_acc += tl.where(in_row, x, 0.0)
     shift = tl.where(run_max == float("-inf"), 0.0, run_max)
-    tl.store(lse_ptr + row, shift + tl.log(run_sum))
-    tl.store(sum_ptr + row, tl.sum(x_acc, axis=0))
+    # Partial results of this chunk, [rows, n_split]; the launcher combines the chunks.
+    tl.store(lse_ptr + row * n_split + split, shift + tl.log(run_sum))
+    tl.store(sum_ptr + row * n_split + split, tl.sum(x_acc, axis=0))
+    if split == 0:
+        x_tgt = 0.0
+        if HAS_Y:
+            y = _load_target(y_ptr, b, t, T, V, ignore_index)
+            x_tgt = tl.load(x_row + tl.maximum(y, 0) * sx_v, mask=y >= 0, other=0.0)
+            x_tgt = x_tgt.to(tl.float32)
+        tl.store(tgt_ptr + row, x_tgt)
 
-    x_tgt = 0.0
-    if HAS_Y:
-        y = _load_target(y_ptr, b, t, T, V, ignore_index)
-        x_tgt = tl.load(x_row + tl.maximum(y, 0) * sx_v, mask=y >= 0, other=0.0).to(tl.float32)
-    tl.store(tgt_ptr + row, x_tgt)
 
-
+@_tuned("out_ptr")
 @triton.jit
 def _row_grad_kernel(
     x_ptr, y_ptr, lse_ptr, cp_ptr, cy_ptr, c1_ptr, out_ptr,
-    K, T, V, sx_b, sx_k, sx_t, sx_v, so_b, so_k, so_t, so_v, ignore_index,
+    K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v, so_b, so_k, so_t, so_v, ignore_index,
     HAS_Y: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # (b * K + k) * T + t
+    split = tl.program_id(1).to(tl.int64)
     t = row % T
     b = row // T // K
     k = row // T % K
@@ -109,10 +179,11 @@ def _row_grad_kernel(
     y = -1
     if HAS_Y:
         y = _load_target(y_ptr, b, t, T, V, ignore_index)
+    lo, hi = _chunk(split, CHUNK, V)
     cols = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         v = start + cols
-        in_row = v < V
+        in_row = v < hi
         # Read before write, tile by tile: `out` may be the logits' own storage.
         x = tl.load(x_row + v * sx_v, mask=in_row, other=0.0).to(tl.float32)
         g = c_p * tl.exp(x - lse) + c_1
@@ -120,158 +191,145 @@ def _row_grad_kernel(
         tl.store(out_row + v * so_v, g.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-@triton.jit
-def _marginal_tile(x_ptr, rows, shift, v, sx_v, in_k, in_row):
-    """The K rows of one (b, t) at columns v: ``(x, M, R)``.
-
-    rows [BLOCK_K] int64 row offsets, shift [BLOCK_K] = a - L (-inf for a missing or padded
-    passage), v [BLOCK_V] column indices. x [BLOCK_K, BLOCK_V] float32 (-inf outside),
-    M [BLOCK_V] = logsumexp_k (shift + x), R [BLOCK_K, BLOCK_V] = exp(shift + x - M), 0 where
-    M = -inf.
-    """
-    mask = in_k[:, None] & in_row[None, :]
-    x = tl.load(x_ptr + rows[:, None] + v[None, :] * sx_v, mask=mask, other=float("-inf"))
-    x = x.to(tl.float32)
-    z = shift[:, None] + x
-    z_max = tl.max(z, axis=0)
-    z_max = tl.where(z_max == float("-inf"), 0.0, z_max)
-    e = tl.exp(z - z_max[None, :])
-    e_sum = tl.sum(e, axis=0)
-    # A column with every z = -inf (padding, or a vocabulary entry masked in every passage)
-    # has e_sum = 0: M = -inf and R = 0 there, without evaluating log(0) or 0 / 0.
-    empty = e_sum == 0.0
-    e_sum = tl.where(empty, 1.0, e_sum)
-    m = tl.where(empty, float("-inf"), z_max + tl.log(e_sum))
-    r = e * (1.0 / e_sum)[None, :]
-    return x, m, r
-
-
-@triton.jit
-def _token_rows(x_ptr, a_ptr, lse_ptr, pid, K, T, sx_b, sx_k, sx_t, BLOCK_K: tl.constexpr):
-    """For program pid = b * T + t: ``(b, t, ks, in_k, rows, lse, shift, stat_idx)`` with
-    rows the K row offsets into x, lse [BLOCK_K] their normalisers, shift = a - lse and
-    stat_idx the rows' indices into [B, K, T] statistics."""
-    t = pid % T
-    b = pid // T
-    ks = tl.arange(0, BLOCK_K)
-    in_k = ks < K
-    rows = b * sx_b + ks.to(tl.int64) * sx_k + t * sx_t
-    stat_idx = (b * K + ks) * T + t
-    a = tl.load(a_ptr + b * K + ks, mask=in_k, other=float("-inf"))
-    lse = tl.load(lse_ptr + stat_idx, mask=in_k, other=0.0)
-    return b, t, ks, in_k, rows, lse, a - lse, stat_idx
-
-
+@_tuned()
 @triton.jit
 def _token_smooth_stats_kernel(
-    x_ptr, a_ptr, lse_ptr, sum_m_ptr, rho_ptr,
-    K, T, V, sx_b, sx_k, sx_t, sx_v,
+    x_ptr, shift_ptr, sum_m_ptr, rho_ptr,
+    K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # b * T + t
-    b, t, ks, in_k, rows, lse, shift, stat_idx = _token_rows(
-        x_ptr, a_ptr, lse_ptr, pid, K, T, sx_b, sx_k, sx_t, BLOCK_K
-    )
+    split = tl.program_id(1).to(tl.int64)
+    n_split = tl.num_programs(1)
+    t = pid % T
+    b = pid // T
+    x_row0 = x_ptr + b * sx_b + t * sx_t
+    shift_row0 = shift_ptr + b * K * T + t  # shift [B, K, T]: row k at + k * T
+    ks = tl.arange(0, BLOCK_K)  # only indexes the K per-passage sums, never a tile
+    lo, hi = _chunk(split, CHUNK, V)
     cols = tl.arange(0, BLOCK_V)
     m_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    rho_acc = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
+    rho = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_V):
         v = start + cols
-        in_row = v < V
-        _, m, r = _marginal_tile(x_ptr, rows, shift, v, sx_v, in_k, in_row)
+        in_row = v < hi
+        m = _tile_marginal(x_row0, sx_k, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
         m_acc += tl.where(in_row, m, 0.0)
-        rho_acc += r  # 0 outside the row: every padded entry has M = -inf
-    tl.store(sum_m_ptr + pid, tl.sum(m_acc, axis=0))
-    tl.store(rho_ptr + stat_idx, tl.sum(rho_acc, axis=1), mask=in_k)
+        x_row = x_row0
+        for k in range(0, K):  # the tile's K rows again, from cache
+            x = tl.load(x_row + v * sx_v, mask=in_row, other=float("-inf"))
+            r = _posterior(tl.load(shift_row0 + k * T) + x.to(tl.float32), m)
+            rho = tl.where(ks == k, rho + tl.sum(r, axis=0), rho)
+            x_row += sx_k
+    # Partial results of this chunk: sum_m [B*T, n_split], rho [B*K*T, n_split].
+    tl.store(sum_m_ptr + pid * n_split + split, tl.sum(m_acc, axis=0))
+    rows = (b * K + ks) * T + t
+    tl.store(rho_ptr + rows * n_split + split, rho, mask=ks < K)
 
 
+@_tuned("out_ptr")
 @triton.jit
 def _token_smooth_grad_kernel(
-    x_ptr, y_ptr, a_ptr, lse_ptr, cp_ptr, cy_ptr, c1_ptr, cr_ptr, out_ptr,
-    K, T, V, sx_b, sx_k, sx_t, sx_v, so_b, so_k, so_t, so_v, ignore_index,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_ptr, y_ptr, shift_ptr, lse_ptr, cp_ptr, cy_ptr, c1_ptr, cr_ptr, out_ptr,
+    K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v, so_b, so_k, so_t, so_v, ignore_index,
+    BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # b * T + t
-    b, t, ks, in_k, rows, lse, shift, stat_idx = _token_rows(
-        x_ptr, a_ptr, lse_ptr, pid, K, T, sx_b, sx_k, sx_t, BLOCK_K
-    )
-    out_rows = b * so_b + ks.to(tl.int64) * so_k + t * so_t
-    c_p = tl.load(cp_ptr + stat_idx, mask=in_k, other=0.0)[:, None]
-    c_y = tl.load(cy_ptr + stat_idx, mask=in_k, other=0.0)[:, None]
-    c_1 = tl.load(c1_ptr + stat_idx, mask=in_k, other=0.0)[:, None]
+    split = tl.program_id(1).to(tl.int64)
+    t = pid % T
+    b = pid // T
+    x_row0 = x_ptr + b * sx_b + t * sx_t
+    out_row0 = out_ptr + b * so_b + t * so_t
+    shift_row0 = shift_ptr + b * K * T + t
     c_r = tl.load(cr_ptr + pid)
     y = _load_target(y_ptr, b, t, T, V, ignore_index)
+    lo, hi = _chunk(split, CHUNK, V)
     cols = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         v = start + cols
-        in_row = v < V
-        # Read before write, tile by tile: `out` may be the logits' own storage.
-        x, _, r = _marginal_tile(x_ptr, rows, shift, v, sx_v, in_k, in_row)
-        g = c_p * tl.exp(x - lse[:, None]) + c_1 + c_r * r
-        g = tl.where(v[None, :] == y, g + c_y, g)
-        tl.store(
-            out_ptr + out_rows[:, None] + v[None, :] * so_v,
-            g.to(out_ptr.dtype.element_ty),
-            mask=in_k[:, None] & in_row[None, :],
-        )
+        in_row = v < hi
+        # The tile's K rows are all read (for M) before any of them is written: `out` may be
+        # the logits' own storage.
+        m = _tile_marginal(x_row0, sx_k, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
+        x_row, out_row = x_row0, out_row0
+        for k in range(0, K):
+            row = (b * K + k) * T + t
+            x = tl.load(x_row + v * sx_v, mask=in_row, other=0.0).to(tl.float32)
+            r = _posterior(tl.load(shift_row0 + k * T) + x, m)
+            g = (tl.load(cp_ptr + row) * tl.exp(x - tl.load(lse_ptr + row))
+                 + tl.load(c1_ptr + row) + c_r * r)
+            g = tl.where(v == y, g + tl.load(cy_ptr + row), g)
+            tl.store(out_row + v * so_v, g.to(out_ptr.dtype.element_ty), mask=in_row)
+            x_row += sx_k
+            out_row += so_k
 
 
+@_tuned()
 @triton.jit
 def _token_marginal_kernel(
-    x_ptr, a_ptr, lse_ptr, m_ptr,
-    K, T, V, sx_b, sx_k, sx_t, sx_v,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_ptr, shift_ptr, m_ptr,
+    K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v,
+    BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # b * T + t
-    b, t, ks, in_k, rows, lse, shift, stat_idx = _token_rows(
-        x_ptr, a_ptr, lse_ptr, pid, K, T, sx_b, sx_k, sx_t, BLOCK_K
-    )
+    split = tl.program_id(1).to(tl.int64)
+    t = pid % T
+    b = pid // T
+    x_row0 = x_ptr + b * sx_b + t * sx_t
+    shift_row0 = shift_ptr + b * K * T + t
     m_row = m_ptr + pid * V  # M is a fresh contiguous [B, T, V]
+    lo, hi = _chunk(split, CHUNK, V)
     cols = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         v = start + cols
-        in_row = v < V
-        _, m, _ = _marginal_tile(x_ptr, rows, shift, v, sx_v, in_k, in_row)
+        in_row = v < hi
+        m = _tile_marginal(x_row0, sx_k, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
         tl.store(m_row + v, m, mask=in_row)
 
 
+@_tuned("out_ptr")
 @triton.jit
 def _token_marginal_grad_kernel(
-    x_ptr, a_ptr, lse_ptr, g_ptr, c_ptr, out_ptr,
-    K, T, V, sx_b, sx_k, sx_t, sx_v, sg_b, sg_t, so_b, so_k, so_t, so_v,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_ptr, shift_ptr, lse_ptr, m_ptr, g_ptr, c_ptr, out_ptr,
+    K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v, sm_b, sm_t, sg_b, sg_t, so_b, so_k, so_t, so_v,
+    WRITE_GRAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    """Pass 1 (WRITE_GRAD off): partial c[k] = sum_v R[k, v] g[v] of this chunk into
+    c [B*K*T, n_split]. Pass 2 (on): out = R g - P c with the combined c [B*K*T]. R comes from
+    the forward's M (one read of M instead of a logsumexp over the K rows)."""
     pid = tl.program_id(0).to(tl.int64)  # b * T + t
-    b, t, ks, in_k, rows, lse, shift, stat_idx = _token_rows(
-        x_ptr, a_ptr, lse_ptr, pid, K, T, sx_b, sx_k, sx_t, BLOCK_K
-    )
+    split = tl.program_id(1).to(tl.int64)
+    n_split = tl.num_programs(1)
+    t = pid % T
+    b = pid // T
+    x_row0 = x_ptr + b * sx_b + t * sx_t
+    out_row0 = out_ptr + b * so_b + t * so_t
+    m_row = m_ptr + b * sm_b + t * sm_t
     g_row = g_ptr + b * sg_b + t * sg_t
+    ks = tl.arange(0, BLOCK_K)  # only indexes the K per-passage sums, never a tile
+    c_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    lo, hi = _chunk(split, CHUNK, V)
     cols = tl.arange(0, BLOCK_V)
-
-    # Pass 1: c[k] = sum_v R[k, v] g[v].
-    c_acc = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         v = start + cols
-        in_row = v < V
-        _, _, r = _marginal_tile(x_ptr, rows, shift, v, sx_v, in_k, in_row)
+        in_row = v < hi
+        m = tl.load(m_row + v, mask=in_row, other=float("-inf"))
         g = tl.load(g_row + v, mask=in_row, other=0.0)
-        c_acc += r * g[None, :]
-    c = tl.sum(c_acc, axis=1)
-    tl.store(c_ptr + stat_idx, c, mask=in_k)
-
-    # Pass 2: out = R g - P c, read before write tile by tile.
-    out_rows = b * so_b + ks.to(tl.int64) * so_k + t * so_t
-    for start in range(0, V, BLOCK_V):
-        v = start + cols
-        in_row = v < V
-        x, _, r = _marginal_tile(x_ptr, rows, shift, v, sx_v, in_k, in_row)
-        g = tl.load(g_row + v, mask=in_row, other=0.0)
-        grad = r * g[None, :] - tl.exp(x - lse[:, None]) * c[:, None]
-        tl.store(
-            out_ptr + out_rows[:, None] + v[None, :] * so_v,
-            grad.to(out_ptr.dtype.element_ty),
-            mask=in_k[:, None] & in_row[None, :],
-        )
+        x_row, out_row = x_row0, out_row0
+        for k in range(0, K):
+            row = (b * K + k) * T + t
+            x = tl.load(x_row + v * sx_v, mask=in_row, other=float("-inf")).to(tl.float32)
+            rg = _posterior(tl.load(shift_ptr + row) + x, m) * g
+            if WRITE_GRAD:
+                grad = rg - tl.exp(x - tl.load(lse_ptr + row)) * tl.load(c_ptr + row)
+                tl.store(out_row + v * so_v, grad.to(out_ptr.dtype.element_ty), mask=in_row)
+            else:
+                c_acc = tl.where(ks == k, c_acc + tl.sum(rg, axis=0), c_acc)
+            x_row += sx_k
+            out_row += so_k
+    if not WRITE_GRAD:
+        rows = (b * K + ks) * T + t
+        tl.store(c_ptr + rows * n_split + split, c_acc, mask=ks < K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,31 +337,46 @@ def _token_marginal_grad_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _max_tile() -> int:
-    return _MAX_TILE_INTERPRETER if interpreter_enabled() else _MAX_TILE_GPU
+@functools.lru_cache(maxsize=None)
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _row_block(V: int) -> tuple[int, int]:
-    """``(BLOCK_V, num_warps)`` for a one-row program."""
-    block_v = max(_MIN_BLOCK_V, min(triton.next_power_of_2(V), _max_tile()))
-    return block_v, 8 if block_v >= 2048 else 4
+def split_vocabulary(groups: int, V: int, device: torch.device) -> int:
+    """How many chunks to split each of ``groups`` rows (or (b, t) positions) of length ``V``
+    into: the power of two that gives the device enough programs (so that the autotuner, keyed
+    on the chunk length, sees few distinct lengths), unless chunks would get shorter than the
+    minimum."""
+    min_chunk = _MIN_CHUNK_INTERPRETER if interpreter_enabled() else _MIN_CHUNK_GPU
+    wanted = triton.next_power_of_2(triton.cdiv(_target_programs(device), max(groups, 1)))
+    return max(1, min(wanted, V // min_chunk))
 
 
-def _token_block(K: int, V: int) -> tuple[int, int, int]:
-    """``(BLOCK_K, BLOCK_V, num_warps)`` for a program holding the K rows of one (b, t)."""
-    block_k = triton.next_power_of_2(K)
-    block_v = max(_MIN_BLOCK_V, min(triton.next_power_of_2(V), _max_tile() // block_k))
-    return block_k, block_v, 8 if block_k * block_v >= 2048 else 4
+def _grid(groups: int, V: int, device: torch.device, num_splits: int | None):
+    """``(grid, CHUNK)`` for ``groups`` programs' rows of V entries split into chunks."""
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be None or >= 1, got {num_splits}")
+    n_split = min(num_splits or split_vocabulary(groups, V, device), max(V, 1))
+    chunk = triton.cdiv(V, n_split)
+    return (groups, triton.cdiv(V, chunk)), chunk
 
 
-def _on_device(x: torch.Tensor):
-    """Launch on the logits' GPU (Triton launches on the current device)."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+def _launch(kernel, grid, *args, **meta) -> None:
+    """Launch on the first tensor argument's GPU (Triton launches on the current device); the
+    interpreter gets the fixed tile, a GPU the autotuned one."""
+    device = args[0].device
+    if interpreter_enabled():
+        meta["BLOCK_V"] = _INTERPRETER_BLOCK_V
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        kernel[grid](*args, **meta)
 
 
-def _stats(x: torch.Tensor) -> torch.Tensor:
+def _stats(x: torch.Tensor, *extra: int) -> torch.Tensor:
     B, K, T, _ = x.shape
-    return torch.empty((B, K, T), dtype=torch.float32, device=x.device)
+    return torch.empty((B, K, T, *extra), dtype=torch.float32, device=x.device)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -311,29 +384,35 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
+def _shift(a: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``a - lse`` ``[B, K, T]`` float32 contiguous: the log-weight of passage k's row."""
+    return (_f32(a)[:, :, None] - _f32(lse)).contiguous()
+
+
 def _x_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
 
 
 def row_stats(
-    x: torch.Tensor, y: torch.Tensor | None, ignore_index: int
+    x: torch.Tensor, y: torch.Tensor | None, ignore_index: int, *, num_splits: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row ``lse``, ``x_tgt``, ``x_sum``, each ``[B, K, T]`` float32.
 
     x: ``[B, K, T, V]`` logits; y: ``[B, T]`` integer targets or None (then x_tgt = 0).
+    num_splits: vocabulary chunks per row (default: enough to fill the device).
     """
     B, K, T, V = x.shape
-    lse, x_tgt, x_sum = _stats(x), _stats(x), _stats(x)
-    if lse.numel() == 0:
-        return lse, x_tgt, x_sum
+    x_tgt = _stats(x)
+    if x_tgt.numel() == 0 or V == 0:
+        return _stats(x).fill_(float("-inf")), x_tgt.zero_(), _stats(x).zero_()
+    grid, chunk = _grid(B * K * T, V, x.device, num_splits)
+    lse_part, sum_part = _stats(x, grid[1]), _stats(x, grid[1])
     y_arg = x if y is None else y.contiguous()  # x: an unread placeholder when HAS_Y is off
-    block_v, num_warps = _row_block(V)
-    with _on_device(x):
-        _row_stats_kernel[(B * K * T,)](
-            x, y_arg, lse, x_tgt, x_sum, K, T, V, *_x_strides(x), ignore_index,
-            HAS_Y=y is not None, BLOCK_V=block_v, num_warps=num_warps,
-        )
-    return lse, x_tgt, x_sum
+    _launch(_row_stats_kernel, grid, x, y_arg, lse_part, x_tgt, sum_part,
+            K, T, V, chunk, *_x_strides(x), ignore_index, HAS_Y=y is not None)
+    if grid[1] == 1:
+        return lse_part[..., 0], x_tgt, sum_part[..., 0]
+    return torch.logsumexp(lse_part, -1), x_tgt, sum_part.sum(-1)
 
 
 def row_grad(
@@ -345,22 +424,21 @@ def row_grad(
     c_y: torch.Tensor,
     c_1: torch.Tensor,
     out: torch.Tensor,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """``out = c_p * exp(x - lse) + c_y * onehot(y) + c_1``; returns ``out``.
 
     x, out: ``[B, K, T, V]`` (out may be x); lse, c_*: ``[B, K, T]``; y: ``[B, T]`` or None.
     """
     B, K, T, V = x.shape
-    if lse.numel() == 0:
+    if lse.numel() == 0 or V == 0:
         return out
+    grid, chunk = _grid(B * K * T, V, x.device, num_splits)
     y_arg = x if y is None else y.contiguous()
-    block_v, num_warps = _row_block(V)
-    with _on_device(x):
-        _row_grad_kernel[(B * K * T,)](
-            x, y_arg, _f32(lse), _f32(c_p), _f32(c_y), _f32(c_1), out,
-            K, T, V, *_x_strides(x), *_x_strides(out), ignore_index,
-            HAS_Y=y is not None, BLOCK_V=block_v, num_warps=num_warps,
-        )
+    _launch(_row_grad_kernel, grid, x, y_arg, _f32(lse), _f32(c_p), _f32(c_y), _f32(c_1), out,
+            K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index,
+            HAS_Y=y is not None)
     return out
 
 
@@ -370,38 +448,37 @@ def token_smooth_forward(
     ignore_index: int,
     a: torch.Tensor,
     need_rho: bool = True,
+    *,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``row_stats`` then ``token_smooth_stats``: ``lse, x_tgt, x_sum, sum_m, rho``.
 
-    x: ``[B, K, T, V]``; y: ``[B, T]`` or None; a: ``[B, K]`` passage log-prior. Two programs
-    (a row pass, then a (b, t) pass); the C++ backend fuses them into one read. ``rho`` (only
+    x: ``[B, K, T, V]``; y: ``[B, T]`` or None; a: ``[B, K]`` passage log-prior. Two passes
+    (rows, then (b, t) positions); the C++ backend fuses them into one read. ``rho`` (only
     the backward needs it) comes back None unless ``need_rho``; the (b, t) program computes it
     with the marginal either way, at no extra read.
     """
-    lse, x_tgt, x_sum = row_stats(x, y, ignore_index)
-    sum_m, rho = token_smooth_stats(x, a, lse)
+    lse, x_tgt, x_sum = row_stats(x, y, ignore_index, num_splits=num_splits)
+    sum_m, rho = token_smooth_stats(x, a, lse, num_splits=num_splits)
     return lse, x_tgt, x_sum, sum_m, rho if need_rho else None
 
 
 def token_smooth_stats(
-    x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor
+    x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor, *, num_splits: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_m = sum_v M`` ``[B, T]`` and ``rho = sum_v R`` ``[B, K, T]``, float32.
 
     x: ``[B, K, T, V]``; a: ``[B, K]`` passage log-prior; lse: ``[B, K, T]``.
     """
     B, K, T, V = x.shape
-    sum_m = torch.empty((B, T), dtype=torch.float32, device=x.device)
-    rho = _stats(x)
-    if sum_m.numel() == 0:
-        return sum_m, rho
-    block_k, block_v, num_warps = _token_block(K, V)
-    with _on_device(x):
-        _token_smooth_stats_kernel[(B * T,)](
-            x, _f32(a), _f32(lse), sum_m, rho, K, T, V, *_x_strides(x),
-            BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
-        )
-    return sum_m, rho
+    if B * T == 0 or V == 0:
+        return torch.zeros((B, T), dtype=torch.float32, device=x.device), _stats(x).zero_()
+    grid, chunk = _grid(B * T, V, x.device, num_splits)
+    sum_m = torch.empty((B, T, grid[1]), dtype=torch.float32, device=x.device)
+    rho = _stats(x, grid[1])
+    _launch(_token_smooth_stats_kernel, grid, x, _shift(a, lse), sum_m, rho,
+            K, T, V, chunk, *_x_strides(x), BLOCK_K=triton.next_power_of_2(K))
+    return sum_m.sum(-1), rho.sum(-1)
 
 
 def token_smooth_grad(
@@ -415,6 +492,8 @@ def token_smooth_grad(
     c_1: torch.Tensor,
     c_r: torch.Tensor,
     out: torch.Tensor,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """``out = c_p * P + c_y * onehot(y) + c_1 + c_r[b, t] * R``; returns ``out``.
 
@@ -422,33 +501,29 @@ def token_smooth_grad(
     lse, c_p, c_y, c_1: ``[B, K, T]``; c_r: ``[B, T]``.
     """
     B, K, T, V = x.shape
-    if B * T == 0:
+    if B * T == 0 or V == 0:
         return out
-    block_k, block_v, num_warps = _token_block(K, V)
-    with _on_device(x):
-        _token_smooth_grad_kernel[(B * T,)](
-            x, y.contiguous(), _f32(a), _f32(lse), _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r),
-            out, K, T, V, *_x_strides(x), *_x_strides(out), ignore_index,
-            BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
-        )
+    grid, chunk = _grid(B * T, V, x.device, num_splits)
+    _launch(_token_smooth_grad_kernel, grid, x, y.contiguous(), _shift(a, lse), _f32(lse),
+            _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r), out,
+            K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index)
     return out
 
 
-def token_marginal(x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def token_marginal(
+    x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor, *, num_splits: int | None = None
+) -> torch.Tensor:
     """``M = logsumexp_k (a + x - lse)``, ``[B, T, V]`` float32 (contiguous).
 
     x: ``[B, K, T, V]``; a: ``[B, K]``; lse: ``[B, K, T]``.
     """
     B, K, T, V = x.shape
     marginal = torch.empty((B, T, V), dtype=torch.float32, device=x.device)
-    if B * T == 0:
+    if marginal.numel() == 0:
         return marginal
-    block_k, block_v, num_warps = _token_block(K, V)
-    with _on_device(x):
-        _token_marginal_kernel[(B * T,)](
-            x, _f32(a), _f32(lse), marginal, K, T, V, *_x_strides(x),
-            BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
-        )
+    grid, chunk = _grid(B * T, V, x.device, num_splits)
+    _launch(_token_marginal_kernel, grid, x, _shift(a, lse), marginal,
+            K, T, V, chunk, *_x_strides(x))
     return marginal
 
 
@@ -459,27 +534,28 @@ def token_marginal_grad(
     m: torch.Tensor,
     g_m: torch.Tensor,
     out: torch.Tensor,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Backward of :func:`token_marginal`: writes ``out = R * g_m - P * c``, returns
     ``c = sum_v R * g_m`` ``[B, K, T]`` float32.
 
     x, out: ``[B, K, T, V]`` (out may be x); a: ``[B, K]``; lse: ``[B, K, T]``;
-    m, g_m: ``[B, T, V]``. ``m`` (the forward's M) is not read: R is recomputed from the K
-    rows already in the tile, which costs less memory traffic than reading M twice.
+    m (the forward's M), g_m: ``[B, T, V]``. Two passes over the vocabulary: c needs every
+    entry before the first gradient entry can be written.
     """
-    del m
     B, K, T, V = x.shape
-    c = _stats(x)
-    if B * T == 0:
-        return c
-    g = g_m.float()
-    if g.stride(-1) != 1:
-        g = g.contiguous()
-    block_k, block_v, num_warps = _token_block(K, V)
-    with _on_device(x):
-        _token_marginal_grad_kernel[(B * T,)](
-            x, _f32(a), _f32(lse), g, c, out, K, T, V, *_x_strides(x),
-            g.stride(0), g.stride(1), *_x_strides(out),
-            BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
-        )
+    if B * T == 0 or V == 0:
+        return _stats(x).zero_()
+    m, g = (t.float() if t.stride(-1) == 1 else t.float().contiguous() for t in (m, g_m))
+    grid, chunk = _grid(B * T, V, x.device, num_splits)
+    shift, lse32 = _shift(a, lse), _f32(lse)
+    c_part = _stats(x, grid[1])
+    args = (K, T, V, chunk, *_x_strides(x), m.stride(0), m.stride(1), g.stride(0), g.stride(1))
+    block_k = triton.next_power_of_2(K)
+    _launch(_token_marginal_grad_kernel, grid, x, shift, lse32, m, g, c_part, out, *args,
+            *_x_strides(out), WRITE_GRAD=False, BLOCK_K=block_k)
+    c = c_part.sum(-1)
+    _launch(_token_marginal_grad_kernel, grid, x, shift, lse32, m, g, c, out, *args,
+            *_x_strides(out), WRITE_GRAD=True, BLOCK_K=block_k)
     return c

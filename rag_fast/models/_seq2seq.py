@@ -63,7 +63,8 @@ def lm_head(generator: nn.Module) -> LMHead:
     head = generator.get_output_embeddings()
     bias = head.bias
     final_bias = getattr(generator, "final_logits_bias", None)  # BART family: [1, V] buffer
-    if final_bias is not None and not final_bias.requires_grad and not bool(final_bias.any()):
+    if (final_bias is not None and not final_bias.requires_grad
+            and not torch.compiler.is_compiling() and not bool(final_bias.any())):
         final_bias = None  # all zeros (as BART initialises it): skip a [N, V] pass in the matmul
     if final_bias is not None:
         final_bias = final_bias.reshape(-1)
@@ -116,9 +117,11 @@ class TiedWeight:
 
 def split_tied_weight(generator: nn.Module) -> TiedWeight | None:
     """Aliases of the LM head's weight for a training forward, or None when the weight is not
-    tied to an input embedding, needs no gradient, or an embedding renormalises it (max_norm)."""
+    tied to an input embedding, needs no gradient, or an embedding renormalises it (max_norm),
+    and under ``torch.compile``."""
     weight = generator.get_output_embeddings().weight
-    if not (torch.is_grad_enabled() and weight.requires_grad):
+    # Compiled graphs cannot carry sparse gradients; the compiler plans the dense ones' memory.
+    if not (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling():
         return None
     modules = tuple(m for m in generator.modules()
                     if isinstance(m, nn.Embedding) and m.weight is weight)
@@ -273,10 +276,12 @@ def lm_logits(
 
     With a ``workspace``, fp32 CPU training (grad enabled, no autocast) writes the logits into
     the workspace's buffer, ``LM_HEAD_CHUNK`` vocabulary columns per matmul; same values and
-    gradients as ``nn.functional.linear``.
+    gradients as ``nn.functional.linear``. Under ``torch.compile`` the compiler plans memory
+    itself and the workspace is not used.
     """
     h = states * head.scale if head.scale != 1.0 else states
-    if (workspace is not None and torch.is_grad_enabled() and h.device.type == "cpu"
+    if (workspace is not None and not torch.compiler.is_compiling()
+            and torch.is_grad_enabled() and h.device.type == "cpu"
             and h.dtype == torch.float32 and head.weight.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu")):
         lead = h.shape[:-1]

@@ -435,7 +435,8 @@ class RagModel(nn.Module):
             logits, doc_scores, targets, n_docs=K, epsilon=self.epsilon,
             ignore_index=self.pad_token_id, exclude_bos=exclude_bos, reduction=reduction,
             impl=self.loss_impl,
-            # the logits are a temporary of this function: their buffer takes the gradient
+            # the logits are a temporary of this function: their buffer takes the gradient (a
+            # second backward through this graph then raises instead of reading it)
             inplace_grad=torch.is_grad_enabled(),
         )
 
@@ -452,11 +453,13 @@ class RagModel(nn.Module):
             raise ValueError(f"labels are for {labels.shape[0]} questions, doc_scores for {B}")
         check_context_length(context_input_ids, self.max_positions)
         V = self.vocab_size
-        real = labels[(labels != -100) & (labels != self.pad_token_id)]
-        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= V):
-            bad = int(real.max()) if int(real.max()) >= V else int(real.min())
-            raise ValueError(f"labels contain token id {bad}, outside the generator's "
-                             f"vocabulary [0, {V})")
+        ok = (labels == -100) | (labels == self.pad_token_id) | ((labels >= 0) & (labels < V))
+        if torch.compiler.is_compiling():  # no host read in a compiled graph
+            torch._assert_async(ok.all(), "labels contain a token id outside the generator's "
+                                          f"vocabulary [0, {V})")
+        elif not bool(ok.all()):
+            raise ValueError(f"labels contain token id {int(labels[~ok][0])}, outside the "
+                             f"generator's vocabulary [0, {V})")
         return B, K
 
     # ------------------------------------------------------------------ generation

@@ -1,4 +1,9 @@
-"""Fused RAG ops. Each takes ``impl="auto" | "cpp" | "triton" | "torch"``."""
+"""Fused RAG ops. Each takes ``impl="auto" | "cpp" | "triton" | "torch"``.
+
+Importing this package registers the kernels as PyTorch custom ops, ``torch.ops.rag_fast.*``
+(see ``rag_fast/ops/_custom_ops.py``).
+"""
+from rag_fast.ops import _custom_ops  # noqa: F401
 from rag_fast.ops.rag_sequence_nll import rag_sequence_nll
 from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
 from rag_fast.ops.rag_token_marginal import rag_token_marginal

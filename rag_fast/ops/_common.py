@@ -17,6 +17,7 @@ class PreparedLoss:
     targets: torch.Tensor  # [B, T] int64
     mask: torch.Tensor  # [B, T] bool: real target positions
     nll_mask: torch.Tensor  # [B, T] bool: positions counted in the NLL term
+    ignore_index: int
 
 
 def prepare_loss(
@@ -33,12 +34,13 @@ def prepare_loss(
     """Validate the arguments of a RAG loss and pick its impl (raises ValueError)."""
     check_epsilon(epsilon)
     check_reduction(reduction)
-    # Target values are read on the host for CPU tensors; on a GPU that would synchronise, so
-    # there an out-of-range target is a device-side assertion instead.
-    on_cpu = logits.device.type == "cpu"
-    inp = check_loss_inputs(logits, doc_scores, targets, n_docs, ignore_index, on_cpu)
+    # Target values are read on the host for CPU tensors; on a GPU that would synchronise, and
+    # under torch.compile it would break the graph, so there an out-of-range target is an
+    # asynchronous assertion instead (the CPU kernels' op boundary checks them again).
+    host_check = logits.device.type == "cpu" and not torch.compiler.is_compiling()
+    inp = check_loss_inputs(logits, doc_scores, targets, n_docs, ignore_index, host_check)
     targets = inp.targets.contiguous()
-    if not on_cpu:
+    if not host_check and not logits.is_meta:  # meta tensors have no values to check
         V = inp.logits.shape[-1]
         torch._assert_async(
             ((targets == ignore_index) | ((targets >= 0) & (targets < V))).all(),
@@ -52,4 +54,4 @@ def prepare_loss(
     nll_mask = mask.clone()
     if exclude_bos and nll_mask.shape[1] > 0:
         nll_mask[:, 0] = False
-    return PreparedLoss(resolved, x, inp.doc_scores, targets, mask, nll_mask)
+    return PreparedLoss(resolved, x, inp.doc_scores, targets, mask, nll_mask, ignore_index)

@@ -21,8 +21,12 @@ are written once, in the logits' dtype, into ``out`` (which may be ``x`` itself 
     token_marginal(x, a, lse)            -> M [B, T, V] float32
     token_marginal_grad(x, a, lse, m, g_m, out) -> c [B, K, T]
         c = sum_v R * g_m; out = R * g_m - P * c
+    beam_step(x, a, beam, bias, n)       -> scores, beams, tokens   each [B, n]
+        x is [B, W, K, V] here; see rag_fast/ops/rag_token_beam_step.py
 
 ``a`` is the passage log-prior ``[B, K]`` float32 (``-inf`` for a missing passage).
+These launchers trust their arguments: only the CPU implementations of the custom ops
+(``rag_fast/ops/_custom_ops.py``), which check them first, call them.
 """
 from __future__ import annotations
 
@@ -192,3 +196,20 @@ def token_marginal_grad(
         out.stride(2),
     )
     return c
+
+
+def beam_step(
+    x: torch.Tensor, a: torch.Tensor, beam: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x ``[B, W, K, V]``; a ``[B, K]``, beam ``[B, W]``, bias ``[B*W, V]`` or None: float32,
+    contiguous -> the top ``n`` (scores float32, beams int64, tokens int64), each ``[B, n]``."""
+    B, W, K, V = x.shape
+    scores = torch.empty((B, n), dtype=torch.float32)
+    beams = torch.empty((B, n), dtype=torch.int64)
+    tokens = torch.empty((B, n), dtype=torch.int64)
+    _ext.get().rag_token_beam_step(
+        x.data_ptr(), _DTYPE_CODE[x.dtype], B, W, K, V, x.stride(0), x.stride(1), x.stride(2),
+        a.data_ptr(), beam.data_ptr(), 0 if bias is None else bias.data_ptr(), n,
+        scores.data_ptr(), beams.data_ptr(), tokens.data_ptr(),
+    )
+    return scores, beams, tokens

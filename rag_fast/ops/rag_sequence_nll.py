@@ -20,8 +20,7 @@ from rag_fast.ops._fused_loss import fused_rag_loss
 
 
 def _sequence_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
-    def small_graph(lse, x_tgt, x_sum, sum_m, doc_scores):
-        a = torch.log_softmax(doc_scores.float(), dim=1)  # [B, K]
+    def small_graph(lse, x_tgt, x_sum, sum_m, a):
         zero = lse.new_zeros(())
         S = torch.where(nll_mask[:, None, :], x_tgt - lse, zero).sum(-1)  # [B, K]
         loss = -(1.0 - epsilon) * torch.logsumexp(a + S, dim=1)
@@ -58,5 +57,4 @@ def rag_sequence_nll(
                                           reduction=reduction)
     graph = _sequence_small_graph(p.mask, p.nll_mask, float(epsilon), p.logits.shape[-1],
                                   reduction)
-    return fused_rag_loss(p.logits, p.doc_scores, p.targets, ignore_index, graph,
-                          False, p.impl, inplace_grad)
+    return fused_rag_loss(p, graph, False, inplace_grad)

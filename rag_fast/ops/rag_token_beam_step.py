@@ -15,16 +15,16 @@ top-k over ``[B, W*V]``; the fused step never materialises any ``[B, W, K, V]`` 
 Trade-off: the C++ kernel reads the logits twice (row normalisers, then the marginal with a
 running top-n that skips a vector of tokens after its K maxima when it cannot beat the n-th
 best); the Triton kernel reads them twice and writes ``[B*W, V]`` float32 scores, then a
-stable sort selects. No autograd: decoding only.
+stable sort selects. No autograd: decoding only. Both run as ``torch.ops.rag_fast.beam_step``
+(C++ for CPU tensors, Triton for CUDA ones).
 """
 from __future__ import annotations
 
 import torch
 
-from rag_fast import _ext, reference_decoding
+from rag_fast import reference_decoding
+from rag_fast.ops import _custom_ops  # noqa: F401  (registers torch.ops.rag_fast.*)
 from rag_fast.ops._dispatch import resolve_impl
-
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _check(
@@ -64,21 +64,6 @@ def _check(
     return min(n, W * V)
 
 
-def _cpp_beam_step(
-    x: torch.Tensor, a: torch.Tensor, beam: torch.Tensor, bias: torch.Tensor | None, n: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, W, K, V = x.shape
-    scores = torch.empty((B, n), dtype=torch.float32)
-    beams = torch.empty((B, n), dtype=torch.int64)
-    tokens = torch.empty((B, n), dtype=torch.int64)
-    _ext.get().rag_token_beam_step(
-        x.data_ptr(), _DTYPE_CODE[x.dtype], B, W, K, V, x.stride(0), x.stride(1), x.stride(2),
-        a.data_ptr(), beam.data_ptr(), 0 if bias is None else bias.data_ptr(), n,
-        scores.data_ptr(), beams.data_ptr(), tokens.data_ptr(),
-    )
-    return scores, beams, tokens
-
-
 def rag_token_beam_step(
     logits: torch.Tensor,
     log_prior: torch.Tensor,
@@ -115,11 +100,6 @@ def rag_token_beam_step(
     if resolved == "torch":
         return reference_decoding.rag_token_beam_step(logits, log_prior, beam_scores, bias, n)
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    a = log_prior.detach().float().contiguous()
-    beam = beam_scores.detach().float().contiguous()
-    b = None if bias is None else bias.detach().float().contiguous()
-    if resolved == "cpp":
-        return _cpp_beam_step(x.detach(), a, beam, b, n)
-    from rag_fast.kernels import beam_step as triton_beam_step
-
-    return triton_beam_step.beam_step(x.detach(), a, beam, b, n)
+    b = None if bias is None else bias.detach()
+    return torch.ops.rag_fast.beam_step(x.detach(), log_prior.detach(), beam_scores.detach(), b,
+                                        n, resolved)

@@ -18,8 +18,7 @@ from rag_fast.ops._fused_loss import fused_rag_loss
 
 
 def _token_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
-    def small_graph(lse, x_tgt, x_sum, sum_m, doc_scores):
-        a = torch.log_softmax(doc_scores.float(), dim=1)  # [B, K]
+    def small_graph(lse, x_tgt, x_sum, sum_m, a):
         target_lp = torch.logsumexp(a[:, :, None] + (x_tgt - lse), dim=1)  # [B, T] = M[.., y]
         zero = target_lp.new_zeros(())
         loss = -(1.0 - epsilon) * torch.where(nll_mask, target_lp, zero).sum(1)
@@ -57,13 +56,17 @@ def rag_token_nll(
         reduction: ``"none"`` -> ``[B]``; ``"sum"`` / ``"mean"`` (over B) -> scalar.
         impl: ``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"`` (the reference).
         inplace_grad: write the logits' gradient into the logits' storage (saves one
-            logits-sized buffer; the logits are garbage after backward).
+            logits-sized buffer; the logits hold the gradient after backward). Any later use
+            of the overwritten logits by autograd (a second loss on them, ``retain_graph``)
+            raises; ignored under ``torch.compile``.
 
     Returns:
         float32 loss (float64 for float64 logits under impl="torch").
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, options, or targets outside ``[0, V)``.
+        ValueError: bad shapes, dtypes, devices, options, or targets outside ``[0, V)``;
+            ``inplace_grad`` on logits that overlap in memory (expanded) or on leaf logits.
+        RuntimeError: a backward that needs logits an ``inplace_grad`` backward overwrote.
     """
     p = prepare_loss(logits, doc_scores, targets, n_docs, epsilon, ignore_index, exclude_bos,
                      reduction, impl)
@@ -72,5 +75,4 @@ def rag_token_nll(
                                        ignore_index=ignore_index, exclude_bos=exclude_bos,
                                        reduction=reduction)
     graph = _token_small_graph(p.mask, p.nll_mask, float(epsilon), p.logits.shape[-1], reduction)
-    return fused_rag_loss(p.logits, p.doc_scores, p.targets, ignore_index, graph,
-                          epsilon > 0, p.impl, inplace_grad)
+    return fused_rag_loss(p, graph, epsilon > 0, inplace_grad)

@@ -2,29 +2,44 @@
 
     PassageStore, Passage, read_passages, split_words   passages on disk (rag_fast.retrieval.passages)
     Encoder, encode_passages, parse_shard              Hugging Face encoders (.encoders)
-    DenseIndex, PRESETS, exact_search, recall_at_k     FAISS inner-product index (.index)
+    DenseIndex, PRESETS, recall_at_k                   FAISS inner-product index (.index)
+    exact_search                                       exact top-k in torch, any device, no faiss (._exact)
     Retriever, RetrievedPassages                       ids, exact embeddings, generator inputs (.retriever)
     StorageError                                       a stored directory is corrupt or mismatched
-"""
-from rag_fast.retrieval._files import StorageError
-from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard
-from rag_fast.retrieval.index import PRESETS, DenseIndex, exact_search, recall_at_k
-from rag_fast.retrieval.passages import Passage, PassageStore, read_passages, split_words
-from rag_fast.retrieval.retriever import RetrievedPassages, Retriever
 
-__all__ = [
-    "PRESETS",
-    "DenseIndex",
-    "Encoder",
-    "Passage",
-    "PassageStore",
-    "RetrievedPassages",
-    "Retriever",
-    "StorageError",
-    "encode_passages",
-    "exact_search",
-    "parse_shard",
-    "read_passages",
-    "recall_at_k",
-    "split_words",
-]
+Names are imported on first use, so that ``exact_search`` and the passage store work where
+faiss is not installed.
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "StorageError": "rag_fast.retrieval._files",
+    "Encoder": "rag_fast.retrieval.encoders",
+    "encode_passages": "rag_fast.retrieval.encoders",
+    "parse_shard": "rag_fast.retrieval.encoders",
+    "PRESETS": "rag_fast.retrieval.index",
+    "DenseIndex": "rag_fast.retrieval.index",
+    "recall_at_k": "rag_fast.retrieval.index",
+    "exact_search": "rag_fast.retrieval._exact",
+    "Passage": "rag_fast.retrieval.passages",
+    "PassageStore": "rag_fast.retrieval.passages",
+    "read_passages": "rag_fast.retrieval.passages",
+    "split_words": "rag_fast.retrieval.passages",
+    "RetrievedPassages": "rag_fast.retrieval.retriever",
+    "Retriever": "rag_fast.retrieval.retriever",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rag_fast.retrieval' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

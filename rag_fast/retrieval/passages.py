@@ -67,6 +67,28 @@ def split_words(text: str, words: int = PAPER_PASSAGE_WORDS) -> list[str]:
     return [" ".join(tokens[i : i + words]) for i in range(0, len(tokens), words)]
 
 
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
+
+
+def sentences(text: str, min_words: int = 8, max_words: int = 40) -> list[str]:
+    """The sentences of ``text`` with ``min_words`` to ``max_words`` words, in order (a
+    sentence ends at ``.``, ``!`` or ``?`` before a capital or a digit)."""
+    return [s for s in _SENTENCE_END.split(text) if min_words <= len(s.split()) <= max_words]
+
+
+def stand_in_questions(store: "PassageStore", n: int, seed: int = 0) -> list[str]:
+    """One sentence from each of ``n`` passages sampled with ``seed`` (their first 30 words
+    where none has 8 to 40 words): short texts about the corpus, encoded as questions to
+    measure an index when no real questions are given."""
+    rows = np.sort(np.random.default_rng(seed).choice(len(store), min(n, len(store)), replace=False))
+    out = []
+    for row in rows.tolist():
+        text = store.text(row)
+        found = sentences(text)
+        out.append(found[0] if found else " ".join(text.split()[:30]))
+    return out
+
+
 def _clean(s: object) -> str:
     return " ".join(str(s).split()) if s is not None else ""
 

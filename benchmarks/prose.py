@@ -1,0 +1,182 @@
+"""A real-text corpus that installs with Python itself: the prose of Python's documentation.
+
+Sources, both under the Python Software Foundation License (permissive):
+- ``pydoc_data.topics``: the language reference and library topics that ``help()`` shows;
+- the docstrings of the standard library's modules, classes and functions (test packages
+  and docstrings under 40 words left out).
+
+Doctest lines and code-like lines are dropped, whitespace is collapsed, and each document is
+cut into passages of :data:`WORDS` words (as DPR cuts Wikipedia), titled by topic or
+qualified name. Documents are split into an indexed part and a held-out part (every
+:data:`HELD_OUT_EVERY`-th document, by position): queries are sentences of held-out passages,
+text the index has never seen. The corpus depends on the Python version (its stdlib); its
+SHA-256 is part of :func:`describe`, and the embedding cache is keyed by it.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rag_fast.retrieval.passages import sentences
+
+WORDS = 100
+MIN_DOC_WORDS = 40
+HELD_OUT_EVERY = 10
+QUERIES_PER_PASSAGE = 2
+_CODE = re.compile(r"^\s*(>>>|\.\.\.|\$ |[{}\[\]()#@]|def |class |import |from \S+ import )")
+
+
+@dataclass
+class Corpus:
+    titles: list[str]
+    texts: list[str]
+    queries: list[str]  # sentences of held-out passages (never indexed)
+    sha256: str
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def text(self, row: int) -> str:
+        return self.texts[row]
+
+    def stand_ins(self) -> list[str]:
+        """What ``rag-fast index build`` measures an index on without ``--queries``: one
+        sentence from each of up to 1000 sampled indexed passages."""
+        from rag_fast.cli import TUNING_QUESTIONS
+        from rag_fast.retrieval.passages import stand_in_questions
+
+        return stand_in_questions(self, TUNING_QUESTIONS)
+
+
+def _clean(text: str) -> str:
+    lines = [line for line in text.splitlines() if not _CODE.match(line)]
+    return " ".join(" ".join(lines).split())
+
+
+def _documents() -> list[tuple[str, str]]:
+    """(title, text) of every source document, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    docs = [(name, _clean(text)) for name, text in sorted(topics.items())]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        parts = rel.split("/")
+        if parts[0] in ("site-packages", "dist-packages") or any(
+                p.startswith(("test", "idle_test")) or p == "tests" for p in parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    name = module if isinstance(node, ast.Module) else f"{module}.{node.name}"
+                    docs.append((name, _clean(doc)))
+    return [(t, x) for t, x in docs if len(x.split()) >= MIN_DOC_WORDS]
+
+
+def _passages(text: str) -> list[str]:
+    words = text.split()
+    cuts = range(0, len(words), WORDS)
+    out = [" ".join(words[i : i + WORDS]) for i in cuts]
+    if len(out) > 1 and len(out[-1].split()) < WORDS // 4:  # a short tail joins the one before
+        tail = out.pop()
+        out[-1] += " " + tail
+    return out
+
+
+def _queries(passage: str) -> list[str]:
+    """Up to :data:`QUERIES_PER_PASSAGE` sentences of 8 to 40 words of a passage, in order."""
+    return sentences(passage)[:QUERIES_PER_PASSAGE]
+
+
+def build() -> Corpus:
+    titles, texts, queries = [], [], []
+    for i, (title, text) in enumerate(_documents()):
+        for passage in _passages(text):
+            if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1:
+                queries += _queries(passage)
+            else:
+                titles.append(title)
+                texts.append(passage)
+    digest = hashlib.sha256()
+    for part in (titles, texts, queries):
+        digest.update("\x1e".join(part).encode())
+        digest.update(b"\x1d")
+    return Corpus(titles, texts, queries, digest.hexdigest())
+
+
+def describe(corpus: Corpus) -> dict:
+    return {"source": "Python documentation (pydoc_data topics + stdlib docstrings, PSF license)",
+            "python_stdlib": sysconfig.get_paths()["stdlib"], "passages": len(corpus.texts),
+            "queries": len(corpus.queries), "words_per_passage": WORDS, "sha256": corpus.sha256}
+
+
+def write_jsonl(corpus: Corpus, path: str | Path) -> Path:
+    """The indexed passages as a passages JSONL file (``id``, ``title``, ``text``) for
+    ``rag-fast index build``."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i, (title, text) in enumerate(zip(corpus.titles, corpus.texts)):
+            f.write(json.dumps({"id": str(i), "title": title, "text": text}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+CACHE = Path(__file__).resolve().parent / "results" / "local" / "cache"  # git-ignored
+
+
+def embeddings(corpus: Corpus, encoder_path: str, batch_size: int = 64,
+               progress: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(passage vectors ``[N, d]``, held-out query vectors ``[Q, d]``, stand-in question
+    vectors ``[S, d]``), float32, from the encoder at ``encoder_path`` (pooling and
+    normalisation as its sentence-transformers config says).
+
+    Cached under ``benchmarks/results/local/cache``, each part keyed by the SHA-256 of its
+    texts and the encoder folder's weights (size and mtime): changed text or weights
+    re-encode, never a silent reuse.
+    """
+    from rag_fast.retrieval import Encoder
+
+    weights = "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(
+        Path(encoder_path).rglob("*")) if p.suffix in (".safetensors", ".bin"))
+    encoder = None
+    out = []
+    parts = (("passages", corpus.texts, corpus.titles), ("queries", corpus.queries, None),
+             ("stand-ins", corpus.stand_ins(), None))
+    for part, texts, titles in parts:
+        digest = hashlib.sha256(weights.encode())
+        for t in (titles or []) + texts:
+            digest.update(t.encode() + b"\x1e")
+        cached = CACHE / f"prose-{part}-{digest.hexdigest()[:16]}.npy"
+        if cached.exists():
+            try:
+                x = np.load(cached)
+                if x.shape[0] == len(texts):
+                    out.append(x)
+                    continue
+            except (OSError, ValueError):
+                pass  # unreadable: encode again
+        encoder = encoder or Encoder(encoder_path, max_length=256)
+        x = encoder.encode(texts, titles=titles, batch_size=batch_size, progress=progress).numpy()
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.tmp-{os.getpid()}.npy")
+        np.save(tmp, x)
+        os.replace(tmp, cached)
+        out.append(x)
+    return out[0], out[1], out[2]

@@ -1,0 +1,173 @@
+"""GPU parity of the index, with the device boundary mocked (this machine has no GPU; the
+real-GPU check is ``test_retrieval_index.py::test_gpu_search_or_clear_error``).
+
+faiss GPU is stood in for by the CPU index itself behind the interface faiss GPU has with
+torch tensors, and the "GPU" tensors live on the CPU: what is tested is everything rag_fast
+does around faiss GPU (which index types move, with which options, the settings passed, the
+exact re-rank, the fallback and its one warning).
+"""
+from __future__ import annotations
+
+import warnings
+
+import faiss
+import numpy as np
+import pytest
+import torch
+
+from rag_fast.retrieval import DenseIndex
+from rag_fast.retrieval import index as index_module
+from rag_fast.retrieval.index import exact_search, faiss_gpu_supports
+
+D = 32
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(7)
+    centres = rng.standard_normal((40, D)).astype(np.float32)
+    xb = centres[rng.integers(0, 40, 3000)] + 0.4 * rng.standard_normal((3000, D)).astype(np.float32)
+    q = centres[rng.integers(0, 40, 64)] + 0.4 * rng.standard_normal((64, D)).astype(np.float32)
+    return xb, q
+
+
+class _FakeGpuIndex:
+    """faiss GPU's raw search (pointers to the query and result memory) on a CPU clone."""
+
+    def __init__(self, cpu_index, calls):
+        self.cpu_index, self.calls = faiss.clone_index(cpu_index), calls
+
+    def search_c(self, n, x, k, distances, labels, params=None):
+        self.calls.append({"k": k, "nprobe": getattr(params, "nprobe", None)})
+        self.cpu_index.search_c(n, x, k, distances, labels, params)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """faiss with one GPU; returns the list of moves (options) and searches made."""
+    moves, calls = [], []
+
+    def to_all_gpus(index, co=None):
+        if not faiss_gpu_supports(index):  # what faiss GPU itself refuses
+            raise RuntimeError("This index type is not implemented on the GPU")
+        moves.append({"shard": co.shard, "useFloat16": co.useFloat16})
+        return _FakeGpuIndex(index, calls)
+
+    class ClonerOptions:  # faiss.GpuMultipleClonerOptions' fields that matter here
+        shard, useFloat16 = False, True
+
+    monkeypatch.setattr(index_module, "faiss_gpu_count", lambda: 1)
+    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", to_all_gpus, raising=False)
+    monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", ClonerOptions, raising=False)
+    monkeypatch.setattr(index_module, "_warned", set())
+    return moves, calls
+
+
+def _on_gpu(index):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        index._attach(torch.device("cpu"))  # the CPU stands in for the GPU
+    return [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+
+
+def _same_ids_up_to_ties(gpu, cpu, tol=1e-4):
+    (gs, gi), (cs, ci) = gpu, cpu
+    np.testing.assert_allclose(gs.numpy(), cs, rtol=0, atol=tol)
+    # ids may only differ where scores tie
+    differ = gi.numpy() != ci
+    assert not differ.any() or np.all(np.abs(np.diff(cs, axis=1)).min() < tol), (gi, ci)
+
+
+@pytest.mark.parametrize("factory,rerank", [("Flat", None), ("IVF32,Flat", None),
+                                            ("IVF32,PQ8", 4), ("IVF32,SQ8", 2)])
+def test_faiss_gpu_types_search_like_the_cpu(data, fake_gpu, factory, rerank):
+    """The types faiss GPU has move there and give the CPU's ids, with the same nprobe and the
+    same exact re-rank (rerank * max(k, 10) candidates re-scored against the fp16 vectors)."""
+    moves, calls = fake_gpu
+    xb, q = data
+    index = DenseIndex.build(xb, factory, rerank=rerank, nprobe=2, progress=False)
+    assert _on_gpu(index) == [] and index._gpu[0] == "faiss"
+    assert moves == [{"shard": True, "useFloat16": False}]
+    qt = torch.from_numpy(q)
+    for kw in ({}, {"nprobe": 8}, {"nprobe": 32}) if "IVF" in factory else ({},):
+        for extra in ({}, {"rerank": 2}) if rerank else ({},):
+            calls.clear()
+            gpu = index._search_gpu(qt, 10, kw.get("nprobe"), None, extra.get("rerank"))
+            cpu = index.search(q, 10, **kw, **extra)
+            _same_ids_up_to_ties(gpu, cpu)
+            factor = extra.get("rerank", rerank) or 1
+            assert calls == [{"k": 10 * factor,
+                              "nprobe": kw.get("nprobe", 2) if "IVF" in factory else None}]
+    if rerank:  # the re-rank is what makes the results exact-ish: without it they differ
+        assert (index._search_gpu(qt, 10, 32, None, None)[1].numpy()
+                == exact_search(index.embeddings, qt, 10)[1].numpy()).mean() > 0.95
+
+
+@pytest.mark.parametrize("preset,says", [("ivfpq", "faiss GPU has no version of 'IVF64,PQ4x4fs'"),
+                                         ("hnsw", "faiss GPU has no version of 'HNSW32'")])
+def test_types_without_faiss_gpu_fall_back_to_exact_search_with_one_warning(data, fake_gpu, preset, says):
+    moves, calls = fake_gpu
+    xb, q = data
+    index = DenseIndex.build(xb, preset, progress=False)
+    said = _on_gpu(index)
+    assert len(said) == 1 and said[0].startswith(says) and "searched exactly with torch" in said[0]
+    assert _on_gpu(DenseIndex.build(xb, preset, progress=False)) == []  # said once
+    qt = torch.from_numpy(q)
+    scores, ids = index._search_gpu(qt, 10, None, None, None)
+    truth = exact_search(index.embeddings, qt, 10)
+    assert torch.equal(ids, truth[1]) and moves == [] and calls == []
+
+
+def test_faiss_without_gpu_support_or_a_failed_move_fall_back_with_the_reason(data, fake_gpu, monkeypatch):
+    xb, q = data
+    index = DenseIndex.build(xb, "IVF32,Flat", progress=False)
+    monkeypatch.setattr(index_module, "faiss_gpu_count", lambda: 0)
+    said = _on_gpu(index)
+    assert len(said) == 1 and said[0].startswith("faiss has no GPU support (pip install faiss-gpu")
+    monkeypatch.setattr(index_module, "faiss_gpu_count", lambda: 1)
+
+    def out_of_memory(index, co=None):
+        raise RuntimeError("Error in ...: cudaMalloc error out of memory")
+
+    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", out_of_memory, raising=False)
+    said = _on_gpu(index)
+    assert len(said) == 1 and "cannot hold 'IVF32,Flat' (Error in ...: cudaMalloc error out of memory)" in said[0]
+    assert index._gpu[0] == "torch"
+
+
+def test_gpu_search_validates_like_the_cpu(data, fake_gpu):
+    xb, q = data
+    index = DenseIndex.build(xb, "IVF32,PQ8", rerank=4, progress=False)
+    _on_gpu(index)
+    qt = torch.from_numpy(q)
+    for kw, match in (({"nprobe": 0}, "nprobe must be an int >= 1"), ({"rerank": 0}, "rerank must be an int >= 1"),
+                      ({"ef_search": 0}, "ef_search must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            index._search_gpu(qt, 10, kw.get("nprobe"), kw.get("ef_search"), kw.get("rerank"))
+    with pytest.raises(ValueError, match="queries contain NaN or inf"):
+        index._search_gpu(torch.full_like(qt, float("nan")), 10, None, None, None)
+    no_rerank = DenseIndex.build(xb, "IVF32,Flat", progress=False)
+    _on_gpu(no_rerank)
+    with pytest.raises(ValueError, match="built without re-ranking"):
+        no_rerank._search_gpu(qt, 10, None, None, 4)
+
+
+def test_moving_to_a_gpu_leaves_cpu_searches_working(data, fake_gpu):
+    """Defect: the GPU move imported faiss.contrib.torch_utils, which replaces ``search`` on
+    every faiss class with one that takes no ``params``: every CPU search after it raised."""
+    xb, q = data
+    index = DenseIndex.build(xb, "IVF32,PQ8", rerank=4, progress=False)
+    before = index.search(q, 10, nprobe=4)
+    _on_gpu(index)
+    other = DenseIndex.build(xb, "ivfpq", progress=False)
+    for idx in (index, other):
+        idx.search(q, 10, nprobe=4)
+    np.testing.assert_array_equal(index.search(q, 10, nprobe=4)[1], before[1])
+
+
+def test_supported_types():
+    def make(f):
+        return faiss.index_factory(D, f, faiss.METRIC_INNER_PRODUCT)
+
+    assert [faiss_gpu_supports(make(f)) for f in ("Flat", "IVF16,Flat", "IVF16,PQ8", "IVF16,SQ8")] == [True] * 4
+    assert [faiss_gpu_supports(make(f)) for f in ("HNSW32", "IVF16,PQ8x4fs", "IVF16,PQ8x4", "PQ8")] == [False] * 4
