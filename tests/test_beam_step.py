@@ -77,6 +77,14 @@ def test_matches_reference(impl, B, W, K, V, why, missing):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_bart_vocabulary(impl):
+    """V=50265 (BART): the long-row paths of every impl (the Triton one under the interpreter
+    in CI) against the reference under the per-element rule."""
+    x, a, beam, _ = _inputs(1, 2, 2, 50265, seed=3)
+    _check(impl, x, a, beam, None)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bias_and_num_candidates(impl):
     x, a, beam, b = _inputs(2, 3, 4, 41, seed=1, bias=True)
     _check(impl, x, a, beam, b)

@@ -466,6 +466,26 @@ def test_ops_flat_layout_one_passage_one_position():
                 assert_close_rule(a_, p_, o_, F32, f"{fn.__name__} V={V}")
 
 
+@pytest.mark.parametrize("kind,eps", [("token", 0.1), ("sequence", 0.1), ("marginal", 0.0)])
+def test_ops_at_bart_vocabulary_under_the_rule(kind, eps):
+    """Every loss and marginal kernel, forward and every gradient, at BART's V=50265 (many
+    tiles, a ragged tail, the vocabulary split across programs) under the per-element rule.
+    The interpreter is slow (~30 s a case here), so two rows: the GPU test below runs the
+    full shapes in fp32/bf16/fp16. RAG-Token with eps 0.1 runs row_stats, the smoothing pass
+    and their gradient; RAG-Sequence row_stats and row_grad; the marginal its own two."""
+    logits, scores, targets = op_inputs(B=1, K=2, T=1, V=50265, missing=False)
+    fn, ref_fn = OPS[kind]
+    kw = {} if kind == "marginal" else {"epsilon": eps}
+    targets = None if kind == "marginal" else targets
+    shape = (1, 1, 50265) if kind == "marginal" else (1,)
+    upstream = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    oracle = loss_and_grads(ref_fn, logits.double(), scores.double(), targets, upstream.double(), **kw)
+    plain = loss_and_grads(ref_fn, logits, scores, targets, upstream, **kw)
+    actual = loss_and_grads(fn, logits, scores, targets, upstream, impl="triton", **kw)
+    for name, a_, p_, o_ in zip(("output", "d logits", "d doc_scores"), actual, plain, oracle):
+        assert_close_rule(a_, p_, o_, F32, f"{kind} V=50265 {name}")
+
+
 # ---- on a GPU only -----------------------------------------------------------------------
 
 
