@@ -9,8 +9,8 @@ Doctest lines and code-like lines are dropped, whitespace is collapsed, and each
 cut into passages of :data:`WORDS` words (as DPR cuts Wikipedia), titled by topic or
 qualified name. Documents are split into an indexed part and a held-out part (every
 :data:`HELD_OUT_EVERY`-th document, by position): queries are sentences of held-out passages,
-text the index has never seen. The corpus depends on the Python version (its stdlib); its
-SHA-256 is part of :func:`describe`, and the embedding cache is keyed by it.
+text the index has never seen. The corpus depends on the Python version (its stdlib); the
+embedding cache is keyed by the texts' SHA-256.
 """
 from __future__ import annotations
 
@@ -115,27 +115,6 @@ def build() -> Corpus:
         digest.update("\x1e".join(part).encode())
         digest.update(b"\x1d")
     return Corpus(titles, texts, queries, digest.hexdigest())
-
-
-def describe(corpus: Corpus) -> dict:
-    return {"source": "Python documentation (pydoc_data topics + stdlib docstrings, PSF license)",
-            "python_stdlib": sysconfig.get_paths()["stdlib"], "passages": len(corpus.texts),
-            "queries": len(corpus.queries), "words_per_passage": WORDS, "sha256": corpus.sha256}
-
-
-def write_jsonl(corpus: Corpus, path: str | Path) -> Path:
-    """The indexed passages as a passages JSONL file (``id``, ``title``, ``text``) for
-    ``rag-fast index build``."""
-    import json
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for i, (title, text) in enumerate(zip(corpus.titles, corpus.texts)):
-            f.write(json.dumps({"id": str(i), "title": title, "text": text}) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 CACHE = Path(__file__).resolve().parent / "results" / "local" / "cache"  # git-ignored

@@ -397,7 +397,7 @@ class DenseIndex:
                 tqdm.write(f"tuning search settings: recall@{k} and same top 5 >= {target_recall} "
                            f"against exact search on {len(q)} queries ({source})")
             self.tune(target_recall, queries=q, k=k, seed=seed, _exclude=exclude)
-        per_query = self._quality(q, self._truth(q, k, exclude), exclude) if approximate else None
+        per_query = self._quality(q, self._truth(q, k, exclude), exclude)[:2] if approximate else None
         recall, same = (float(v.mean()) for v in per_query) if per_query else (1.0, 1.0)
         reached = _reaches(per_query, target_recall) if per_query else True
         timed = q[:256]  # a batch, as the tuning timed it
@@ -440,20 +440,23 @@ class DenseIndex:
             if k >= 1 else None
 
     def _quality(self, q: np.ndarray, truth: np.ndarray | None, exclude: np.ndarray | None,
-                 **settings) -> tuple[np.ndarray, np.ndarray]:
-        """Per query: (recall@k, whether the top 5 are exact search's top 5) of :meth:`search`
-        with ``settings`` against ``truth`` (:meth:`_truth`); leave-one-out when ``exclude``
-        names each query's own row."""
+                 **settings) -> tuple[np.ndarray, np.ndarray, float]:
+        """Per query: recall@k and whether the top 5 are exact search's top 5, of :meth:`search`
+        with ``settings`` against ``truth`` (:meth:`_truth`), and that search's milliseconds per
+        query (without the scoring around it); leave-one-out when ``exclude`` names each
+        query's own row."""
         if truth is None:
-            return np.ones(len(q)), np.ones(len(q))
+            return np.ones(len(q)), np.ones(len(q)), 0.0
+        start = time.perf_counter()
         found = self.search(q, truth.shape[1], **settings)[1]
+        ms = (time.perf_counter() - start) * 1e3 / len(q)
         if exclude is not None:
             k = truth.shape[1] - 1
             truth, found = _leave_out(truth, exclude, k), _leave_out(found, exclude, k)
         top = min(5, truth.shape[1])
         recall = np.array([len(set(f[f >= 0].tolist()) & set(t.tolist())) / len(t) for f, t in zip(found, truth)])
         same = np.array([set(f[:top].tolist()) == set(t[:top].tolist()) for f, t in zip(found, truth)], float)
-        return recall, same
+        return recall, same, ms
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -723,7 +726,8 @@ class DenseIndex:
         elif self._hnsw:
             knob, grid = "ef_search", [max(k, 2**i) for i in range(4, 12)]
         else:
-            recall, same = (float(v.mean()) for v in self._quality(q, self._truth(q, k, _exclude), _exclude))
+            recall, same, _ = self._quality(q, self._truth(q, k, _exclude), _exclude)
+            recall, same = float(recall.mean()), float(same.mean())
             return {"recall": recall, "same_top5": same, "reached": True,
                     "ms_per_query": _time_ms(lambda: self.search(q, k)) / len(q)}
         # largest re-rank first: it reaches the target at the smallest nprobe / ef_search, and
@@ -735,10 +739,9 @@ class DenseIndex:
         for factor in factors:
             for value in grid:
                 kw = {knob: value, "rerank": factor}
-                start = time.perf_counter()
-                per_query = self._quality(q, truth, _exclude, **kw)
+                *per_query, search_ms = self._quality(q, truth, _exclude, **kw)
                 rec, same = (float(v.mean()) for v in per_query)
-                if best is not None and (time.perf_counter() - start) * 1e3 / len(q) > 1.5 * best["ms_per_query"]:
+                if best is not None and search_ms > 1.5 * best["ms_per_query"]:
                     break
                 if fallback is None or min(rec, same) > min(fallback["recall"], fallback["same_top5"]):
                     fallback = {**kw, "recall": rec, "same_top5": same, "reached": False,
