@@ -1,18 +1,41 @@
-"""Decoding throughput: rag_fast vs transformers' RAG generate, and the beam step alone.
+"""Decoding throughput: rag_fast vs transformers' RAG ``generate``, and the beam step alone.
 
 Identical weights, passages and settings on both sides (context_input_ids, masks and doc
 scores given directly, so no retriever runs); every run generates exactly the same number of
-new tokens (min = max), and the rows check that both return the same ids (from the timed runs).
-The small generator's weights are re-initialised larger (std 0.3) so that answers depend on
-the passage and the K*W hypotheses of a question are distinct, as with a trained model: with
-the default initialisation every passage yields the same beams and RAG-Sequence's rescoring
-has almost nothing to do. The BART-base-sized one keeps the default initialisation: with
-distinct hypotheses, transformers' rescoring (which re-encodes every passage for every
-candidate) alone would take most of an hour on 2 cores.
-Full sizes (the issue's): B=8 questions, K=5 passages, 4 beams, 20 new tokens, V=50265, a small
-generator (d_model 256, 2+2 layers) and a BART-base-sized one (768, 6+6, 12 heads). --quick:
-one question, 6 new tokens, the small generator only, one timed run each (indicative ratios
-only), within about 45 s on 2 idle CPU cores.
+new tokens (min = max). Providers of a case are timed interleaved (one warm-up run each, then
+``GEN_REPEATS`` timed runs, a, b, c, a, b, c, ...), and every timed run's ids are compared with
+transformers' ids of the first timed run: a row says "same ids" only when all of them match.
+
+Weights: both generators (a small one, d_model 256, 2+2 layers, and a BART-base-sized one,
+768, 6+6 layers, 12 heads; V=50265) are re-initialised from a seeded normal with std
+``INIT_STD`` (every matrix; layer norms keep their defaults). With the default initialisation
+(std 0.02) every passage yields the same beams, which leaves RAG-Sequence's rescoring nothing
+to decide and makes the same-ids check weak. Each case asserts that the weights exercise the
+algorithm: transformers' own per-passage beam search (the generator's ``generate``, as
+RAG-Sequence runs it) must give, for every question, top beams that differ between passages and
+more than ``num_beams`` distinct hypotheses to rescore (the row records the smallest counts).
+
+Baselines: transformers' ``generate`` with its default (dynamic) cache, and with
+``cache_implementation="static"`` where that gives transformers' own ids: RAG-Sequence passes
+it to the generator's per-passage beam search (BART supports it); RAG-Token's ``generate``
+accepts it but its ``_reorder_cache`` rebuilds the cache from the static buffers as a dynamic
+cache (empty slots included), so the ids change: the bench checks this at run time, records it,
+and times the static cache only where its ids are transformers' default ones.
+
+Beam step alone: the baseline is transformers' code for one RAG-Token beam-search step
+(``RagTokenForGeneration.marginalize``, then what its ``_beam_search`` does with the step's
+logits: ``log_softmax``, the running beam scores added, ``_get_top_k_continuations``).
+
+Sizes (K=5 passages, 4 beams, V=50265 everywhere): full: B=8 questions and 20 new tokens,
+except RAG-Sequence on the BART-base-sized generator: B=2 questions and 12 new tokens
+(transformers' RAG-Sequence re-encodes every passage for every distinct hypothesis, about 20 per
+question here, so that case at B=8, 20 tokens would take most of an hour alone). The full
+decoding bench is estimated at about 10 minutes on 2 idle cores. --quick: the small generator
+only, B=1, 6 new tokens, within about a minute.
+
+Threads: rag_fast's decoder steps choose one or all intra-op threads by timing both
+(rag_fast.generation._decoder.StepThreads); the one warm-up run per provider covers that
+calibration, so the timed runs see the chosen mode.
 """
 from __future__ import annotations
 
@@ -20,13 +43,30 @@ import dataclasses
 
 import torch
 
-from harness import Context, Row, measure
+from harness import Context, Measurement, Row, add_ratio, measure_interleaved, noisy_note, run_command
 
 NAME = "decoding"
 VOCAB = 50265
+K_DOCS = 5
+BEAMS = 4
+CONTEXT_LEN = 64
+INIT_STD = 0.3  # see the module docstring: passages must lead to different beams
+GEN_WARMUP = 1  # done by hand in _generation_rows
+GEN_REPEATS = 5
+GENERATORS = {  # label -> (d_model, layers, heads, ffn)
+    "small": (256, 2, 4, 1024),
+    "BART-base-sized": (768, 6, 12, 3072),
+}
+# generator -> {case: (B questions, new tokens)}; see the module docstring for the one reduction
+FULL_SIZES = {
+    "small": {"RAG-Token beam search": (8, 20), "RAG-Sequence thorough": (8, 20)},
+    "BART-base-sized": {"RAG-Token beam search": (8, 20), "RAG-Sequence thorough": (2, 12)},
+}
+QUICK_SIZES = {"small": {"RAG-Token beam search": (1, 6), "RAG-Sequence thorough": (1, 6)}}
 
 
 def _models(d_model: int, layers: int, heads: int, ffn: int, n_docs: int, init_std: float | None):
+    """(RagTokenForGeneration, RagSequenceForGeneration) sharing one seeded generator."""
     from transformers import BartConfig, DPRConfig, RagConfig, RagSequenceForGeneration
     from transformers import RagTokenForGeneration
 
@@ -41,10 +81,11 @@ def _models(d_model: int, layers: int, heads: int, ffn: int, n_docs: int, init_s
     torch.manual_seed(0)
     token = RagTokenForGeneration(config).eval()
     if init_std is not None:
+        gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in token.rag.generator.parameters():
                 if p.dim() >= 2:
-                    p.normal_(0.0, init_std)
+                    p.copy_(torch.randn(p.shape, generator=gen) * init_std)
     sequence = RagSequenceForGeneration(config).eval()
     sequence.rag.generator.load_state_dict(token.rag.generator.state_dict())
     return token, sequence
@@ -57,92 +98,236 @@ def _inputs(B: int, K: int, S: int):
     return ids, mask, torch.randn(B, K, generator=g)
 
 
+def distinct_beams(generator, ids: torch.Tensor, B: int, K: int, W: int, new: int) -> dict:
+    """How different the passages' beams are, by transformers' own per-passage beam search
+    (what RAG-Sequence runs first): per question, the number of distinct top beams among its
+    K passages and of distinct hypotheses among its K*W; the smallest over the questions."""
+    with torch.no_grad():
+        out = generator.generate(input_ids=ids, num_beams=W, num_return_sequences=W,
+                                 max_length=new + 1, min_length=new + 1)
+    out = out.view(B, K, W, -1)
+    tops = [len({tuple(out[b, k, 0].tolist()) for k in range(K)}) for b in range(B)]
+    hyps = [len({tuple(out[b, k, j].tolist()) for k in range(K) for j in range(W)})
+            for b in range(B)]
+    return {"distinct top beams": min(tops), "distinct hypotheses": min(hyps)}
+
+
+def check_exercised(counts: dict, W: int, what: str) -> None:
+    """Raise unless every question's passages lead to different beams (see the docstring)."""
+    if counts["distinct top beams"] < 2 or counts["distinct hypotheses"] <= W:
+        raise AssertionError(
+            f"{what}: the generator's weights do not exercise RAG decoding (some question's "
+            f"passages give {counts['distinct top beams']} distinct top beam(s) and "
+            f"{counts['distinct hypotheses']} distinct hypotheses for {W} beams); raise INIT_STD"
+        )
+
+
 def _beam_step_rows(ctx: Context, B: int, W: int, K: int, reference: bool) -> list[Row]:
+    from transformers import RagTokenForGeneration
+
     from rag_fast.ops import rag_token_beam_step
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(B * W * K, 1, VOCAB, generator=g) * 3  # the generator's [rows, 1, V]
-    doc_scores = torch.randn(B * W, K, generator=g)
+    # generate repeats each question's scores for its W beams (repeat_interleave)
+    doc_scores = torch.randn(B, K, generator=g).repeat_interleave(W, dim=0)
     beam = torch.randn(B, W, generator=g)
+    # transformers' beam search keeps these per step; filled as after the decoder's start token.
+    running = torch.full((B, W, 2), 2, dtype=torch.long)
+    running_idx = torch.full((B, W, 1), -1, dtype=torch.int32)
+    holder = RagTokenForGeneration.__new__(RagTokenForGeneration)  # the methods' `self`
 
-    def hf_step():  # transformers: marginalize, then beam search's log_softmax, add, topk
-        lp = torch.log_softmax(logits, dim=-1).view(B * W, K, 1, VOCAB)
-        marginal = torch.logsumexp(lp + torch.log_softmax(doc_scores, 1)[:, :, None, None], 1)
-        scores = torch.log_softmax(marginal[:, -1], dim=-1).view(B, W, VOCAB) + beam[:, :, None]
-        return torch.topk(scores.view(B, -1), 2 * W)
+    def hf_step():
+        # RagTokenForGeneration.forward marginalises the generator's logits; _beam_search then
+        # normalises, adds the running beam scores and keeps the 2W best continuations.
+        marginal = RagTokenForGeneration.marginalize(holder, logits, doc_scores, n_docs=K)
+        log_probs = torch.nn.functional.log_softmax(marginal[:, -1, :], dim=-1)
+        log_probs = holder._unflatten_beam_dim(log_probs, B, W) + beam[:, :, None]
+        return holder._get_top_k_continuations(
+            accumulated_log_probs=log_probs.reshape(B, -1), running_sequences=running,
+            running_beam_indices=running_idx, cur_len=1, decoder_prompt_len=1, do_sample=False,
+            beams_to_keep=2 * W, num_beams=W, batch_size=B)
 
     prior = torch.log_softmax(doc_scores.view(B, W, K)[:, 0], 1)
     x = logits.view(B, W, K, VOCAB)
-    rows = []
-    base = measure(hf_step, ctx, memory=False)
-    gb = x.numel() * 4 / 1e9
+    providers = {"transformers": hf_step}
+    impls = ("cpp", "torch") if reference else ("cpp",)
+    for impl in impls:
+        providers[f"rag_fast ({impl})"] = (lambda impl=impl: rag_token_beam_step(
+            x, prior, beam, impl=impl))
+    ms = measure_interleaved(providers, ctx, memory=False)
+    hf_scores, hf_seqs, _ = hf_step()
     case = f"beam step B={B} W={W} K={K} V={VOCAB}"
-    rows.append(Row(NAME, case, "transformers", base.median_ms, None, {"speedup": 1.0}))
-    for impl in ("cpp", "torch") if reference else ("cpp",):
-        m = measure(lambda: rag_token_beam_step(x, prior, beam, impl=impl), ctx, memory=False)
-        rows.append(Row(NAME, case, f"rag_fast ({impl})", m.median_ms, None,
-                        {"speedup": base.median_ms / m.median_ms,
-                         "GB/s": gb / (m.median_ms / 1e3)}))
+    gb = x.numel() * 4 / 1e9
+    base = ms["transformers"]
+    rows = [Row.of(NAME, case, "transformers", base)]
+    add_ratio(rows[0], "speedup", base, base)
+    for impl in impls:
+        scores, _, tokens = rag_token_beam_step(x, prior, beam, impl=impl)
+        same = bool(torch.equal(tokens, hf_seqs[:, :, 1])
+                    and torch.allclose(scores.double(), hf_scores.double(), atol=1e-4))
+        m = ms[f"rag_fast ({impl})"]
+        row = Row.of(NAME, case, f"rag_fast ({impl})", m,
+                     {"GB/s": gb / (m.median_ms / 1e3), "same candidates": same})
+        add_ratio(row, "speedup", base, m)
+        rows.append(row)
     return rows
 
 
-def _timed(fn, ctx: Context):
-    """``(measurement, ids of the last timed run)``."""
-    out = {}
-
-    def call():
-        out["ids"] = fn()
-
-    with torch.no_grad():
-        m = measure(call, ctx, memory=False)
-    return m, out["ids"]
+TOKEN, SEQUENCE = "RAG-Token beam search", "RAG-Sequence thorough"
 
 
-def _generation_rows(ctx: Context, label: str, dims: tuple, init_std: float | None, B: int,
-                     K: int, W: int, new: int) -> list[Row]:
+def _generation_rows(ctx: Context, label: str, dims: tuple, sizes: dict) -> list[Row]:
+    """Rows of the cases in ``sizes`` ({case: (B, new tokens)}) on one generator."""
     from rag_fast.generation import rag_sequence_generate, rag_token_generate
 
-    token, sequence = _models(*dims, n_docs=K, init_std=init_std)
-    ids, mask, scores = _inputs(B, K, 64)
-    settings = dict(num_beams=W, max_length=new + 1, min_length=new + 1)
-    runs = {
-        "RAG-Token beam": (
-            lambda: token.generate(context_input_ids=ids, context_attention_mask=mask,
-                                   doc_scores=scores, **settings),
-            lambda: rag_token_generate(token, ids, mask, scores, **settings),
-        ),
-        "RAG-Sequence thorough": (
-            lambda: sequence.generate(context_input_ids=ids, context_attention_mask=mask,
-                                      doc_scores=scores, **settings),
-            lambda: rag_sequence_generate(sequence, ids, mask, scores, **settings),
-        ),
-    }
+    K, W = K_DOCS, BEAMS
+    token, sequence = _models(*dims, n_docs=K, init_std=INIT_STD)
+    # One warm-up run per provider is done below, by hand (it also checks the ids).
+    gen_ctx = dataclasses.replace(ctx, warmup=0, repeats=max(GEN_REPEATS, 5))
     rows = []
+    for what, (B, new) in sizes.items():
+        ids, mask, scores = _inputs(B, K, CONTEXT_LEN)
+        counts = distinct_beams(token.rag.generator, ids, B, K, W, new)
+        check_exercised(counts, W, f"{label} generator, {what}")
+        rows += _case_rows(gen_ctx, f"{what}, {label} generator, B={B} K={K} beams={W} new={new}",
+                           token if what == TOKEN else sequence,
+                           rag_token_generate if what == TOKEN else rag_sequence_generate,
+                           ids, mask, scores, B, new, counts)
+    return rows
+
+
+def _case_rows(gen_ctx: Context, case: str, model, ours_generate, ids, mask, scores, B: int,
+               new: int, counts: dict) -> list[Row]:
+    settings = dict(num_beams=BEAMS, max_length=new + 1, min_length=new + 1)
+
+    def hf(**extra):
+        return lambda: model.generate(context_input_ids=ids, context_attention_mask=mask,
+                                      doc_scores=scores, **settings, **extra)
+
+    hf_default, hf_static = hf(), hf(cache_implementation="static")
+
+    def ours():
+        return ours_generate(model, ids, mask, scores, **settings)
+
+    # The warm-up runs, one per provider: transformers' ids are the reference, and its
+    # static cache is timed only when it returns them.
+    with torch.no_grad():
+        reference = hf_default()
+        static_ok = bool(torch.equal(hf_static(), reference))
+        ours()
+    fns = {"transformers": hf_default}
+    if static_ok:
+        fns["transformers (static cache)"] = hf_static
+    fns["rag_fast"] = ours
+    outputs: dict[str, list[torch.Tensor]] = {name: [] for name in fns}
+
+    def recorder(name, fn):
+        def call():
+            with torch.no_grad():
+                outputs[name].append(fn())
+        return call
+
+    ms = measure_interleaved({n: recorder(n, f) for n, f in fns.items()}, gen_ctx,
+                             memory=False)
     tokens = B * new
-    for what, (hf, ours) in runs.items():
-        base, hf_ids = _timed(hf, ctx)
-        mine, our_ids = _timed(ours, ctx)
-        same = torch.equal(hf_ids, our_ids)
-        case = f"{what} {label} B={B} K={K} beams={W} new={new}"
-        rows.append(Row(NAME, case, "transformers", base.median_ms, None,
-                        {"tokens/s": tokens / (base.median_ms / 1e3), "speedup": 1.0,
-                         "same ids": same}))
-        rows.append(Row(NAME, case, "rag_fast", mine.median_ms, None,
-                        {"tokens/s": tokens / (mine.median_ms / 1e3),
-                         "speedup": base.median_ms / mine.median_ms, "same ids": same}))
+    common = {**counts, "static cache same ids": static_ok}
+    rows = []
+    for name, m in ms.items():
+        same = len(outputs[name]) == m.runs and all(
+            torch.equal(o, reference) for o in outputs[name])
+        row = Row.of(NAME, case, name, m,
+                     {"tokens/s": tokens / (m.median_ms / 1e3), "same ids": same, **common})
+        add_ratio(row, "x transformers", ms["transformers"], m)
+        if static_ok:
+            add_ratio(row, "x static cache", ms["transformers (static cache)"], m)
+        rows.append(row)
     return rows
 
 
 def run(ctx: Context) -> list[Row]:
-    # Whole generations take seconds to minutes (transformers' RAG-Sequence on the full sizes:
-    # minutes), so one timed run each, no warm-up; the ids are checked on the timed runs.
-    gen_ctx = dataclasses.replace(ctx, warmup=0, repeats=1)
-    rows = _beam_step_rows(ctx, 8, 4, 5, reference=not ctx.quick)
-    small = (256, 2, 4, 1024)
-    if ctx.quick:
-        rows += _generation_rows(gen_ctx, "small", small, 0.3, B=1, K=5, W=4, new=6)
-        return rows
-    rows += _generation_rows(gen_ctx, "small", small, 0.3, B=8, K=5, W=4, new=20)
-    rows += _generation_rows(gen_ctx, "BART-base", (768, 6, 12, 3072), None, B=8, K=5, W=4,
-                             new=20)
+    rows = _beam_step_rows(ctx, 8, BEAMS, K_DOCS, reference=not ctx.quick)
+    sizes = QUICK_SIZES if ctx.quick else FULL_SIZES
+    for label, cases in sizes.items():
+        rows += _generation_rows(ctx, label, GENERATORS[label], cases)
     return rows
+
+
+# README ------------------------------------------------------------------------------------
+
+def _ratio(row: dict, key: str) -> str:
+    if key not in row["extra"]:
+        return "-"
+    mark = " (noisy)" if key in row.get("noisy", []) else ""
+    return f"{row['extra'][key]:.2f}x{mark}"
+
+
+def _spread(row: dict) -> str:
+    return "-" if row.get("spread") is None else f"{row['spread']:.0%}"
+
+
+def render(results: dict, source: str) -> str:
+    """The README's decoding section: a caption (what, how, where) and one table."""
+    rows = [r for r in results["rows"] if r["bench"] == NAME]
+    if not rows:
+        raise ValueError(f"render: {source} has no '{NAME}' rows")
+    m = results["machine"]
+    simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
+    machine = f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
+    lines = [
+        "| case | rag_fast ms (spread) | transformers ms (spread) | static cache ms | "
+        "vs `generate` | vs static cache | same ids | distinct top beams / hypotheses |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    for case in cases:
+        by = {r["provider"]: r for r in rows if r["case"] == case}
+        base = by["transformers"]
+        if case.startswith("beam step"):
+            for name, r in by.items():
+                if name == "transformers":
+                    continue
+                lines.append(
+                    f"| {case}, {name} | {r['median_ms']:.2f} ({_spread(r)}) "
+                    f"| {base['median_ms']:.2f} ({_spread(base)}) | - | {_ratio(r, 'speedup')} "
+                    f"| - | {'yes' if r['extra'].get('same candidates') else 'NO'} | - |")
+            continue
+        ours = by["rag_fast"]
+        static = by.get("transformers (static cache)")
+        e = ours["extra"]
+        static_ms = (f"{static['median_ms']:.0f} ({_spread(static)})" if static
+                     else "ids differ: not timed")
+        same = all(r["extra"].get("same ids") for r in by.values())
+        lines.append(
+            f"| {case} | {ours['median_ms']:.0f} ({_spread(ours)}) "
+            f"| {base['median_ms']:.0f} ({_spread(base)}) | {static_ms} "
+            f"| {_ratio(ours, 'x transformers')} | {_ratio(ours, 'x static cache')} "
+            f"| {'yes, every run' if same else 'NO'} "
+            f"| {e['distinct top beams']} / {e['distinct hypotheses']} |")
+    noisy = [r for r in rows if r.get("noisy")]
+    caption = (
+        f"Measured by `{run_command(results.get('args') or {})}` on {machine} "
+        f"(`benchmarks/results/{source}`). K={K_DOCS} passages of {CONTEXT_LEN} tokens, "
+        f"{BEAMS} beams, V={VOCAB}, min = max new tokens, B questions as each case says: "
+        "8 questions and 20 new tokens except RAG-Sequence on the BART-base-sized generator "
+        "(2 and 12: transformers' RAG-Sequence re-encodes every passage for every distinct "
+        "hypothesis); small generator: d_model 256, 2+2 layers; BART-base-sized: 768, 6+6 "
+        "layers, 12 heads. Generator weights drawn with std "
+        f"{INIT_STD} so that passages lead to different beams (checked: the last column is the "
+        "fewest distinct top beams among a question's 5 passages and distinct hypotheses among "
+        "its 20, by transformers' own per-passage beam search). Medians of "
+        f"{GEN_REPEATS} timed runs after {GEN_WARMUP} warm-up, providers interleaved; spread = "
+        "(max - min) / median; \"same ids\": every timed run returned transformers' ids. "
+        "Baselines: transformers' `generate` (dynamic cache) and with "
+        "`cache_implementation=\"static\"` where it keeps transformers' ids (RAG-Sequence; "
+        "RAG-Token's `generate` accepts it, but its cache reordering turns the static cache "
+        "into a dynamic one that keeps the empty slots, and the ids change). The beam step "
+        "alone: logits [B*W*K, V] of B=8, W=4, K=5 against transformers' "
+        "`RagTokenForGeneration.marginalize`, `log_softmax` and `_get_top_k_continuations`."
+    )
+    if noisy:
+        caption += (" A ratio marked (noisy) comes from runs whose spread exceeds 20% or whose "
+                    "ranges overlap: " + "; ".join(
+                        f"{r['case']} / {r['provider']}: {noisy_note(r['noisy'])}"
+                        for r in noisy) + ".")
+    return caption + "\n\n" + "\n".join(lines)

@@ -22,6 +22,13 @@ for batches of 128 queries and for single queries; ``B/vec``: bytes per vector o
 vectors when it re-ranks); ``overhead vs faiss``: ``DenseIndex.search`` over calling faiss
 directly with the same parameters. Each preset row carries its recall/QPS curve (``curve``:
 ``[setting, recall@10, batch QPS]`` over ``nprobe`` or ``ef_search``), which ``run.py`` plots.
+
+Statistics: every row's time is the median of >= 5 timed runs after warm-up; a rag_fast preset
+and faiss called directly are timed in two alternating rounds and each keeps its round with the
+lower median, whose runs the row carries (``runs_ms``, ``spread``). ``x exact`` and ``overhead
+vs faiss`` are flagged noisy (``noisy``) as :func:`harness.add_ratio` flags a ratio.
+
+:func:`render` turns a results file of this bench into the README's index section.
 """
 from __future__ import annotations
 
@@ -32,12 +39,13 @@ import time
 
 import numpy as np
 import torch
-from harness import Context, Measurement, Row, measure
+from harness import Context, Measurement, Row, add_ratio, measure, ratio_is_noisy
 
 from rag_fast.retrieval import DenseIndex, exact_search, recall_at_k
 
 NAME = "index"
 K, BATCH, TARGET = 10, 128, 0.95
+MIN_RUNS = 5  # timed runs per measurement, even where one run takes seconds
 D, TOPICS, SUBTOPICS, SPREAD = 768, 1000, 10, 0.6
 
 
@@ -63,9 +71,16 @@ def _same_top5(found: np.ndarray, truth: np.ndarray) -> float:
     return float(np.mean([set(f[:5].tolist()) == set(t[:5].tolist()) for f, t in zip(found, truth)]))
 
 
+def _slow(ctx: Context) -> Context:
+    """Timing settings for a search that takes up to seconds (exact search over >100k
+    vectors): one warm-up and the fewest timed runs a row may have."""
+    return dataclasses.replace(ctx, repeats=MIN_RUNS, warmup=1)
+
+
 def _paired(ours, direct, ctx: Context, rounds: int) -> tuple[Measurement, Measurement]:
-    """Time two providers in alternating rounds and keep each one's best median, so that load
-    drifting on a shared machine does not favour whichever ran first."""
+    """Time two providers in alternating rounds and keep each one's round with the lower
+    median (its runs included), so that load drifting on a shared machine does not favour
+    whichever ran first."""
     a: list[Measurement] = []
     b: list[Measurement] = []
     for _ in range(rounds):
@@ -97,9 +112,10 @@ def _curve(index: DenseIndex, q: np.ndarray, truth: np.ndarray) -> list[list[flo
 
 
 def _preset_rows(ctx: Context, data: str, index: DenseIndex, q: np.ndarray, truth: np.ndarray,
-                 exact_ms: dict[str, float], extra: dict | None = None) -> list[Row]:
+                 exact: dict[str, Measurement], extra: dict | None = None) -> list[Row]:
     """Rows (batch and single query) for one built index, evaluated on ``q`` against ``truth``
-    (exact search's top 10); ``exact_ms`` holds exact search's times (filled by the exact row)."""
+    (exact search's top 10); ``exact`` holds the faster exact search's measurement per mode
+    (the torch rows fill it, the exact preset's rows replace it when faster)."""
     found = index.search(q, K)[1]
     reads = index.index_bytes() + (2 * index.dim * index.ntotal if index._refine is not None else 0)
     common = {
@@ -112,42 +128,44 @@ def _preset_rows(ctx: Context, data: str, index: DenseIndex, q: np.ndarray, trut
         **(extra or {}),
     }
     raw, raw_params = index.faiss_index, index.search_parameters(K)
-    exact = index.factory == "Flat"
-    timing = dataclasses.replace(ctx, repeats=min(ctx.repeats, 3), warmup=1) if exact and index.ntotal > 100_000 else ctx
+    is_exact = index.factory == "Flat"
+    timing = _slow(ctx) if is_exact and index.ntotal > 100_000 else ctx
     rows = []
     for mode, batch in (("batch", q[:BATCH]), ("single", q[:1])):
         ours, direct = _paired(lambda: index.search(batch, K), lambda: raw.search(batch, K, params=raw_params),
-                               timing, rounds=1 if exact else 2)
-        if exact:  # the faster exact search is every row's baseline
-            exact_ms[mode] = min(exact_ms[mode], ours.median_ms)
+                               timing, rounds=1 if is_exact else 2)
+        if is_exact and ours.median_ms < exact[mode].median_ms:  # the faster exact search
+            exact[mode] = ours                                    # is every row's baseline
         case = f"{data}, {index.ntotal:,} x {index.dim} {mode} (B={len(batch)})"
-        cells = {**common, "QPS": round(len(batch) / ours.median_ms * 1e3, 1),
-                 "x exact": round(exact_ms[mode] / ours.median_ms, 2),
-                 "overhead vs faiss": round(ours.median_ms / direct.median_ms - 1, 3),
-                 "spread": f"{ours.min_ms:.3g}-{ours.median_ms:.3g} ms"}
-        if mode == "batch" and not exact:
-            cells["curve"] = _curve(index, q, truth)
-        rows.append(Row(NAME, case, f"rag_fast {index.preset}", ours.median_ms, None, cells))
+        row = Row.of(NAME, case, f"rag_fast {index.preset}", ours,
+                     {**common, "QPS": round(len(batch) / ours.median_ms * 1e3, 1)})
+        add_ratio(row, "x exact", exact[mode], ours)
+        row.extra["overhead vs faiss"] = round(ours.median_ms / direct.median_ms - 1, 3)
+        if ratio_is_noisy(direct, ours):
+            row.noisy.append("overhead vs faiss")
+        if mode == "batch" and not is_exact:
+            row.extra["curve"] = _curve(index, q, truth)
+        rows.append(row)
     return rows
 
 
 def _torch_exact_rows(ctx: Context, data: str, xb: np.ndarray, q: np.ndarray,
-                      exact_ms: dict[str, float]) -> list[Row]:
+                      exact: dict[str, Measurement]) -> tuple[list[Row], dict[str, Row]]:
     """Exact search as a torch matmul over the fp32 vectors (``exact_search``, BLAS through
-    torch), the other exact baseline beside faiss ``IndexFlatIP``."""
+    torch), the other exact baseline beside faiss ``IndexFlatIP``: its rows, also by mode (their
+    ``x exact`` is set once the exact preset has run), and its measurements in ``exact``."""
     vectors = torch.from_numpy(xb)
-    slow = dataclasses.replace(ctx, repeats=min(ctx.repeats, 3), warmup=1) if len(xb) > 100_000 else ctx
+    timing = _slow(ctx) if len(xb) > 100_000 else ctx
     rows = []
     for mode, batch in (("batch", q[:BATCH]), ("single", q[:1])):
         qt = torch.from_numpy(batch)
-        m = measure(lambda: exact_search(vectors, qt, K, chunk=1 << 16), slow, memory=False)
-        exact_ms[mode] = m.median_ms
+        m = measure(lambda: exact_search(vectors, qt, K, chunk=1 << 16), timing, memory=False)
+        exact[mode] = m
         case = f"{data}, {len(xb):,} x {xb.shape[1]} {mode} (B={len(batch)})"
-        rows.append(Row(NAME, case, "torch exact (matmul)", m.median_ms, None, {
+        rows.append(Row.of(NAME, case, "torch exact (matmul)", m, {
             "recall@10": 1.0, "same top5": 1.0, "B/vec": 4.0 * xb.shape[1], "factory": "",
-            "params": "", "QPS": round(len(batch) / m.median_ms * 1e3, 1), "x exact": 1.0,
-            "spread": f"{m.min_ms:.3g}-{m.median_ms:.3g} ms"}))
-    return rows
+            "params": "", "QPS": round(len(batch) / m.median_ms * 1e3, 1)}))
+    return rows, {"batch": rows[0], "single": rows[1]}
 
 
 def _set_rows(ctx: Context, data: str, xb: np.ndarray, q: np.ndarray, presets: tuple[str, ...],
@@ -155,8 +173,9 @@ def _set_rows(ctx: Context, data: str, xb: np.ndarray, q: np.ndarray, presets: t
     """Rows of every preset on one data set; ``x exact`` is against the faster of the two
     exact searches (faiss ``IndexFlatIP``, torch matmul) timed in this run."""
     truth = exact_search(xb, torch.from_numpy(q), K)[1].numpy()
-    exact_ms: dict[str, float] = {}
-    rows: list[Row] = _torch_exact_rows(ctx, data, xb, q, exact_ms)
+    exact: dict[str, Measurement] = {}
+    rows, torch_rows = _torch_exact_rows(ctx, data, xb, q, exact)
+    torch_m = dict(exact)
     for preset in presets:
         torch.manual_seed(0)
         start = time.perf_counter()
@@ -172,11 +191,10 @@ def _set_rows(ctx: Context, data: str, xb: np.ndarray, q: np.ndarray, presets: t
                 del index
                 index = DenseIndex.load(os.path.join(tmp, "index"), verify=False, mmap=True)
                 extra["fp16 vectors"] = "memory-mapped"
-            rows += _preset_rows(ctx, data, index, q, truth, exact_ms, extra)
+            rows += _preset_rows(ctx, data, index, q, truth, exact, extra)
             del index
-    for row in rows[:2]:  # the torch rows, against the faster exact search
-        mode = "batch" if "batch" in row.case else "single"
-        row.extra["x exact"] = round(exact_ms[mode] / row.median_ms, 2)
+    for mode, row in torch_rows.items():  # against the faster exact search, known only now
+        add_ratio(row, "x exact", exact[mode], torch_m[mode])
     return rows
 
 
@@ -205,3 +223,76 @@ def run(ctx: Context) -> list[Row]:
         rows += _set_rows(ctx, "synthetic", xb, queries, presets, {}, saved=n >= 1_000_000)
         del xb
     return rows
+
+
+# ------------------------------------------------------------------------------ README
+def _machine_words(m: dict) -> str:
+    simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
+    return f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
+
+
+def _spread(row: dict) -> str:
+    """A row's spread ((max - min) / median of its timed runs), "-" for rows written before
+    rows carried their runs."""
+    return "-" if row.get("spread") is None else f"{row['spread']:.0%}"
+
+
+def _ratio(row: dict, key: str) -> str:
+    """A ratio with one decimal, two below 1 (a slowdown never rounds to 1.0x), two significant
+    digits below 0.1; marked when flagged noisy."""
+    v = row["extra"][key]
+    text = f"{v:.1f}x" if v >= 1 else f"{v:.2f}x" if v >= 0.1 else f"{v:.2g}x"
+    return text + (" (noisy)" if key in row.get("noisy", []) else "")
+
+
+def render(results: dict, source: str) -> str:
+    """The README's index section from a results file (``source``: its name under
+    ``benchmarks/results/``): a caption saying how and where it was measured, then one line
+    per data set and preset, its batch and single-query rows joined."""
+    rows = [r for r in results["rows"] if r["bench"] == NAME]
+    lines = [
+        "| data | preset (faiss factory, search settings) | recall@10 | same top 5 | batch queries/s "
+        "| spread | vs exact | single query | spread | vs exact | bytes/vector |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "batch" not in r["case"]:
+            continue
+        single = next(s for s in rows if s["provider"] == r["provider"]
+                      and s["case"] == r["case"].replace(f"batch (B={BATCH})", "single (B=1)"))
+        e = r["extra"]
+        data = r["case"].split(" batch")[0]
+        settings = f", {e['params']}" if e["params"] else ""
+        how = f" ({e['factory']}{settings})" if e["factory"] else ""
+        lines.append(
+            f"| {data} | {r['provider'].removeprefix('rag_fast ')}{how} "
+            f"| {e['recall@10']:.3f} | {e['same top5']:.1%} | {e['QPS']:,.0f} | {_spread(r)} "
+            f"| {_ratio(r, 'x exact')} | {single['median_ms']:.3f} ms | {_spread(single)} "
+            f"| {_ratio(single, 'x exact')} | {e['B/vec']:,.0f} |"
+        )
+    runs = sorted({len(r["runs_ms"]) for r in rows if r.get("runs_ms")})
+    if runs:
+        counted = f"{runs[0]}" if len(runs) == 1 else f"{runs[0]} to {runs[-1]}"
+        timing = (f"medians of {counted} timed runs after warm-up (a preset: the better of two "
+                  "rounds alternating with faiss called directly), spread = (max - min) / median "
+                  "of those runs; a ratio marked (noisy) has a side whose spread exceeds 20% or "
+                  "runs that overlap the other side's")
+    else:
+        timing = "medians of repeated runs (this file predates recorded runs: no spread)"
+    args = results.get("args", {})
+    command = "python benchmarks/run.py " + ("--quick" if args.get("quick") else "--full")
+    command += " --only index" + (f" --repeats {args['repeats']}" if args.get("repeats") else "")
+    plot = source.removesuffix(".json") + "-recall-qps.png"
+    caption = (
+        f"Measured by `{command}` on {_machine_words(results['machine'])} "
+        f"(`benchmarks/results/{source}`; recall and throughput curves: "
+        f"`benchmarks/results/{plot}`). Recall and same top 5 on the evaluation queries against "
+        f"exact search; queries/s for batches of {BATCH} and milliseconds for one query, {timing}; "
+        "vs exact: against the faster exact search (faiss `IndexFlatIP` or a torch matmul "
+        "over the fp32 vectors) timed in the same run; "
+        "bytes per vector of everything a search reads (the index, plus the fp16 vectors when it "
+        "re-ranks). Each index was built as `rag-fast index build` builds it, settings tuned to "
+        "recall@10 and same top 5 >= 0.95 on stand-in questions (real text: a sentence of 1000 "
+        "sampled passages, encoded; synthetic: 1000 stored vectors, leave-one-out)."
+    )
+    return caption + "\n\n" + "\n".join(lines)

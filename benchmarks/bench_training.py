@@ -1,28 +1,49 @@
-"""One RAG training step (forward + backward + AdamW step): rag_fast's RagModel vs transformers.
+"""One RAG training step (forward + backward + AdamW step): rag_fast's RagModel vs transformers,
+eager and compiled.
 
-Both providers drive the very same generator (identical weights), the same B*K contexts,
+Every provider drives the very same generator (identical weights), the same B*K contexts,
 the same passage scores (a leaf with gradient, as the question encoder's output would be) and
 the same labels, with the same optimizer (fused AdamW, the default of transformers' Trainer and
-of rag_fast's); only the loss path differs. transformers'
-``RagTokenForGeneration`` / ``RagSequenceForGeneration`` compute the full logits, their fp32
-log-softmax and the marginalisation's temporaries; RagModel computes the logits of the positions
-that have a target once (into a buffer it reuses from step to step, in L2-sized vocabulary
-chunks), the fused loss writes their gradient in place, and the gradients of the tied input
-embeddings are added into the LM head's ``[V, d]`` gradient in place (instead of one dense
-``[V, d]`` tensor per lookup, summed out of place). The reused buffer is dropped before the
-peak-memory step, so that rag_fast's peak counts it.
+of rag_fast's); only the loss path differs. Providers:
+
+- ``transformers``: ``RagTokenForGeneration`` / ``RagSequenceForGeneration``'s forward, eager;
+- ``transformers compiled``: the same forward and loss under ``torch.compile`` (default mode;
+  the function compiled is the step's loss, so the backward is compiled too); its compile time
+  (the first steps until steady, beyond a steady step) is reported in ``compile s`` and not in
+  its step time (inductor's on-disk cache left as a user would have it: a repeated run
+  compiles faster). ``--quick`` leaves it out (compiling takes minutes on 2 cores);
+- ``rag_fast``: ``RagModel`` over the same generator. It computes the logits of the positions
+  that have a target once (into a buffer it reuses from step to step, in L2-sized vocabulary
+  chunks), the fused loss writes their gradient in place, and the gradients of the tied input
+  embeddings are added into the LM head's ``[V, d]`` gradient in place.
+
+Time: the providers' steps alternate (:func:`harness.measure_interleaved`), one warm-up step
+each, then at least 5 timed steps each; ratios ``speedup vs eager`` / ``speedup vs compiled``
+flagged noisy as :func:`harness.add_ratio` flags them.
+
+Memory (``benchmarks/memory.py``): each provider in its own fresh process builds its model and
+optimizer, runs one warm step whose gradients it keeps (``zero_grad(set_to_none=False)``), then
+one measured step. ``peak MB`` is the whole-step peak: the step's peak resident set above the
+bare process's before the model existed (parameters + gradients + optimizer state + the step's
+temporaries and buffers); ``step extra MB`` is the peak above the resident set after the warm
+step; ``memory vs eager`` is the whole-step peak's ratio to transformers eager's.
 
 Cases: a small generator (d_model 256, 2+2 layers, V=50265) and a BART-base-sized one
-(d_model 768, 6+6 layers); B=4, K=5, 64 context tokens, 32 target tokens. ``--quick`` keeps
-the run near a minute: only the small generator, 16 target tokens, 1 warm-up + 3 timed steps.
+(d_model 768, 6+6 layers); B=4, K=5, 64 context tokens, 32 target tokens. ``--quick``: only the
+small generator, 16 target tokens, no compiled baseline.
+
+:func:`render` turns a results file of this bench into the README's training section.
 """
 from __future__ import annotations
 
 import torch
 
-from harness import Context, Row, measure_interleaved
+from harness import Context, Measurement, Row, add_ratio, measure_interleaved, run_command
 
 NAME = "training"
+EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
+PROVIDERS = (EAGER, COMPILED, OURS)
+MIN_STEPS = 5  # timed steps per provider
 
 B, K, CONTEXT, TARGET, VOCAB = 4, 5, 64, 32, 50265
 
@@ -30,6 +51,10 @@ SIZES = {
     "small": dict(d_model=256, layers=2, heads=4, ffn=1024),
     "bart-base": dict(d_model=768, layers=6, heads=12, ffn=3072),
 }
+QUICK_SIZES, FULL_SIZES = ("small",), ("small", "bart-base")
+SIZE_WORDS = {"small": "small (d 256, 2+2 layers)", "bart-base": "BART-base-sized (d 768, 6+6 layers)"}
+# what the memory processes import before reading the bare resident set: the libraries, no model
+IMPORTS = ("transformers", "transformers.models.rag.modeling_rag", "rag_fast.models")
 
 
 def _hf_model(mode: str, size: dict):
@@ -60,55 +85,184 @@ def _inputs(target: int):
     return contexts, torch.ones_like(contexts), labels, scores
 
 
-def _step_fns(mode: str, size: dict, target: int = TARGET, device: str = "cpu"):
-    from rag_fast.models import RagModel
+def _losses(hf, providers, target: int, device: str) -> dict:
+    """provider -> ``loss(scores_leaf)`` over ``hf``'s generator."""
+    contexts, mask, labels, _ = (t.to(device) for t in _inputs(target))
 
-    hf = _hf_model(mode, size).to(device)
-    ours = RagModel.from_transformers(hf)  # the same generator module: identical weights
-    contexts, mask, labels, scores = (t.to(device) for t in _inputs(target))
-    params = list(hf.rag.generator.parameters())
+    def eager(s):
+        return hf(context_input_ids=contexts, context_attention_mask=mask, doc_scores=s,
+                  labels=labels).loss.mean()
 
-    def make(forward):
-        scores_leaf = scores.clone().requires_grad_()
-        # fused AdamW on both sides: transformers' Trainer default (torch >= 2.8), and rag_fast's
-        opt = torch.optim.AdamW(params + [scores_leaf], lr=1e-5, fused=True)
+    out = {}
+    for p in providers:
+        if p == EAGER:
+            out[p] = eager
+        elif p == COMPILED:
+            out[p] = torch.compile(eager)
+        elif p == OURS:
+            from rag_fast.models import RagModel
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = forward(scores_leaf)
-            loss.backward()
-            opt.step()
-            return float(loss.detach())
+            ours = RagModel.from_transformers(hf)  # the same generator module: identical weights
+            out[p] = lambda s: ours(labels, context_input_ids=contexts, context_attention_mask=mask,
+                                    doc_scores=s).loss
+        else:
+            raise ValueError(f"provider must be one of {PROVIDERS}, got {p!r}")
+    return out
 
-        return step
 
-    hf_step = make(lambda s: hf(context_input_ids=contexts, context_attention_mask=mask,
-                                doc_scores=s, labels=labels).loss.mean())
-    ours_step = make(lambda s: ours(labels, context_input_ids=contexts,
-                                    context_attention_mask=mask, doc_scores=s).loss)
-    # RagModel reuses its logits buffer between steps; the peak-memory step starts without it
-    return hf_step, ours_step, ours.release_buffers
+def _step(loss, params, device: str, keep_grads: bool):
+    scores_leaf = _inputs(1)[3].to(device).requires_grad_()
+    # fused AdamW on every side: transformers' Trainer default (torch >= 2.8), and rag_fast's
+    opt = torch.optim.AdamW(list(params) + [scores_leaf], lr=1e-5, fused=True)
+
+    def step():
+        opt.zero_grad(set_to_none=not keep_grads)
+        value = loss(scores_leaf)
+        value.backward()
+        opt.step()
+        return float(value.detach())
+
+    return step
+
+
+def memory_step(mode: str, size_name: str, target: int, provider: str, device: str = "cpu"):
+    """The step whose memory ``benchmarks/memory.py`` measures in a fresh process: only this
+    provider's model and optimizer exist, and its gradients stay between steps."""
+    hf = _hf_model(mode, SIZES[size_name]).to(device)
+    loss = _losses(hf, [provider], target, device)[provider]
+    return _step(loss, hf.rag.generator.parameters(), device, keep_grads=True)
 
 
 def run(ctx: Context) -> list[Row]:
-    sizes = ["small"] if ctx.quick else ["small", "bart-base"]
+    import dataclasses
+
+    import memory
+    from bench_losses import compile_seconds
+
+    sizes = QUICK_SIZES if ctx.quick else FULL_SIZES
     target = TARGET // 2 if ctx.quick else TARGET
+    providers = [EAGER, OURS] if ctx.quick else list(PROVIDERS)
+    # a step takes about a second (small) or several (bart-base) on 2 cores: one warm-up step
+    # and MIN_STEPS timed steps per provider, their steps alternating
+    run_ctx = dataclasses.replace(ctx, repeats=MIN_STEPS, warmup=1)
     rows = []
     for size_name in sizes:
-        # a step takes about a second (small) or several (bart-base) on 2 cores: one warm-up
-        # step, and at most 3 (quick) or 5 timed steps, the providers' steps alternating; the
-        # peak-memory run is one more step
-        run_ctx = Context(ctx.device, ctx.quick, min(ctx.repeats, 3 if ctx.quick else 5), 1)
         for mode in ("token", "sequence"):
-            hf_step, ours_step, drop_buffers = _step_fns(mode, SIZES[size_name], target, ctx.device)
+            hf = _hf_model(mode, SIZES[size_name]).to(ctx.device)
+            params = list(hf.rag.generator.parameters())
+            steps = {p: _step(f, params, ctx.device, keep_grads=False)
+                     for p, f in _losses(hf, providers, target, ctx.device).items()}
+            compile_s = None
+            if COMPILED in steps:
+                torch._dynamo.reset()
+                compile_s = compile_seconds(steps[COMPILED], ctx.device)
+            measured = measure_interleaved(steps, run_ctx, memory=False)
+            del steps, hf, params
+            torch._dynamo.reset()
+            mem = {p: memory.step_memory(f"{__name__}:memory_step", mode, size_name, target, p,
+                                         ctx.device, imports=IMPORTS)
+                   for p in providers} if ctx.device == "cpu" else {}
             case = f"{size_name} {mode} B={B} K={K} L={CONTEXT} T={target}"
-            m = measure_interleaved({"transformers": hf_step, "rag_fast": ours_step}, run_ctx,
-                                    before_memory={"rag_fast": drop_buffers})
-            base, fast = m["transformers"], m["rag_fast"]
-            for provider, m in (("transformers", base), ("rag_fast", fast)):
-                extra = {"examples/s": B / (m.median_ms / 1e3),
-                         "speedup": base.median_ms / m.median_ms}
-                if m.peak_mb is not None and base.peak_mb:
-                    extra["memory ratio"] = m.peak_mb / base.peak_mb
-                rows.append(Row(NAME, case, provider, m.median_ms, m.peak_mb, extra))
+            rows += _rows(case, measured, mem, compile_s)
     return rows
+
+
+def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: float | None) -> list[Row]:
+    rows = []
+    base = measured[EAGER]
+    for provider, m in measured.items():
+        row = Row.of(NAME, case, provider, m, {"examples/s": B / (m.median_ms / 1e3)})
+        add_ratio(row, "speedup vs eager", base, m)
+        if COMPILED in measured:
+            add_ratio(row, "speedup vs compiled", measured[COMPILED], m)
+        if provider in mem:
+            row.peak_mb = mem[provider].whole_step_peak_mb
+            row.extra["step extra MB"] = round(mem[provider].step_extra_mb, 1)
+            row.extra["memory vs eager"] = row.peak_mb / mem[EAGER].whole_step_peak_mb
+            if COMPILED in mem:
+                row.extra["memory vs compiled"] = row.peak_mb / mem[COMPILED].whole_step_peak_mb
+        if provider == COMPILED and compile_s is not None:
+            row.extra["compile s"] = round(compile_s, 1)
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------- README section
+def _machine_words(m: dict) -> str:
+    simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
+    return f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
+
+
+def _ratio(row: dict | None, key: str) -> str:
+    if row is not None and key == "speedup vs eager" and key not in row["extra"]:
+        key = "speedup"  # files written before the compiled baseline
+    if row is None or row["extra"].get(key) is None:
+        return "-"
+    return f"{row['extra'][key]:.2f}x" + (" (noisy)" if key in row.get("noisy", []) else "")
+
+
+def _spread(row: dict | None) -> str:
+    return "-" if row is None or row.get("spread") is None else f"{row['spread']:.0%}"
+
+
+def _mb(row: dict | None) -> str:
+    return "-" if row is None or row.get("peak_mb") is None else f"{row['peak_mb']:,.0f}"
+
+
+def render(results: dict, source: str) -> str:
+    """The README's training section from a results file (``source``: its name under
+    ``benchmarks/results/``): a caption saying what, how and where, then one line per
+    generator and mode with rag_fast's step against both baselines."""
+    rows = [r for r in results["rows"] if r["bench"] == NAME]
+    by = {(r["case"], r["provider"]): r for r in rows}
+    lines = [
+        "| generator | mode | rag_fast step ms | spread | vs `transformers` eager "
+        "| vs `torch.compile`d `transformers` | whole-step peak MB (rag_fast / eager / compiled) "
+        "| memory vs eager | memory vs compiled | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    case_words = ""
+    any_compiled = False
+    for r in rows:
+        if r["provider"] != OURS:
+            continue
+        size_name, mode, *rest = r["case"].split()
+        case_words = " ".join(rest)
+        eager, comp = by.get((r["case"], EAGER)), by.get((r["case"], COMPILED))
+        any_compiled |= comp is not None
+        compile_s = comp["extra"].get("compile s") if comp else None
+        peaks = " / ".join(_mb(x) for x in (r, eager, comp))
+        lines.append(
+            f"| {SIZE_WORDS.get(size_name, size_name)} | RAG-{mode.capitalize()} "
+            f"| {r['median_ms']:,.0f} | {_spread(r)} | {_ratio(r, 'speedup vs eager')} "
+            f"| {_ratio(r, 'speedup vs compiled') if comp else 'not run'} | {peaks} "
+            f"| {_ratio(r, 'memory vs eager')} | {_ratio(r, 'memory vs compiled')} "
+            f"| {'-' if compile_s is None else f'{compile_s:.0f}'} |")
+    runs = sorted({len(r["runs_ms"]) for r in rows if r.get("runs_ms")})
+    counted = (f"{runs[0]}" if len(runs) == 1 else f"{runs[0]} to {runs[-1]}") if runs else "several"
+    args = results.get("args", {})
+    command = run_command(args)
+    skipped = "" if any_compiled else (
+        " The compiled baseline was not run (quick mode: compiling takes minutes on 2 cores)."
+        if args.get("quick") else " The compiled baseline was not run.")
+    if not runs:
+        skipped += (" This file predates recorded runs and whole-step memory: its peak MB is a "
+                    "step's peak over the resident set just before it.")
+    caption = (
+        f"Measured by `{command}` on {_machine_words(results['machine'])} "
+        f"(`benchmarks/results/{source}`). One training step (forward, backward, fused AdamW "
+        f"step), {case_words.replace(' ', ', ')}, V={VOCAB}: `transformers`' RAG model "
+        "(eager, and its loss step under `torch.compile`, default mode, whose compile time is "
+        "the last column and is not in its step time; inductor's on-disk cache as a user's "
+        "machine keeps it) vs `RagModel` driving the same generator, "
+        "contexts, passage scores and labels. "
+        f"Times: medians of {counted} timed steps after a warm-up step, the providers' steps "
+        "alternating; spread = (max - min) / median of rag_fast's steps; a ratio marked (noisy) "
+        "has a side whose spread exceeds 20% or runs that overlap the other side's. "
+        "Memory: each provider alone in a fresh process builds its model and optimizer and runs "
+        "one warm step keeping its gradients; the whole-step peak is the peak resident set of "
+        "the next step above the bare process's before the model existed (parameters, "
+        "gradients, optimizer state and the step's temporaries; glibc made to unmap freed "
+        "blocks of 1 MiB or more)." + skipped
+    )
+    return caption + "\n\n" + "\n".join(lines)

@@ -5,6 +5,13 @@ A ``bench_*.py`` module only builds inputs and the competing providers, then cal
 (median of several runs after warm-up), measures its peak extra memory, and reports ratios
 against the row's baseline measured in the same run.
 
+Statistics: every provider is timed ``ctx.repeats`` (>= 5) times after ``ctx.warmup`` untimed
+runs; a row keeps every run (``runs_ms``), reports the median and the spread ``(max - min) /
+median``, and is flagged noisy when the spread exceeds ``NOISY_SPREAD`` (20%). A ratio between
+two providers (:func:`add_ratio`) is flagged as well when either side is noisy or when their
+ranges of runs overlap, so a table never shows a speedup (or a slowdown) that the machine's
+noise could explain without saying so.
+
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` above the allocation before the call;
 on the CPU, the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) above
 the resident set before the call, so it counts every allocator, not only torch's. For that to
@@ -47,12 +54,54 @@ def _fix_malloc_mmap_threshold(threshold: int = 1 << 20) -> bool:
 MALLOC_FIXED = _fix_malloc_mmap_threshold()
 
 
+NOISY_SPREAD = 0.20  # a measurement whose (max - min) / median exceeds this is flagged noisy
+
+
+def _quantile(sorted_times: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an ascending list (numpy's default method)."""
+    pos = (len(sorted_times) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_times) - 1)
+    return sorted_times[lo] + (sorted_times[hi] - sorted_times[lo]) * (pos - lo)
+
+
 @dataclass
 class Measurement:
+    """Timed runs of one provider: the median and the spread of ``times_ms``."""
+
     median_ms: float
     min_ms: float
     runs: int
     peak_mb: float | None
+    times_ms: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, times_ms: list[float], peak_mb: float | None = None) -> "Measurement":
+        if not times_ms:
+            raise ValueError("Measurement.of: times_ms is empty (no timed run)")
+        return cls(statistics.median(times_ms), min(times_ms), len(times_ms), peak_mb,
+                   list(times_ms))
+
+    @property
+    def max_ms(self) -> float:
+        return max(self.times_ms) if self.times_ms else self.median_ms
+
+    @property
+    def q1_ms(self) -> float:
+        return _quantile(sorted(self.times_ms), 0.25) if self.times_ms else self.median_ms
+
+    @property
+    def q3_ms(self) -> float:
+        return _quantile(sorted(self.times_ms), 0.75) if self.times_ms else self.median_ms
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the timed runs: 0.1 means the runs lie within 10% of it."""
+        return (self.max_ms - self.min_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+    @property
+    def noisy(self) -> bool:
+        return self.spread > NOISY_SPREAD
 
 
 @dataclass
@@ -65,6 +114,38 @@ class Row:
     median_ms: float
     peak_mb: float | None
     extra: dict = field(default_factory=dict)  # e.g. {"speedup": 12.3, "GB/s": 4.1}
+    runs_ms: list[float] = field(default_factory=list)  # every timed run, for the spread
+    spread: float | None = None  # (max - min) / median of runs_ms
+    noisy: list[str] = field(default_factory=list)  # why the row is flagged: "timing", ratio keys
+
+    @classmethod
+    def of(cls, bench: str, case: str, provider: str, m: Measurement,
+           extra: dict | None = None) -> "Row":
+        """A row from a measurement: its median, peak memory, runs and spread; flagged noisy
+        when the runs spread by more than ``NOISY_SPREAD`` of the median."""
+        return cls(bench, case, provider, m.median_ms, m.peak_mb, dict(extra or {}),
+                   list(m.times_ms), m.spread if m.times_ms else None,
+                   ["timing"] if m.noisy else [])
+
+
+def ratio_is_noisy(base: Measurement, m: Measurement) -> bool:
+    """A ratio of two medians is not trusted when either side is noisy, or when the two
+    measurements' [min, max] ranges overlap (some run of the slower beat some run of the
+    faster): the ratio is then within the machine's noise."""
+    if base.noisy or m.noisy:
+        return True
+    return not (base.max_ms < m.min_ms or m.max_ms < base.min_ms)
+
+
+def add_ratio(row: Row, key: str, base: Measurement, m: Measurement) -> float:
+    """``row.extra[key] = base.median / m.median`` (> 1: ``m`` is faster), flagging ``key`` in
+    ``row.noisy`` when :func:`ratio_is_noisy`. A ratio to itself (the baseline's own row) is
+    1.0 and never flagged."""
+    value = base.median_ms / m.median_ms
+    row.extra[key] = value
+    if base is not m and ratio_is_noisy(base, m) and key not in row.noisy:
+        row.noisy.append(key)
+    return value
 
 
 @dataclass
@@ -136,7 +217,7 @@ def measure(fn: Callable[[], object], ctx: Context, memory: bool = True) -> Meas
         _sync(ctx.device)
         times.append((time.perf_counter() - start) * 1e3)
     peak = peak_memory_mb(fn, ctx.device) if memory else None
-    return Measurement(statistics.median(times), min(times), len(times), peak)
+    return Measurement.of(times, peak)
 
 
 def measure_interleaved(
@@ -169,8 +250,7 @@ def measure_interleaved(
             if before_memory and name in before_memory:
                 before_memory[name]()
             peak = peak_memory_mb(fn, ctx.device)
-        t = times[name]
-        out[name] = Measurement(statistics.median(t), min(t), len(t), peak)
+        out[name] = Measurement.of(times[name], peak)
     return out
 
 
@@ -216,16 +296,36 @@ def markdown_table(rows: list[Row]) -> str:
         for k, v in r.extra.items():
             if k not in extra_keys and not isinstance(v, (list, dict)):  # curves: plotted, not tabled
                 extra_keys.append(k)
-    head = ["bench", "case", "provider", "median ms", "peak MB", *extra_keys]
+    head = ["bench", "case", "provider", "median ms", "spread", "peak MB", *extra_keys, "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r.bench, r.case, r.provider, f"{r.median_ms:.3f}",
+                 "-" if r.spread is None else f"{r.spread:.0%}",
                  "-" if r.peak_mb is None else f"{r.peak_mb:.1f}"]
         for k in extra_keys:
             v = r.extra.get(k, "")
             cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        cells.append(noisy_note(r.noisy))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def run_command(args: dict) -> str:
+    """The ``run.py`` command line of the run whose ``args`` a results file records."""
+    parts = ["python benchmarks/run.py", "--quick" if args.get("quick", False) else "--full"]
+    parts += [f"--only {name}" for name in args.get("only") or []]
+    if args.get("device", "cpu") != "cpu":
+        parts.append(f"--device {args['device']}")
+    if args.get("repeats"):
+        parts.append(f"--repeats {args['repeats']}")
+    if args.get("out"):
+        parts.append(f"--out {args['out']}")
+    return " ".join(parts)
+
+
+def noisy_note(flags: list[str]) -> str:
+    """The table note of a row's noisy flags: '' or e.g. 'noisy (timing, speedup)'."""
+    return f"noisy ({', '.join(flags)})" if flags else ""
 
 
 def write_json(path: str, rows: list[Row], machine: dict, args: dict) -> None:

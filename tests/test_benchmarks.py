@@ -24,8 +24,8 @@ def test_measure_table_and_json(tmp_path):
     rows = [harness.Row("b", "case", "base", 2.0, 1.0, {"speedup": 1.0}),
             harness.Row("b", "case", "fast", 1.0, None, {"speedup": 2.0, "GB/s": 3.5})]
     table = harness.markdown_table(rows).splitlines()
-    assert table[0] == "| bench | case | provider | median ms | peak MB | speedup | GB/s |"
-    assert table[3] == "| b | case | fast | 1.000 | - | 2 | 3.5 |"
+    assert table[0] == "| bench | case | provider | median ms | spread | peak MB | speedup | GB/s | note |"
+    assert table[3] == "| b | case | fast | 1.000 | - | - | 2 | 3.5 |  |"
     out = tmp_path / "r" / "x.json"
     harness.write_json(str(out), rows, harness.machine_description("cpu"), {"quick": True})
     payload = json.loads(out.read_text())
@@ -51,21 +51,185 @@ def test_curves_are_plotted_not_tabled(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
 
 
-def test_readme_tables_are_what_the_committed_results_render_to(tmp_path):
-    """The README's generated sections equal what benchmarks/render.py makes of the committed
-    JSON; an edited figure is caught and named."""
+def _edit_cell(text: str, section: str, row_start: str, cell: int, value: str) -> str:
+    """``text`` with one table cell of a generated section replaced (a hand-typed figure)."""
+    import render
+
+    line = next(line for line in render.readme_section(text, section).splitlines()
+                if line.startswith(row_start))
+    cells = line.split(" | ")
+    assert cells[cell] != value
+    cells[cell] = value
+    return text.replace(line, " | ".join(cells))
+
+
+def test_readme_tables_are_what_the_committed_results_render_to(tmp_path, capsys):
+    """Every generated README section equals what benchmarks/render.py makes of its committed
+    JSON; edited figures are caught, every differing section is named, and a rewrite restores
+    the README."""
     import render
 
     readme = BENCH_DIR.parent / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    assert {"index", "knowledge-swap"} <= set(render.SECTIONS)
     for name in render.SECTIONS:
-        assert render.readme_section(readme.read_text(), name) == render.rendered(name), name
+        assert render.readme_section(text, name) == render.rendered(name), name
     assert render.main(["--check"]) == 0
     edited = tmp_path / "README.md"
-    text = readme.read_text()
-    section = render.readme_section(text, "index")
-    line = next(line for line in section.splitlines() if line.startswith("| real text"))
-    cells = line.split(" | ")
-    cells[2] = "0.999"  # a hand-typed recall
-    edited.write_text(text.replace(line, " | ".join(cells)))
+    changed = _edit_cell(text, "index", "| real text", 2, "0.999")  # a hand-typed recall
+    edited.write_text(changed, encoding="utf-8")
+    capsys.readouterr()
     assert render.main(["--check", "--readme", str(edited)]) == 1
-    assert render.main(["--readme", str(edited)]) == 0 and edited.read_text() == text
+    err = capsys.readouterr().err
+    assert "'index'" in err and "'knowledge-swap'" not in err
+    changed = _edit_cell(changed, "knowledge-swap", "| RAG-Token", 1, "0.998")  # a hand-typed EM
+    edited.write_text(changed, encoding="utf-8")
+    assert render.main(["--check", "--readme", str(edited)]) == 1
+    err = capsys.readouterr().err
+    assert "'index'" in err and "'knowledge-swap'" in err  # every differing section, not the first
+    assert edited.read_text(encoding="utf-8") == changed  # --check writes nothing
+    assert render.main(["--readme", str(edited)]) == 0 and edited.read_text(encoding="utf-8") == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]  # no temp file left
+
+
+def test_a_section_missing_from_the_readme_is_an_error_naming_it(tmp_path, capsys):
+    import render
+
+    text = (BENCH_DIR.parent / "README.md").read_text(encoding="utf-8")
+    section = render.readme_section(text, "knowledge-swap")
+    whole = f"<!-- bench:knowledge-swap -->\n{section}\n<!-- /bench:knowledge-swap -->"
+    assert whole in text
+    edited = tmp_path / "README.md"
+    edited.write_text(text.replace(whole, section), encoding="utf-8")  # markers lost
+    for check in (["--check"], []):
+        capsys.readouterr()
+        assert render.main([*check, "--readme", str(edited)]) == 1
+        err = capsys.readouterr().err
+        assert "no section 'knowledge-swap'" in err and "'index'" not in err
+    assert edited.read_text(encoding="utf-8") == text.replace(whole, section)  # left as it was
+
+
+def test_an_empty_section_is_filled(tmp_path):
+    """A new section needs only its two markers in the README (and its line in SECTIONS)."""
+    import render
+
+    text = (BENCH_DIR.parent / "README.md").read_text(encoding="utf-8")
+    section = render.readme_section(text, "index")
+    edited = tmp_path / "README.md"
+    edited.write_text(text.replace(section + "\n", ""), encoding="utf-8")
+    assert render.readme_section(edited.read_text(encoding="utf-8"), "index") == ""
+    assert render.main(["--readme", str(edited)]) == 0
+    assert edited.read_text(encoding="utf-8") == text
+
+
+SWAP_RESULTS = {
+    "machine": {"cpu": "Some CPU", "cpu_count": 4, "torch": "2.13.0+cpu", "rag_fast_simd": "avx2"},
+    "threads": 1,
+    "seconds": 125.4,
+    "cpu_seconds": 118.6,
+    "load_average": 0.31,
+    "command": "python examples/knowledge_swap.py --out benchmarks/results/ks.json",
+    "args": {},
+    "results": {
+        "setup": {"entities": 600, "passages": 1200, "train_entities": 400, "test_entities": 200,
+                  "train_questions": 800, "test_questions": 400, "n_docs": 2, "d_model": 64,
+                  "layers": 1, "steps": 1500},
+        "token": {"before": {"em": 0.9575, "recall@1": 0.9975},
+                  "after": {"em": 0.96, "em_old": 0.0, "recall@1": 0.995}},
+        "sequence": {"before": {"em": 1.0, "recall@1": 0.9975},
+                     "after": {"em": 0.9975, "em_old": 0.0025, "recall@1": 0.995}},
+        "seconds": 125.4,
+    },
+}
+
+
+def test_knowledge_swap_renderer():
+    import render
+
+    out = render._module("knowledge_swap").render(SWAP_RESULTS, "ks.json")
+    caption, table = out.split("\n\n")
+    assert table.splitlines() == [
+        "| model | before the swap | after the swap (new facts) | after, vs the old facts "
+        "| gold passage recall@1 (before / after) |",
+        "|---|---|---|---|---|",
+        "| RAG-Token | 0.958 | 0.960 | 0.000 | 0.998 / 0.995 |",
+        "| RAG-Sequence | 1.000 | 0.998 | 0.003 | 0.998 / 0.995 |",
+    ]
+    for words in ("1,200 one-fact passages about 600 invented entities", "1,500 steps",
+                  "questions about 400 of them", "K=2", "`python examples/knowledge_swap.py --out "
+                  "benchmarks/results/ks.json` on Some CPU, 4 cores, rag_fast avx2, torch 2.13.0, "
+                  "1 torch thread: 2 min 5 s in all (1 min 59 s of CPU time, load average 0.3 "
+                  "when it started; `benchmarks/results/ks.json`)",
+                  "the 400 questions about the 200 entities never seen in training"):
+        assert words in caption, words
+
+
+def test_index_renderer_shows_spread_and_noisy_ratios():
+    """Rows with their runs show the spread and mark noisy ratios; rows written before rows
+    carried their runs render "-" for the spread."""
+    import render
+
+    def row(case, provider, ms, extra, runs=None, spread=None, noisy=()):
+        base = {"recall@10": 1.0, "same top5": 1.0, "B/vec": 3072.0, "factory": "", "params": ""}
+        r = {"bench": "index", "case": case, "provider": provider, "median_ms": ms,
+             "peak_mb": None, "extra": {**base, **extra}, "noisy": list(noisy)}
+        if runs is not None:
+            r.update(runs_ms=runs, spread=spread)
+        return r
+
+    batch, single = "synthetic, 1,000 x 768 batch (B=128)", "synthetic, 1,000 x 768 single (B=1)"
+    results = {"machine": {"cpu": "Some CPU", "cpu_count": 2, "torch": "2.13.0"},
+               "args": {"quick": True, "repeats": None},
+               "rows": [row(batch, "torch exact (matmul)", 2.0, {"QPS": 64000.0, "x exact": 1.0},
+                            [2.0] * 5, 0.0),
+                        row(single, "torch exact (matmul)", 0.5, {"QPS": 2000.0, "x exact": 1.0}),
+                        row(batch, "rag_fast ivfpq", 4.0,
+                            {"QPS": 32000.0, "x exact": 0.5, "factory": "IVF8,PQ8", "params": "nprobe=2"},
+                            [3.0, 4.0, 4.0, 4.0, 4.5, 5.0], 0.5, ["timing", "x exact"]),
+                        row(single, "rag_fast ivfpq", 0.1, {"QPS": 10000.0, "x exact": 0.98,
+                                                             "factory": "IVF8,PQ8", "params": "nprobe=2"},
+                            [0.1] * 7, 0.12)]}
+    out = render._module("bench_index").render(results, "r.json")
+    caption, table = out.split("\n\n")
+    assert table.splitlines()[2:] == [
+        "| synthetic, 1,000 x 768 | torch exact (matmul) | 1.000 | 100.0% | 64,000 | 0% | 1.0x "
+        "| 0.500 ms | - | 1.0x | 3,072 |",
+        "| synthetic, 1,000 x 768 | ivfpq (IVF8,PQ8, nprobe=2) | 1.000 | 100.0% | 32,000 | 50% "
+        "| 0.50x (noisy) | 0.100 ms | 12% | 0.98x | 3,072 |",  # a slowdown never reads 1.0x
+    ]
+    assert "`python benchmarks/run.py --quick --only index`" in caption
+    assert "medians of 5 to 7 timed runs" in caption
+
+
+def test_index_rows_carry_their_runs_and_render():
+    """The index bench's rows (torch exact, the exact preset, an approximate one) each come from
+    >= 5 timed runs, carry them with their spread, and render with a spread for every row."""
+    import dataclasses
+
+    import numpy as np
+
+    pytest.importorskip("faiss")
+    import bench_index
+
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((40, 64)).astype(np.float32)
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    xb = bench_index.clustered_vectors(2000, rng, centres)
+    q = bench_index.clustered_vectors(130, rng, centres)
+    ctx = harness.Context(device="cpu", quick=True, repeats=5, warmup=1)
+    rows = bench_index._set_rows(ctx, "synthetic", xb, q, ("exact", "hnsw"), {})
+    assert [r.provider for r in rows] == ["torch exact (matmul)"] * 2 + ["rag_fast exact"] * 2 + ["rag_fast hnsw"] * 2
+    for r in rows:
+        assert len(r.runs_ms) >= 5 and r.median_ms == pytest.approx(float(np.median(r.runs_ms)))
+        assert r.spread == pytest.approx((max(r.runs_ms) - min(r.runs_ms)) / r.median_ms)
+        assert ("timing" in r.noisy) == (r.spread > harness.NOISY_SPREAD)
+        assert set(r.noisy) <= {"timing", "x exact", "overhead vs faiss"}
+        assert r.extra["x exact"] > 0
+    for mode in ("batch", "single"):  # x exact is against the faster of the two exact searches
+        exact = [r for r in rows[:4] if mode in r.case]
+        assert max(r.extra["x exact"] for r in exact) == pytest.approx(1.0)
+    results = {"machine": harness.machine_description("cpu"), "args": {"quick": True},
+               "rows": [dataclasses.asdict(r) for r in rows]}
+    table = bench_index.render(results, "r.json").split("\n\n")[1].splitlines()
+    assert len(table) == 2 + 3 and all(line.count("%") >= 3 for line in table[2:])  # spreads
+    assert all(" - |" not in line for line in table[2:])

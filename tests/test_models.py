@@ -223,7 +223,13 @@ def test_tied_embedding_gradient_equals_plain_autograd(mode, generator, monkeypa
     assert _seq2seq.split_tied_weight(gen) is not None  # the split path is taken
     with torch.no_grad():
         assert _seq2seq.split_tied_weight(gen) is None
+    taken = []
+    take = _seq2seq.DeferredHeadGrad.take
+    # the LM head's weight gradient is computed late, by the tied weight's backward
+    monkeypatch.setattr(_seq2seq.DeferredHeadGrad, "take",
+                        lambda self: taken.append(take(self)) or taken[-1])
     got = _generator_grads(model, *inputs)
+    assert len(taken) == 2 and all(t is not None and t.shape == weight.shape for t in taken)
     assert weight.grad.layout == torch.strided  # dense, as optimizers need
     assert not any(m.sparse for m in gen.modules() if isinstance(m, torch.nn.Embedding))
     monkeypatch.setattr(_seq2seq, "split_tied_weight", lambda generator: None)

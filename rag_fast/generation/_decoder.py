@@ -13,17 +13,101 @@ scaled embeddings, layernorm_embedding), ``lm_head`` plus ``final_logits_bias``.
 """
 from __future__ import annotations
 
+import os
+import statistics
+import threading
+import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-# An incremental step whose largest matmul is below this many flops (a few ms on one core)
-# runs on one intra-op thread: its ops are too small to gain from a second thread, and each
-# multi-threaded op waits at a barrier for every thread, which on shared, oversubscribed cores
-# costs milliseconds per op (measured: 2x slower decoding). The LM head keeps every thread.
-SINGLE_THREAD_STEP_FLOPS = 1e9
+# How an incremental step picks its intra-op threads: "auto" (timed, see StepThreads), "single"
+# or "all"; from the environment variable RAG_FAST_STEP_THREADS, read once at import.
+STEP_THREADS_MODE = os.environ.get("RAG_FAST_STEP_THREADS", "auto").strip().lower() or "auto"
+if STEP_THREADS_MODE not in ("auto", "single", "all"):
+    raise ValueError(
+        f"RAG_FAST_STEP_THREADS must be 'auto', 'single' or 'all', got {STEP_THREADS_MODE!r}"
+    )
+
+
+class StepThreads:
+    """Whether an incremental decoder step runs on one intra-op thread or on all of them,
+    decided by timing both on this machine, in this process, for each step shape.
+
+    A decoder step is many small ops (the LM head, which always keeps every thread, is not part
+    of it). On idle cores a second thread speeds the larger ones up; on cores shared with other
+    work, every multi-threaded op waits at a barrier for a thread that may not be scheduled, and
+    a step can run several times slower than on one thread. Which one wins depends on the
+    machine, its load and the step's size, so no flop threshold fits every machine (the former
+    fixed threshold, 1e9 flops of the largest matmul, tuned on a busy VM, kept even
+    BART-base-sized steps of 160 rows on one thread, while the baseline used two on an idle
+    machine). Instead, per shape key (rows, d_model, ffn, layers, threads):
+
+    - calibration: the first ``2 * SAMPLES`` timed steps alternate one thread / all threads;
+    - then every step runs the mode whose median of its last ``SAMPLES`` timed steps is lower;
+    - one step in ``RECHECK_EVERY`` runs the other mode, so the choice follows a change of load.
+
+    Steps at position 0 are not timed (their first touch of fresh caches is not representative).
+    The ids never depend on the choice (the same ops run either way, and tests check decoding
+    against ``transformers`` in every mode). The constants were chosen, not measured into
+    place: none depends on a machine's speed. Tuning: ``SAMPLES`` trades calibration cost (the
+    slower mode is run ``SAMPLES`` times per shape and process) against robustness to one
+    noisy step; ``RECHECK_EVERY`` trades the cost of re-checking the slower mode (at most
+    1/RECHECK_EVERY of the steps) against how fast the choice follows a change of load. Set
+    ``RAG_FAST_STEP_THREADS=single`` or ``all`` to bypass the timing (e.g. to compare both).
+    """
+
+    SAMPLES = 3
+    RECHECK_EVERY = 64
+    MAX_KEYS = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._times: dict[tuple, dict[bool, deque]] = {}
+        self._steps: dict[tuple, int] = {}
+
+    def choose(self, key: tuple) -> bool:
+        """True: run this step on one thread."""
+        with self._lock:
+            times = self._times.get(key)
+            if times is None:
+                if len(self._times) >= self.MAX_KEYS:
+                    self._times.clear()
+                    self._steps.clear()
+                times = self._times[key] = {True: deque(maxlen=self.SAMPLES),
+                                            False: deque(maxlen=self.SAMPLES)}
+            n_single, n_multi = len(times[True]), len(times[False])
+            if n_single < self.SAMPLES or n_multi < self.SAMPLES:
+                return n_single <= n_multi  # calibration: alternate, one thread first
+            step = self._steps.get(key, 0) + 1
+            self._steps[key] = step
+            best = statistics.median(times[True]) <= statistics.median(times[False])
+            return (not best) if step % self.RECHECK_EVERY == 0 else best
+
+    def record(self, key: tuple, single: bool, seconds: float) -> None:
+        with self._lock:
+            times = self._times.get(key)
+            if times is not None:
+                times[single].append(seconds)
+
+    def decision(self, key: tuple) -> bool | None:
+        """The current choice for ``key`` (True: one thread), None while calibrating."""
+        with self._lock:
+            times = self._times.get(key)
+            if times is None or min(len(times[True]), len(times[False])) < self.SAMPLES:
+                return None
+            return statistics.median(times[True]) <= statistics.median(times[False])
+
+    def reset(self) -> None:
+        with self._lock:
+            self._times.clear()
+            self._steps.clear()
+
+
+STEP_THREADS = StepThreads()
 
 
 @contextmanager
@@ -84,6 +168,16 @@ class CrossState:
     mask: torch.Tensor | None  # [E, 1, 1, S] bool (True: attend), or None
 
 
+class SelfAttentionCache(list):
+    """The decoder's self-attention cache: per layer one ``[2, rows, H, max_len, hd]`` buffer,
+    plus one spare buffer of the same shape that reordering gathers into (then swaps with the
+    layer's), so that reordering beams copies each layer once and allocates nothing."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        super().__init__(buffers)
+        self.spare = torch.empty_like(buffers[0]) if buffers else None
+
+
 class BartDecoder:
     """Incremental and teacher-forced decoding with the weights of a BART generator."""
 
@@ -101,6 +195,7 @@ class BartDecoder:
         self.vocab_size = self.lm_weight.shape[0]
         self.d_model = self.lm_weight.shape[1]
         self.ffn_dim = max(layer.fc1.out_features for layer in self.layers)
+        self._step_buf: torch.Tensor | None = None  # step_logits' reused output
 
     # encoder side -----------------------------------------------------------------------
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -172,14 +267,41 @@ class BartDecoder:
         """LM head: ``hidden [..., d]`` -> ``[..., V]`` (plus BART's final_logits_bias)."""
         out = F.linear(hidden, self.lm_weight)
         if self.lm_bias is not None:
-            out = out + self.lm_bias.view(-1)
+            out += self.lm_bias.view(-1)  # in place: the same additions, one tensor less
         return out
 
-    def new_cache(self, rows: int, max_len: int) -> list[torch.Tensor]:
+    def step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` (the same values) written into a buffer that every call on this
+        decoder reuses, ``hidden [..., d]`` -> ``[..., V]``; the buffer grows to the most rows
+        seen. The result is valid until the next call: callers consume it (beam step, argmax,
+        row statistics) before asking again.
+
+        The logits are the largest tensor of a decoding step ([N, 50265] fp32: 32 MB for
+        N=160); allocating them afresh every step (and once more for the bias addition) costs
+        a page fault per 4 KiB page, since tensors this large are mapped fresh by the
+        allocator. Measured on one thread of a 2-core VM (benchmark allocator settings), the
+        LM head of 160 rows: d 256, 65 ms afresh, 36 ms into the buffer; d 768, 132 and 102 ms.
+        """
+        lead = hidden.shape[:-1]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        n = flat.shape[0]
+        buf = self._step_buf
+        if (buf is None or buf.shape[0] < n or buf.dtype != flat.dtype
+                or buf.device != flat.device):
+            buf = self._step_buf = torch.empty((n, self.vocab_size), dtype=flat.dtype,
+                                               device=flat.device)
+        out = buf[:n]
+        torch.mm(flat, self.lm_weight.t(), out=out)
+        if self.lm_bias is not None:
+            out += self.lm_bias.view(-1)
+        return out.view(*lead, self.vocab_size)
+
+    def new_cache(self, rows: int, max_len: int) -> "SelfAttentionCache":
         """An empty self-attention cache: per layer one ``[2, rows, H, max_len, hd]`` buffer."""
         p = self.lm_weight
-        return [torch.empty((2, rows, self.heads, max_len, self.head_dim), dtype=p.dtype,
-                            device=p.device) for _ in self.layers]
+        return SelfAttentionCache([
+            torch.empty((2, rows, self.heads, max_len, self.head_dim), dtype=p.dtype,
+                        device=p.device) for _ in self.layers])
 
     def step(self, tokens: torch.Tensor, pos: int, cache: list[torch.Tensor], cross: CrossState,
              Q: int) -> torch.Tensor:
@@ -191,14 +313,35 @@ class BartDecoder:
             cache[i][1, :, :, pos] = v[:, :, 0]
             return cache[i][0, :, :, : pos + 1], cache[i][1, :, :, : pos + 1], False
 
-        small = 2.0 * tokens.shape[0] * self.d_model * self.ffn_dim < SINGLE_THREAD_STEP_FLOPS
-        with _single_thread(small):
-            h = self._embed(tokens[:, None], positions)
-            return self._layers(h, cross, Q, self_kv)[:, 0]
+        threads = torch.get_num_threads()
+        if tokens.device.type != "cpu" or threads == 1 or STEP_THREADS_MODE == "all":
+            return self._layers(self._embed(tokens[:, None], positions), cross, Q, self_kv)[:, 0]
+        if STEP_THREADS_MODE == "single":
+            with _single_thread(True):
+                return self._layers(self._embed(tokens[:, None], positions), cross, Q,
+                                    self_kv)[:, 0]
+        key = (tokens.shape[0], self.d_model, self.ffn_dim, len(self.layers), threads)
+        single = STEP_THREADS.choose(key)
+        start = time.perf_counter()
+        with _single_thread(single):
+            h = self._layers(self._embed(tokens[:, None], positions), cross, Q, self_kv)[:, 0]
+        if pos > 0:
+            STEP_THREADS.record(key, single, time.perf_counter() - start)
+        return h
 
     @staticmethod
     def reorder_cache(cache: list[torch.Tensor], rows: torch.Tensor, length: int) -> None:
-        """Row r of the cache becomes old row ``rows[r]`` (positions ``< length``), in place."""
+        """Row r of the cache becomes old row ``rows[r]`` (positions ``< length``).
+
+        A :class:`SelfAttentionCache` gathers each layer into its spare buffer, which then
+        takes the layer's place (one copy, no allocation); a plain list is gathered in place."""
+        if isinstance(cache, SelfAttentionCache):
+            for i in range(len(cache)):
+                spare = cache.spare
+                torch.index_select(cache[i][:, :, :, :length], 1, rows,
+                                   out=spare[:, :, :, :length])
+                cache.spare, cache[i] = cache[i], spare
+            return
         for buf in cache:
             buf[:, :, :, :length] = buf[:, :, :, :length].index_select(1, rows)
 

@@ -79,7 +79,7 @@ def _step_logits(dec, tokens, pos, cache, cross, B, K, W) -> torch.Tensor:
     """Decoder step for rows (b, k, j) -> logits as a ``[B, W, K, V]`` strided view."""
     rows = tokens[:, None, :].expand(B, K, W).reshape(-1)  # [B*K*W], rows (b, k, j)
     hidden = dec.step(rows, pos, cache, cross, Q=W)
-    logits = dec.logits(hidden)  # [B*K*W, V]
+    logits = dec.step_logits(hidden)  # [B*K*W, V], a buffer reused every step
     return logits.view(B, K, W, -1).transpose(1, 2)
 
 

@@ -10,7 +10,9 @@ When the LM head shares its weight with the input embeddings (BART, T5, ... tie 
 step would otherwise build that ``[V, d]`` gradient three times: the LM head's, plus one dense
 zero-filled ``[V, d]`` tensor per embedding lookup (encoder and decoder), summed out of place.
 :func:`split_tied_weight` gives the lookups their own alias of the weight with sparse
-gradients and adds their rows into the LM head's gradient in place: one ``[V, d]`` tensor.
+gradients and adds their rows into the LM head's gradient in place: one ``[V, d]`` tensor. That
+tensor is made at the end of the backward pass, once the activations are freed, not at its start
+(:class:`DeferredHeadGrad`), so it no longer sits on top of them at the step's memory peak.
 
 Supported: every ``*ForConditionalGeneration`` with ``get_encoder``/``get_decoder``/
 ``get_output_embeddings`` whose logits are ``scale * h @ W^T + bias`` (BART, mBART, Pegasus,
@@ -77,31 +79,64 @@ def lm_head(generator: nn.Module) -> LMHead:
     return LMHead(head.weight, bias, scale)
 
 
+class DeferredHeadGrad:
+    """The LM head's weight gradient ``g^T h``, computed late.
+
+    The LM head's backward runs first in a backward pass, while every activation of the
+    generator is still alive; a ``[V, d]`` weight gradient made there would sit on top of all of
+    them, at the step's memory peak. The chunked LM head (:class:`_LMHeadLogits`) instead hands
+    its ``(g, h)`` here, and the tied weight's backward (:class:`TiedWeightFunction`), which runs
+    last, after the embedding lookups' backward, when the activations are freed, computes the
+    product. ``g`` is the logits' gradient, which the fused loss wrote into the logits' own
+    buffer: holding it costs nothing more.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, g: torch.Tensor, h: torch.Tensor) -> None:
+        self._parts.append((g, h))
+
+    def take(self) -> torch.Tensor | None:
+        """``sum g^T h`` over what was added (None if nothing was), forgetting it."""
+        parts, self._parts = self._parts, []
+        out = None
+        for g, h in parts:
+            out = g.t() @ h if out is None else out.addmm_(g.t(), h)
+        return out
+
+
 class TiedWeightFunction(torch.autograd.Function):
     """Two aliases ``(head, embed)`` of one ``[V, d]`` weight.
 
-    Backward: ``g_head`` (the LM head's dense gradient, a temporary no one else holds) plus
-    ``g_embed`` (the embedding lookups' gradients, sparse rows), added in place into ``g_head``.
+    Backward: ``g_head`` (the LM head's dense gradient, a temporary no one else holds, plus
+    what ``deferred`` holds) plus ``g_embed`` (the embedding lookups' gradients, sparse rows),
+    added in place into ``g_head``.
     """
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, weight: torch.Tensor, deferred: DeferredHeadGrad | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # a missing gradient stays None, not a [V, d] zero
+        ctx.deferred = deferred
         return weight.view_as(weight), weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, g_head: torch.Tensor | None, g_embed: torch.Tensor | None):
+        late = ctx.deferred.take() if ctx.deferred is not None else None
+        if late is not None:
+            g_head = late if g_head is None else late.add_(g_head)
         if g_embed is None:
-            return g_head
+            return g_head, None
         if g_head is None:
-            return g_embed.to_dense() if g_embed.is_sparse else g_embed
+            return (g_embed.to_dense() if g_embed.is_sparse else g_embed), None
         if not g_head.is_contiguous():
             g_head = g_head.contiguous()
         if g_embed.is_sparse:  # uncoalesced rows: index_add_ sums repeated tokens
             g_head.index_add_(0, g_embed._indices()[0], g_embed._values().to(g_head.dtype))
         else:
             g_head.add_(g_embed)
-        return g_head
+        return g_head, None
 
 
 @dataclass(frozen=True)
@@ -113,6 +148,7 @@ class TiedWeight:
     head: torch.Tensor
     embed: torch.Tensor
     modules: tuple[nn.Embedding, ...]
+    deferred: DeferredHeadGrad
 
 
 def split_tied_weight(generator: nn.Module) -> TiedWeight | None:
@@ -127,8 +163,9 @@ def split_tied_weight(generator: nn.Module) -> TiedWeight | None:
                     if isinstance(m, nn.Embedding) and m.weight is weight)
     if not modules or any(m.max_norm is not None for m in modules):
         return None
-    head, embed = TiedWeightFunction.apply(weight)
-    return TiedWeight(weight, head, embed, modules)
+    deferred = DeferredHeadGrad()
+    head, embed = TiedWeightFunction.apply(weight, deferred)
+    return TiedWeight(weight, head, embed, modules, deferred)
 
 
 @contextmanager
@@ -243,10 +280,12 @@ class LogitsWorkspace:
 
 class _LMHeadLogits(torch.autograd.Function):
     """``h @ weight^T + bias`` into a workspace buffer, ``LM_HEAD_CHUNK`` columns per matmul.
-    h ``[N, d]``, weight ``[V, d]``, bias ``[V]`` or None -> ``[N, V]``."""
+    h ``[N, d]``, weight ``[V, d]``, bias ``[V]`` or None -> ``[N, V]``. With ``deferred``, the
+    weight's gradient is left to it (see :class:`DeferredHeadGrad`)."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, workspace: LogitsWorkspace):
+    def forward(ctx, h, weight, bias, workspace: LogitsWorkspace,
+                deferred: DeferredHeadGrad | None = None):
         V = weight.shape[0]
         out = workspace.claim((h.shape[0], V), h.dtype, h.device)
         for start in range(0, V, LM_HEAD_CHUNK):
@@ -256,6 +295,7 @@ class _LMHeadLogits(torch.autograd.Function):
             out += bias
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
+        ctx.deferred = deferred
         return out
 
     @staticmethod
@@ -264,19 +304,27 @@ class _LMHeadLogits(torch.autograd.Function):
         h, weight = ctx.saved_tensors
         g = g.contiguous()
         g_h = g @ weight if ctx.needs_input_grad[0] else None
-        g_w = g.t() @ h if ctx.needs_input_grad[1] else None
+        g_w = None
+        if ctx.needs_input_grad[1]:
+            if ctx.deferred is not None:
+                ctx.deferred.add(g, h)  # computed by the tied weight's backward, at the end
+            else:
+                g_w = g.t() @ h
         g_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return g_h, g_w, g_b, None
+        return g_h, g_w, g_b, None, None
 
 
 def lm_logits(
-    head: LMHead, states: torch.Tensor, workspace: LogitsWorkspace | None = None
+    head: LMHead, states: torch.Tensor, workspace: LogitsWorkspace | None = None,
+    deferred: DeferredHeadGrad | None = None,
 ) -> torch.Tensor:
     """``[..., V]`` logits of decoder states ``[..., d]`` (autocast applies to the matmul).
 
     With a ``workspace``, fp32 CPU training (grad enabled, no autocast) writes the logits into
     the workspace's buffer, ``LM_HEAD_CHUNK`` vocabulary columns per matmul; same values and
-    gradients as ``nn.functional.linear``. Under ``torch.compile`` the compiler plans memory
+    gradients as ``nn.functional.linear``. ``deferred``: the split tied weight's
+    (:func:`split_tied_weight`), which then computes the weight's gradient at the end of the
+    backward pass. Under ``torch.compile`` the compiler plans memory
     itself and the workspace is not used.
     """
     h = states * head.scale if head.scale != 1.0 else states
@@ -285,6 +333,7 @@ def lm_logits(
             and h.dtype == torch.float32 and head.weight.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu")):
         lead = h.shape[:-1]
-        out = _LMHeadLogits.apply(h.reshape(-1, h.shape[-1]), head.weight, head.bias, workspace)
+        out = _LMHeadLogits.apply(h.reshape(-1, h.shape[-1]), head.weight, head.bias, workspace,
+                                  deferred)
         return out.view(*lead, out.shape[-1])
     return nn.functional.linear(h, head.weight, head.bias)

@@ -425,7 +425,8 @@ class RagModel(nn.Module):
             context_attention_mask,
             tied,
         )  # [B*K, T-1, d]
-        logits = _seq2seq.lm_logits(head, states, self._logits_workspace)  # [B*K, T-1, V]
+        logits = _seq2seq.lm_logits(head, states, self._logits_workspace,
+                                    None if tied is None else tied.deferred)  # [B*K, T-1, V]
         exclude_bos = False
         if self.mode == "sequence" and self.exclude_bos and self.bos_token_id is not None:
             # transformers' rule: drop BOS only if every target starts with it

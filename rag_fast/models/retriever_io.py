@@ -77,4 +77,116 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True):
     return Retriever(index, store, n_docs=n_docs, progress=False)
 
 
-__all__ = ["BUNDLE_KIND", "load_retriever", "read_bundle_manifest"]
+def _staged_shard_counts(root: Path) -> list[int]:
+    """The ``n`` of every ``embeddings-i-of-n.npy`` in a staging directory (sorted, unique)."""
+    import re
+
+    counts = set()
+    for p in root.glob("embeddings-*-of-*.npy"):
+        m = re.fullmatch(r"embeddings-(\d+)-of-(\d+)\.npy", p.name)
+        if m:
+            counts.add(int(m.group(2)))
+    return sorted(counts)
+
+
+def load_sharded_retriever(path: str | Path, *, n_docs: int = 5, preset: str = "exact",
+                           verify: bool = True, cache: bool = False, group=None, **build_kwargs):
+    """A :class:`~rag_fast.retrieval.sharded.ShardedRetriever` over the staging directory
+    ``path`` that ``rag-fast index build --out X --shard i/n`` processes leave (``X.staging/``:
+    ``key.json``, ``passages/``, ``embeddings-i-of-n.npy``): rank r of the process group
+    ``group`` (default: the world) opens shard r and builds its index with ``preset`` (any
+    preset or faiss factory string; ``build_kwargs`` go to ``DenseIndex.build``); with
+    ``cache`` the built shard index is saved in ``path`` and reused by later runs (see
+    ``ShardedIndex.from_shards``).
+
+    Collective: every rank of the group calls it. The number of staged shards must equal the
+    group's size; every error is raised on every rank (none is left waiting).
+
+    Raises:
+        ValueError: naming ``index.path``: torch.distributed not initialised, not a staging
+            directory, a number of shards other than the world size, a missing shard file;
+            or ``index.preset``: an unknown preset (from any rank, on every rank).
+    """
+    import torch.distributed as dist
+
+    from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
+
+    root = Path(path)
+    if not dist.is_available() or not dist.is_initialized():
+        counts = _staged_shard_counts(root) if root.is_dir() else []
+        hint = f" with {counts[0]} processes" if len(counts) == 1 else ""
+        raise ValueError(f"index.sharded: a sharded index needs torch.distributed: run under "
+                         f"torchrun{hint} (one process per shard of {str(root)!r})")
+    g = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(g), dist.get_rank(g)
+    error = None
+    if not root.is_dir():
+        error = (f"index.path: {str(root)!r} is not a directory (expected the staging directory "
+                 "that `rag-fast index build --out X --shard i/n` leaves: X.staging)")
+    elif not (root / "key.json").is_file():
+        error = (f"index.path: {str(root)!r} has no key.json: not a staging directory of "
+                 "`rag-fast index build --shard i/n` (sharded: true wants X.staging, not X)")
+    else:
+        counts = _staged_shard_counts(root)
+        if world not in counts:
+            staged = (" and ".join(f"{n} shards (embeddings-i-of-{n}.npy)" for n in counts)
+                      or "no shards")
+            advice = (f"run {counts[0]} processes (torchrun --nproc-per-node {counts[0]}), or "
+                      if len(counts) == 1 else "")
+            error = (f"index.path: {str(root)!r} holds {staged} but this run has {world} "
+                     f"processes (one shard per rank): {advice}stage {world} shards with "
+                     f"`rag-fast index build --shard i/{world}`")
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error, group=g)  # the same verdict on every rank, no hang
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        mine = errors[rank]
+        raise ValueError(mine if mine is not None else
+                         f"index.path: rank(s) {failed} cannot open their shard: {errors[failed[0]]}")
+    try:
+        index = ShardedIndex.from_shards(root, preset, group=group, verify=verify, progress=False,
+                                         cache=cache, **build_kwargs)
+    except ValueError as exc:
+        text = str(exc)
+        if "preset" in text and "index.preset" not in text:
+            text = f"index.preset: {text}"
+        raise ValueError(text) from exc
+    return ShardedRetriever(index, n_docs=n_docs)
+
+
+class TimedRetriever:
+    """A retriever that adds the wall time of its ``retrieve`` calls to
+    ``retrieval_seconds`` (the :class:`~rag_fast.training.Trainer` reports it per step as
+    ``retrieval_s``); every other attribute (``store``, ``version``, ``index``, ``swap``...)
+    is the wrapped retriever's."""
+
+    def __init__(self, retriever):
+        self.__dict__["retriever"] = retriever
+        self.__dict__["retrieval_seconds"] = 0.0
+
+    def retrieve(self, *args, **kwargs):
+        import time
+
+        start = time.perf_counter()
+        try:
+            return self.retriever.retrieve(*args, **kwargs)
+        finally:
+            self.__dict__["retrieval_seconds"] += time.perf_counter() - start
+
+    __call__ = retrieve
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["retriever"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "retrieval_seconds":
+            self.__dict__[name] = value
+        else:
+            setattr(self.retriever, name, value)
+
+    def __repr__(self) -> str:
+        return f"TimedRetriever({self.retriever!r})"
+
+
+__all__ = ["BUNDLE_KIND", "TimedRetriever", "load_retriever", "load_sharded_retriever",
+           "read_bundle_manifest"]

@@ -5,6 +5,7 @@
     DenseIndex, PRESETS, recall_at_k                   FAISS inner-product index (.index)
     exact_search                                       exact top-k in torch, any device, no faiss (._exact)
     Retriever, RetrievedPassages                       ids, exact embeddings, generator inputs (.retriever)
+    ShardedIndex, ShardedRetriever, search_exact_ties  one index over a torch.distributed group (.sharded)
     StorageError                                       a stored directory is corrupt or mismatched
 
 Names are imported on first use, so that ``exact_search`` and the passage store work where
@@ -29,6 +30,9 @@ _LAZY = {
     "split_words": "rag_fast.retrieval.passages",
     "RetrievedPassages": "rag_fast.retrieval.retriever",
     "Retriever": "rag_fast.retrieval.retriever",
+    "ShardedIndex": "rag_fast.retrieval.sharded",
+    "ShardedRetriever": "rag_fast.retrieval.sharded",
+    "search_exact_ties": "rag_fast.retrieval.sharded",
 }
 __all__ = sorted(_LAZY)
 

@@ -5,7 +5,14 @@ The config file (paths in it are relative to the file's own folder)::
     {
       "model": "model0",                    a model directory (`rag-fast init`), or
                                             {"path": DIR, <RagModel option>: value, ...}
-      "index": "kb",                        an index directory (default: the model's own)
+      "index": "kb",                        an index directory (default: the model's own), or
+                                            {"path": DIR, "verify": bool}, or a sharded index:
+                                            {"path": "kb.staging", "sharded": true,
+                                             "preset": "exact", "cache": false} (the staging
+                                            directory that `rag-fast index build --shard i/n`
+                                            leaves; under torchrun with n processes, rank r
+                                            loads shard r; cache: save each shard's built
+                                            index there and reuse it on later runs)
       "data": {"train": "train.jsonl",      JSONL {"question", "answers"} (or TSV) files;
                "eval": "dev.jsonl"},        eval is optional (needs train.eval_every > 0)
       "train": {<TrainConfig field>: value, ...},
@@ -16,7 +23,9 @@ The config file (paths in it are relative to the file's own folder)::
 config's (relative to the current folder). The run writes into ``output_dir``: the resumable
 ``checkpoint-last.pt`` (verified on resume), ``metrics.jsonl`` (loss, learning rate and speed
 per logged step, eval metrics), ``training.png`` (their plot) and, at the end, the trained
-model directory ``model/`` (which ``rag-fast eval`` and ``generate`` take).
+model directory ``model/`` (which ``rag-fast eval`` and ``generate`` take). With
+``train.refresh_index_every`` (an index directory, not a sharded one) it also writes
+``index/``, the passages with the index of the last refresh, and ``model/`` records it.
 
 Under ``torchrun`` each process joins one group (nccl when the model trains on a GPU, gloo on
 the CPU) with the model on its own device, and trains its slice of every global batch.
@@ -30,7 +39,8 @@ import time
 
 TOP_LEVEL = {
     "model": "model directory (str) or {'path': DIR, RagModel options...}",
-    "index": "index directory (str) or {'path': DIR, 'verify': bool}",
+    "index": "index directory (str) or {'path': DIR, 'verify': bool, 'sharded': bool, "
+             "'preset': str, 'cache': bool}",
     "data": "{'train': FILE, 'eval': FILE}",
     "train": "TrainConfig fields (object)",
     "resume": "true / false",
@@ -91,9 +101,22 @@ def load_config(path: str) -> dict:
 
     out["model"] = _directory_section(config.get("model"), "model", ("path", *MODEL_OPTIONS),
                                       "a model directory or {'path': DIR, ...}", path, base)
-    out["index"] = _directory_section(config.get("index"), "index", ("path", "verify"),
-                                      "an index directory or {'path': DIR, 'verify': bool}",
-                                      path, base)
+    out["index"] = _directory_section(config.get("index"), "index",
+                                      ("path", "verify", "sharded", "preset", "cache"),
+                                      "an index directory or {'path': DIR, 'verify': bool, "
+                                      "'sharded': bool, 'preset': str, 'cache': bool}", path, base)
+    index = out["index"] or {}
+    for key in ("verify", "sharded", "cache"):
+        if key in index and not isinstance(index[key], bool):
+            raise _fail(path, f"index.{key}", "true or false", index[key])
+    for key in ("preset", "cache"):
+        if key in index and not index.get("sharded"):
+            raise ValueError(f"{path}: index.{key}: only for a sharded index (\"sharded\": true); "
+                             "an index directory has its index built already")
+    if "preset" in index:
+        if not isinstance(index["preset"], str) or not index["preset"]:
+            raise _fail(path, "index.preset", "a preset name or faiss factory string",
+                        index["preset"])
 
     data = config.get("data")
     if not isinstance(data, dict) or not isinstance(data.get("train"), str):
@@ -126,16 +149,28 @@ def train_config(values: dict, path: str):
 
 
 def load_retriever(spec: dict | None, n_docs: int = 5):
-    """The Retriever of ``{"path": DIR, "verify": bool}`` (an index directory), or None."""
+    """The retriever of the config's ``index`` section, or None.
+
+    ``{"path": DIR, "verify": bool}``: a Retriever over an index directory. With
+    ``"sharded": true``, DIR is the staging directory of ``rag-fast index build --shard i/n``
+    and the result a ShardedRetriever: collective, call it on every rank of the initialised
+    process group (n ranks; rank r loads shard r, its index built with ``preset``).
+    """
     if not spec:
         return None
     from rag_fast.models.retriever_io import load_retriever as load
+    from rag_fast.models.retriever_io import load_sharded_retriever
 
-    return load(spec["path"], n_docs=n_docs, verify=bool(spec.get("verify", True)))
+    verify = bool(spec.get("verify", True))
+    if spec.get("sharded"):
+        return load_sharded_retriever(spec["path"], n_docs=n_docs, verify=verify,
+                                      preset=spec.get("preset", "exact"),
+                                      cache=bool(spec.get("cache", False)))
+    return load(spec["path"], n_docs=n_docs, verify=verify)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    import torch.distributed as dist
 
     from rag_fast.evaluation import evaluate, load_qa
     from rag_fast.models import RagModel
@@ -170,7 +205,15 @@ def run(args: argparse.Namespace) -> int:
     if index is None:
         raise ValueError(f"{args.config}: no index: the model records none; set \"index\" or "
                          "pass --index DIR (an index directory from `rag-fast index build`)")
-    model.retriever = load_retriever(index, model.n_docs)
+    if index.get("sharded") and not dist.is_initialized():
+        raise ValueError(f"{args.config}: index.sharded: a sharded index needs one process per "
+                         "shard: run under torchrun (--nproc-per-node = the number of shards)")
+    retriever = load_retriever(index, model.n_docs)
+    if not index.get("sharded"):
+        from rag_fast.models.retriever_io import TimedRetriever
+
+        retriever = TimedRetriever(retriever)  # retrieval_s per step in metrics.jsonl
+    model.retriever = retriever
     model.to(device).train()
 
     train_data = load_qa(config["data"]["train"])
@@ -185,7 +228,17 @@ def run(args: argparse.Namespace) -> int:
     state = trainer.train()
     if trainer.rank == 0:
         final = os.path.join(tc.output_dir, "model")
-        model.save(final, index=index["path"])
+        # a sharded staging directory is not an index directory `rag-fast eval` can open: the
+        # model keeps the index it recorded before (if any)
+        recorded = None if index.get("sharded") else index["path"]
+        if recorded is not None and trainer.refresher is not None and state.refreshed_at:
+            # the index of the trained encoder (the last refresh), not the stale starting one
+            from rag_fast.training.refresh import export_index_directory
+
+            recorded = str(export_index_directory(
+                retriever.store, trainer.refresher._path(state.refreshed_at),
+                os.path.join(tc.output_dir, "index")))
+        model.save(final, index=recorded)
         summary = f"loss {state.last_loss:.4f}"
         if state.evals:
             step, metrics = state.evals[-1]

@@ -20,7 +20,19 @@ to temporaries in the same folder, fsynced and renamed, the manifest last; a sav
 the two renames is completed on resume from the fsynced temporary manifest.
 
 Rank 0 also appends logged steps and evaluations to ``metrics.jsonl`` and draws ``training.png``
-at the end (both in ``output_dir``; see TrainConfig).
+at the end (both in ``output_dir``; see TrainConfig). When the model's retriever keeps its time
+(``retrieval_seconds``), each logged line also has ``step_s`` and ``retrieval_s`` (mean seconds
+per step since the previous line, and the retrieval part of it).
+
+A collective retriever (``model.retriever.collective``: a sharded index over the process group,
+see ``rag_fast.retrieval.sharded.ShardedRetriever``) is searched by every rank in each forward
+pass, on the default group DDP uses too (every rank issues the same collectives in the same
+order), and evaluation then runs on every rank (docs/distributed.md).
+
+With ``refresh_index_every`` the passages are re-embedded by the current encoder and the
+rebuilt index swapped in on every rank after every N-th step and the last one; the step of the index in use
+(``TrainState.refreshed_at``) is checkpointed and its index reopened on resume (see
+``rag_fast.training.refresh``).
 """
 from __future__ import annotations
 
@@ -43,6 +55,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from rag_fast.training.refresh import REFRESH_ENCODERS, IndexRefresher, question_encoder_embedder
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("linear", "cosine", "constant")
@@ -109,6 +123,12 @@ class TrainConfig:
     device: str | None = _option(
         None, "where the model trains: cpu, cuda, cuda:N; None = cuda:LOCAL_RANK if CUDA is "
               "available else cpu")
+    refresh_index_every: int = _option(
+        0, "steps between index refreshes (and one after the last step): re-embed the passages "
+           "with refresh_encoder and swap the rebuilt index in (docs/distributed.md); 0: never")
+    refresh_encoder: str = _option(
+        "question_encoder", "what re-embeds the passages at a refresh: question_encoder (the "
+                            "model's, as trained so far)")
     extra: dict = _option({}, "free-form JSON for your own code (the Trainer ignores it)")
 
     def __post_init__(self) -> None:
@@ -121,9 +141,13 @@ class TrainConfig:
         for name in ("max_steps", "micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("checkpoint_every", "eval_every", "log_every", "lr", "weight_decay"):
+        for name in ("checkpoint_every", "eval_every", "log_every", "lr", "weight_decay",
+                     "refresh_index_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.refresh_encoder not in REFRESH_ENCODERS:
+            raise ValueError(f"refresh_encoder must be one of {REFRESH_ENCODERS}, got "
+                             f"{self.refresh_encoder!r}")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
         if self.adam_eps <= 0:
@@ -228,6 +252,7 @@ class TrainState:
     last_loss: float = float("nan")
     history: list = field(default_factory=list)  # (step, loss) every log_every steps
     evals: list = field(default_factory=list)    # (step, metrics)
+    refreshed_at: int = 0    # step of the last index refresh (0: the index the run began with)
 
 
 def resolve_device(config_device: str | None) -> torch.device:
@@ -631,8 +656,14 @@ class Trainer:
         collate: list of examples -> batch (whatever ``loss_fn`` takes).
         loss_fn: ``(model, batch) -> scalar loss``, a mean over the batch's examples.
         config: TrainConfig.
-        eval_fn: ``(model) -> dict`` of metrics, run every ``eval_every`` steps on rank 0.
+        eval_fn: ``(model) -> dict`` of metrics, run every ``eval_every`` steps on rank 0, or
+            on every rank when the model's retriever is collective (``model.retriever.collective``,
+            e.g. a :class:`~rag_fast.retrieval.sharded.ShardedRetriever`: every rank must join
+            each search, so every rank evaluates; rank 0 records the metrics).
         on_step_end: ``(state) -> None`` after each step (and its checkpoint).
+        passage_embedder: with ``refresh_index_every``, ``fn(store, lo, hi) -> [hi - lo, d]``
+            vectors of store rows ``[lo, hi)`` used instead of ``refresh_encoder`` (see
+            ``rag_fast.training.refresh``).
 
     Raises:
         ValueError: an empty dataset, a global batch larger than it, or a question-encoder
@@ -648,6 +679,7 @@ class Trainer:
         config: TrainConfig,
         eval_fn: Callable[[nn.Module], dict] | None = None,
         on_step_end: Callable[[TrainState], None] | None = None,
+        passage_embedder: Callable[[Any, int, int], Any] | None = None,
     ) -> None:
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty")
@@ -677,6 +709,11 @@ class Trainer:
                 model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=config.find_unused_parameters)
         self.state = TrainState()
+        self.refresher = None
+        if config.refresh_index_every:
+            embed = passage_embedder or question_encoder_embedder(model)
+            self.refresher = IndexRefresher(getattr(model, "retriever", None), embed,
+                                            config.output_dir, self.rank, self.world_size)
         random.seed(config.seed)
         np.random.seed(config.seed)
         torch.manual_seed(config.seed)
@@ -712,6 +749,21 @@ class Trainer:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=dtype)
+
+    # ------------------------------------------------------------------ retrieval
+    def _retriever(self):
+        return getattr(self.model, "retriever", None)
+
+    def collective_retrieval(self) -> bool:
+        """Whether the model's retriever is collective (a sharded index over the process
+        group): then every rank must retrieve the same number of times, so evaluation runs on
+        every rank."""
+        return bool(getattr(self._retriever(), "collective", False))
+
+    def _retrieval_seconds(self) -> float | None:
+        """The retriever's running total of retrieval wall time, None when it keeps none."""
+        value = getattr(self._retriever(), "retrieval_seconds", None)
+        return float(value) if isinstance(value, (int, float)) else None
 
     def train_step(self) -> float:
         """One optimizer step over the next global batch; returns the mean loss (this rank)."""
@@ -750,6 +802,10 @@ class Trainer:
         config = self.config
         if self.rank == 0:
             self._trim_metrics()
+        if self.refresher is not None:
+            if self.state.refreshed_at != self.refresher.current:
+                self.refresher.restore(self.state.refreshed_at)  # a resumed run's index
+            self.refresher.prune(self.state.refreshed_at, after=True)
         bar = None
         if config.progress and self.rank == 0:
             from tqdm.auto import tqdm
@@ -757,19 +813,36 @@ class Trainer:
             bar = tqdm(total=config.max_steps, initial=self.state.step, desc="train",
                        dynamic_ncols=True)
         start, seen = time.perf_counter(), 0
+        # retrieval time inside the training steps (not evaluation), per logged interval
+        interval = {"steps": 0, "step_s": 0.0, "retrieval_s": 0.0}
         while self.state.step < config.max_steps:
+            before, step_start = self._retrieval_seconds(), time.perf_counter()
             loss = self.train_step()
+            after = self._retrieval_seconds()
+            interval["steps"] += 1
+            interval["step_s"] += time.perf_counter() - step_start
+            if before is not None and after is not None:
+                interval["retrieval_s"] += after - before
             seen += self.global_batch
             step = self.state.step
             elapsed = max(time.perf_counter() - start, 1e-9)
             if step % max(1, config.log_every) == 0 or step == config.max_steps:
                 self.state.history.append((step, loss))
-                self._log_metrics({"step": step, "loss": loss if math.isfinite(loss) else None,
-                                   "lr": self._step_lr, "examples_per_s": round(seen / elapsed, 3),
-                                   "elapsed_s": round(elapsed, 3)})
+                record = {"step": step, "loss": loss if math.isfinite(loss) else None,
+                          "lr": self._step_lr, "examples_per_s": round(seen / elapsed, 3),
+                          "elapsed_s": round(elapsed, 3)}
+                if after is not None:  # a timed retriever: mean seconds per step since the last record
+                    n = max(1, interval["steps"])
+                    record["step_s"] = round(interval["step_s"] / n, 6)
+                    record["retrieval_s"] = round(interval["retrieval_s"] / n, 6)
+                interval = {"steps": 0, "step_s": 0.0, "retrieval_s": 0.0}
+                self._log_metrics(record)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", ex_per_s=f"{seen / elapsed:.1f}")
                 bar.update(1)
+            if self.refresher is not None and (step % config.refresh_index_every == 0
+                                               or step == config.max_steps):
+                self.refresh_index()  # before the evaluation and the checkpoint of this step
             if self.eval_fn is not None and config.eval_every and step % config.eval_every == 0:
                 self.evaluate()
             if config.output_dir and (
@@ -789,16 +862,34 @@ class Trainer:
                 warnings.warn(f"could not write the training plot {plot}: {e!r}", stacklevel=2)
         return self.state
 
+    def refresh_index(self) -> dict:
+        """Re-embed the passages and swap the rebuilt index in on every rank (collective), as
+        ``refresh_index_every`` does after its steps; records ``state.refreshed_at`` and (rank
+        0) a ``{"step", "refresh": {...}}`` line in the metrics file.
+
+        Raises:
+            ValueError: ``refresh_index_every`` is 0 (no refresher was set up).
+        """
+        if self.refresher is None:
+            raise ValueError("refresh_index_every is 0: this Trainer does not refresh its index")
+        record = self.refresher.refresh(self.state.step)
+        self.state.refreshed_at = self.state.step
+        self._log_metrics({"step": self.state.step, "refresh": record})
+        return record
+
     def evaluate(self) -> dict | None:
-        """Run ``eval_fn`` on rank 0, record the metrics in ``state.evals`` and the metrics file.
+        """Run ``eval_fn`` on rank 0 (on every rank when retrieval is collective, see
+        :meth:`collective_retrieval`), record the metrics in ``state.evals`` and (rank 0) the
+        metrics file.
 
         Returns:
-            The metrics on rank 0, None on the other ranks.
+            The metrics on the ranks that evaluated, None on the others.
         """
         metrics = None
-        if self.rank == 0 and self.eval_fn is not None:
+        if self.eval_fn is not None and (self.rank == 0 or self.collective_retrieval()):
             metrics = self.eval_fn(self.model)
             self.state.evals.append((self.state.step, metrics))
+        if self.rank == 0 and metrics is not None:
             rounded = {}
             for name, value in metrics.items():
                 number = _number(value)
@@ -878,6 +969,8 @@ class Trainer:
             }, self.checkpoint_path(), self.state.step)
         if self.world_size > 1:
             dist.barrier()
+        if self.refresher is not None:  # the checkpoint needs only its own refreshed index now
+            self.refresher.prune(self.state.refreshed_at, after=False)
 
     def resume(self, path: str | None = None) -> bool:
         """Load the last checkpoint, verified (see :func:`load_checkpoint`); returns whether

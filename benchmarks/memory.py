@@ -1,0 +1,131 @@
+"""Absolute memory of one training step, each provider in its own fresh process.
+
+:func:`step_memory` starts a new Python process for one provider and, in it:
+
+1. fixes glibc's mmap threshold as the harness does (every block of 1 MiB or more is mapped
+   fresh and unmapped on free, so a freed temporary leaves the resident set at once);
+2. imports the factory's module (and ``imports``), collects garbage and reads the resident set
+   of the bare process (``VmRSS``): the interpreter, torch and the libraries, no model;
+3. calls the factory, which builds the model and its optimizer and returns a ``step()``
+   callable; runs one warm step, whose gradients the step keeps (it must zero them with
+   ``zero_grad(set_to_none=False)`` or not at all), so that the process now holds parameters,
+   gradients and optimizer state; reads the resident set again (the baseline);
+4. resets the peak resident set (writes ``5`` to ``/proc/self/clear_refs``), runs the measured
+   step and reads the peak (``VmHWM``).
+
+Reported (MiB): ``whole_step_peak_mb`` = peak - bare (parameters + gradients + optimizer state
++ whatever the step allocates on top), ``step_extra_mb`` = peak - baseline (the step's own
+temporaries and reused buffers beyond the state the warm step left), plus ``state_mb`` =
+baseline - bare. Linux only (``/proc``); a child that fails raises :class:`StepMemoryError` with
+its error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+_CHILD = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); import memory; "
+          "memory._child(sys.argv[2], sys.argv[3])")
+
+
+class StepMemoryError(RuntimeError):
+    """The provider's process failed (its error is in the message)."""
+
+
+@dataclass
+class StepMemory:
+    whole_step_peak_mb: float
+    step_extra_mb: float
+    state_mb: float
+    bare_mb: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_memory(factory: str, *args, imports: tuple[str, ...] = (), path: tuple[str, ...] = (),
+                timeout: float = 1800.0, **kwargs) -> StepMemory:
+    """Memory of one step of the provider ``factory(*args, **kwargs)`` (``"module:function"``,
+    a module-level function returning ``step()``), measured in a fresh process.
+
+    ``imports``: modules imported before the bare resident set is read (so that the libraries a
+    provider loads lazily count as the process, not as its model); ``path``: extra ``sys.path``
+    entries for the child. Arguments must be JSON values.
+
+    Raises:
+        ValueError: ``factory`` not of the form ``"module:function"``, or arguments that are not
+            JSON values.
+        StepMemoryError: the child failed (or timed out); the message holds its error.
+    """
+    if not isinstance(factory, str) or factory.count(":") != 1 or not all(factory.split(":")):
+        raise ValueError(f"factory must be 'module:function', got {factory!r}")
+    if not sys.platform.startswith("linux"):
+        raise StepMemoryError("step memory reads /proc/self (Linux only)")
+    try:
+        spec = json.dumps({"factory": factory, "args": list(args), "kwargs": kwargs,
+                           "imports": list(imports)})
+    except TypeError as e:
+        raise ValueError(f"factory arguments must be JSON values: {e}") from None
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys_path = [os.path.abspath(p) for p in path] + [here] + [p for p in sys.path if p]
+    fd, out = tempfile.mkstemp(prefix="rag_fast_step_memory_", suffix=".json")
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(sys_path), spec, out],
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise StepMemoryError(f"{factory}: the memory process ran past {timeout:.0f} s") from None
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+            raise StepMemoryError(f"{factory}: the memory process failed (exit {proc.returncode}):\n"
+                                  + "\n".join(tail))
+        with open(out) as f:
+            return StepMemory(**json.load(f))
+    finally:
+        os.unlink(out)
+
+
+def _status_kb(name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    raise StepMemoryError(f"/proc/self/status has no {name}")
+
+
+def _child(spec_json: str, out: str) -> None:
+    """Runs in the fresh process (see the module docstring)."""
+    import gc
+    import importlib
+
+    from harness import _fix_malloc_mmap_threshold
+
+    _fix_malloc_mmap_threshold()  # the harness fixed it in the parent; a new process needs it too
+    spec = json.loads(spec_json)
+    module_name, function = spec["factory"].split(":")
+    for name in spec["imports"]:
+        importlib.import_module(name)
+    make = getattr(importlib.import_module(module_name), function, None)
+    if not callable(make):
+        raise StepMemoryError(f"{module_name} has no function {function!r}")
+    gc.collect()
+    bare = _status_kb("VmRSS")
+    step = make(*spec["args"], **spec["kwargs"])
+    step()  # warm: gradients, optimizer state and reused buffers now exist
+    gc.collect()
+    baseline = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    step()
+    peak = _status_kb("VmHWM")
+    result = {"whole_step_peak_mb": (peak - bare) / 1024, "step_extra_mb": (peak - baseline) / 1024,
+              "state_mb": (baseline - bare) / 1024, "bare_mb": bare / 1024}
+    tmp = f"{out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, out)

@@ -1,0 +1,114 @@
+"""The training and losses benches: their rows' ratios against both baselines, and the README
+sections their renderers write from a results file."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import pytest
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench_losses  # noqa: E402
+import bench_training  # noqa: E402
+import harness  # noqa: E402
+from memory import StepMemory  # noqa: E402
+
+MACHINE = {"cpu": "Test CPU", "cpu_count": 2, "torch": "2.13.0+cpu", "rag_fast_simd": "avx2"}
+
+
+def _m(times):
+    return harness.Measurement.of(times)
+
+
+def _results(rows, quick=False):
+    return {"machine": MACHINE, "args": {"quick": quick, "repeats": None, "only": ["training"]},
+            "rows": [dataclasses.asdict(r) for r in rows]}
+
+
+def _training_rows(with_compiled=True):
+    measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
+                "rag_fast": _m([500, 505, 495, 502, 498])}
+    mem = {"transformers": StepMemory(1000.0, 400.0, 600.0, 300.0),
+           "rag_fast": StepMemory(700.0, 100.0, 600.0, 300.0)}
+    if with_compiled:
+        measured["transformers compiled"] = _m([800, 810, 790, 805, 795])
+        mem["transformers compiled"] = StepMemory(900.0, 300.0, 600.0, 300.0)
+    case = "bart-base sequence B=4 K=5 L=64 T=32"
+    return bench_training._rows(case, measured, mem, 42.0 if with_compiled else None)
+
+
+def test_training_rows_carry_both_ratios_and_whole_step_memory():
+    rows = {r.provider: r for r in _training_rows()}
+    ours = rows["rag_fast"]
+    assert ours.extra["speedup vs eager"] == pytest.approx(1000 / 500)
+    assert ours.extra["speedup vs compiled"] == pytest.approx(800 / 500)
+    assert ours.peak_mb == 700.0  # the whole-step peak, not the step's extra
+    assert ours.extra["memory vs eager"] == pytest.approx(0.7)
+    assert ours.extra["memory vs compiled"] == pytest.approx(700 / 900)
+    assert ours.extra["step extra MB"] == 100.0
+    assert rows["transformers compiled"].extra["compile s"] == 42.0
+    assert "compile s" not in ours.extra
+    assert ours.noisy == [] and len(ours.runs_ms) == 5
+
+
+def test_training_ratio_within_noise_is_flagged():
+    measured = {"transformers": _m([1000, 1300, 900, 1000, 1000]),
+                "rag_fast": _m([950, 960, 940, 950, 955])}
+    rows = bench_training._rows("small token B=4 K=5 L=64 T=16", measured, {}, None)
+    eager, ours = rows
+    assert "timing" in eager.noisy
+    assert "speedup vs eager" in ours.noisy and "speedup vs compiled" not in ours.extra
+
+
+def test_training_render_states_method_and_both_baselines():
+    text = bench_training.render(_results(_training_rows()), "cpu-training-full.json")
+    caption, table = text.split("\n\n")
+    assert "`benchmarks/results/cpu-training-full.json`" in caption
+    assert "Test CPU, 2 cores, rag_fast avx2, torch 2.13.0" in caption
+    assert "fresh process" in caption and "warm step keeping its gradients" in caption
+    assert "bare process" in caption and "--full --only training" in caption
+    lines = table.splitlines()
+    assert len(lines) == 3
+    assert lines[2] == ("| BART-base-sized (d 768, 6+6 layers) | RAG-Sequence | 500 | 2% | 2.00x "
+                        "| 1.60x | 700 / 1,000 / 900 | 0.70x | 0.78x | 42 |")
+
+
+def test_training_render_without_compiled_says_so():
+    rows = _training_rows(with_compiled=False)
+    rows[1].noisy.append("speedup vs eager")
+    text = bench_training.render(_results(rows, quick=True), "x.json")
+    assert "--quick --only training" in text and "compiled baseline was not run" in text
+    row = text.splitlines()[-1]
+    assert "| 2.00x (noisy) | not run | 700 / 1,000 / - | 0.70x | - | - |" in row
+
+
+def _loss_rows():
+    read = _m([10, 10.5, 9.8, 10.1, 10.2])
+    measured = {"transformers": _m([380, 385, 379, 390, 381]),
+                "transformers compiled": _m([132, 135, 131, 140, 133]),
+                "rag_fast torch": _m([300, 301, 305, 299, 302]),
+                "rag_fast fused": _m([32, 33, 31, 32, 32.5])}
+    for name, m in measured.items():
+        m.peak_mb = {"transformers": 123 * 5.4, "rag_fast fused": 123.0}.get(name, 200.0)
+    case = "token eps=0.1 float32 B4 K5 T32 V50265"
+    rows = [harness.Row.of("losses", f"{case} fwd", "read (floor)", read, {"vs read": 1.0})]
+    rows += bench_losses._rows(f"{case} fwd+bwd", measured, read, 123.0, "fwd+bwd", 7.5)
+    return rows
+
+
+def test_loss_rows_and_render():
+    rows = {r.provider: r for r in _loss_rows()}
+    fused = rows["rag_fast fused"]
+    assert fused.extra["speedup vs eager"] == pytest.approx(381 / 32)
+    assert fused.extra["speedup vs compiled"] == pytest.approx(133 / 32)
+    assert fused.extra["extra mem % logits"] == pytest.approx(0.0)
+    assert rows["transformers"].extra["extra mem % logits"] == pytest.approx(440)
+    assert rows["transformers compiled"].extra["compile s"] == 7.5
+    text = bench_losses.render(_results(_loss_rows()), "cpu-losses-full.json")
+    caption, table = text.split("\n\n")
+    assert "`torch.compile`" in caption and "compile time" in caption and "B4, K5, T32" in caption
+    assert table.splitlines()[2] == ("| RAG-Token, eps 0.1 | float32 | fwd+bwd | 32.0 | 6% | 11.9x "
+                                     "| 4.2x | 3.2x | 0.0% / 440% / 63% | 8 |")

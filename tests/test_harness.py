@@ -1,0 +1,70 @@
+"""The benchmark harness's statistics: spread, the noisy flag on rows and on ratios."""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import harness  # noqa: E402
+
+
+def test_measurement_statistics():
+    m = harness.Measurement.of([10.0, 12.0, 11.0, 9.0, 13.0])
+    assert (m.median_ms, m.min_ms, m.max_ms, m.runs) == (11.0, 9.0, 13.0, 5)
+    assert m.q1_ms == 10.0 and m.q3_ms == 12.0
+    assert m.spread == pytest.approx(4.0 / 11.0) and m.noisy  # 36% > 20%
+    quiet = harness.Measurement.of([10.0, 10.5, 10.2, 9.9, 10.1])
+    assert quiet.spread == pytest.approx(0.6 / 10.1) and not quiet.noisy
+    with pytest.raises(ValueError, match="times_ms is empty"):
+        harness.Measurement.of([])
+
+
+def test_measure_keeps_every_timed_run():
+    ctx = harness.Context(device="cpu", quick=True, repeats=5, warmup=2)
+    calls = []
+    m = harness.measure(lambda: calls.append(1), ctx, memory=False)
+    assert len(calls) == 7 and m.runs == 5 and len(m.times_ms) == 5
+    assert m.min_ms <= m.median_ms <= m.max_ms
+    ms = harness.measure_interleaved({"a": lambda: None, "b": lambda: None}, ctx, memory=False)
+    assert all(len(x.times_ms) == 5 for x in ms.values())
+
+
+def test_noisy_rows_and_ratios_are_flagged():
+    slow_quiet = harness.Measurement.of([20.0, 20.5, 20.2, 19.9, 20.1])
+    fast_quiet = harness.Measurement.of([10.0, 10.5, 10.2, 9.9, 10.1])
+    fast_noisy = harness.Measurement.of([10.0, 14.0, 10.2, 9.9, 10.1])
+    close = harness.Measurement.of([19.5, 21.0, 20.3, 20.0, 20.6])  # overlaps slow_quiet
+
+    row = harness.Row.of("b", "c", "fast", fast_quiet)
+    assert harness.add_ratio(row, "speedup", slow_quiet, fast_quiet) == pytest.approx(20.1 / 10.1)
+    assert row.noisy == [] and row.runs_ms == fast_quiet.times_ms
+    assert row.spread == pytest.approx(fast_quiet.spread)
+
+    row = harness.Row.of("b", "c", "fast", fast_noisy)
+    harness.add_ratio(row, "speedup", slow_quiet, fast_noisy)
+    assert row.noisy == ["timing", "speedup"]  # its own runs spread 40%, so its ratio too
+
+    row = harness.Row.of("b", "c", "close", close)
+    r = harness.add_ratio(row, "speedup", slow_quiet, close)
+    assert r < 1 and row.noisy == ["speedup"]  # a slowdown inside the noise is never unflagged
+
+    base_row = harness.Row.of("b", "c", "base", slow_quiet)
+    harness.add_ratio(base_row, "speedup", slow_quiet, slow_quiet)
+    assert base_row.noisy == [] and base_row.extra["speedup"] == 1.0
+
+
+def test_table_and_json_carry_spread_and_flags(tmp_path):
+    m = harness.Measurement.of([10.0, 14.0, 10.2, 9.9, 10.1])
+    row = harness.Row.of("b", "c", "p", m, {"speedup": 2.0})
+    row.noisy.append("speedup")
+    line = harness.markdown_table([row]).splitlines()[2]
+    assert line == "| b | c | p | 10.100 | 41% | - | 2 | noisy (timing, speedup) |"
+    out = tmp_path / "r.json"
+    harness.write_json(str(out), [row], {"cpu": "x"}, {})
+    saved = json.loads(out.read_text())["rows"][0]
+    assert saved["runs_ms"] == m.times_ms and saved["noisy"] == ["timing", "speedup"]
+    assert saved["spread"] == pytest.approx(0.4059, abs=1e-3)
