@@ -11,7 +11,8 @@ of rag_fast's); only the loss path differs. Providers:
   the function compiled is the step's loss, so the backward is compiled too); its compile time
   (the first steps until steady, beyond a steady step) is reported in ``compile s`` and not in
   its step time (inductor's on-disk cache left as a user would have it: a repeated run
-  compiles faster). ``--quick`` leaves it out (compiling takes minutes on 2 cores);
+  compiles faster). ``--quick`` leaves it out (compiling takes minutes on 2 cores), and the fresh-process memory
+  measurement too;
 - ``rag_fast``: ``RagModel`` over the same generator. It computes the logits of the positions
   that have a target once (into a buffer it reuses from step to step, in L2-sized vocabulary
   chunks), the fused loss writes their gradient in place, and the gradients of the tied input
@@ -161,7 +162,7 @@ def run(ctx: Context) -> list[Row]:
             torch._dynamo.reset()
             mem = {p: memory.step_memory(f"{__name__}:memory_step", mode, size_name, target, p,
                                          ctx.device, imports=IMPORTS)
-                   for p in providers} if ctx.device == "cpu" else {}
+                   for p in providers} if ctx.device == "cpu" and not ctx.quick else {}
             case = f"{size_name} {mode} B={B} K={K} L={CONTEXT} T={target}"
             rows += _rows(case, measured, mem, compile_s)
     return rows

@@ -112,3 +112,15 @@ def test_loss_rows_and_render():
     assert "`torch.compile`" in caption and "compile time" in caption and "B4, K5, T32" in caption
     assert table.splitlines()[2] == ("| RAG-Token, eps 0.1 | float32 | fwd+bwd | 32.0 | 6% | 11.9x "
                                      "| 4.2x | 3.2x | 0.0% / 440% / 63% | 8 |")
+
+
+def test_quick_loss_rows_without_the_compiled_baseline():
+    """--quick times no compiled baseline: its rows carry the eager ratio only."""
+    read = _m([10, 10.5, 9.8, 10.1, 10.2])
+    measured = {"transformers": _m([380, 385, 379, 390, 381]),
+                "rag_fast fused": _m([32, 33, 31, 32, 32.5])}
+    rows = bench_losses._rows("token eps=0.1 float32 B4 K5 T8 V50265 fwd", measured, read, 30.0,
+                              "fwd", None)
+    fused = next(r for r in rows if r.provider == "rag_fast fused")
+    assert fused.extra["speedup vs eager"] == pytest.approx(381 / 32)
+    assert "speedup vs compiled" not in fused.extra and fused.noisy == []
