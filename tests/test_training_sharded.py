@@ -307,7 +307,6 @@ def test_train_command_under_torchrun_with_sharded_index(tmp_path):
 
     make_model(None).save(str(tmp_path / "model0"))
     stage(tmp_path / "kb.staging", 2)
-    stage(tmp_path / "three.staging", 3)
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"question": e.question, "answers": list(e.answers)}) + "\n"
                             for e in qa()[:6]))
@@ -328,9 +327,4 @@ def test_train_command_under_torchrun_with_sharded_index(tmp_path):
     trained = RagModel.load(str(tmp_path / "run"))
     assert not torch.equal(trained.generator.lm_head.weight,
                            RagModel.load(str(tmp_path / "model0")).generator.lm_head.weight)
-    # 2 processes, 3 shards: every rank says so and exits
-    config.write_text(config.read_text().replace("kb.staging", "three.staging"))
-    proc = _torchrun(config, tmp_path / "run3")
-    assert proc.returncode != 0
-    assert proc.stderr.count("holds 3 shards (embeddings-i-of-3.npy) but this run has 2 "
-                             "processes") >= 2, proc.stderr[-3000:]
+    # (2 processes on 3 shards: test_bad_sharded_configs_raise_on_every_rank, in-process)
