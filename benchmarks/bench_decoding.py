@@ -43,7 +43,8 @@ import dataclasses
 
 import torch
 
-from harness import Context, Measurement, Row, add_ratio, measure_interleaved, noisy_note, run_command
+from harness import (Context, Row, add_ratio, machine_words, measure_interleaved,
+                     noisy_note, run_command, spread_cell)
 
 NAME = "decoding"
 VOCAB = 50265
@@ -262,9 +263,6 @@ def _ratio(row: dict, key: str) -> str:
     return f"{row['extra'][key]:.2f}x{mark}"
 
 
-def _spread(row: dict) -> str:
-    return "-" if row.get("spread") is None else f"{row['spread']:.0%}"
-
 
 def render(results: dict, source: str) -> str:
     """The README's decoding section: a caption (what, how, where) and one table."""
@@ -272,8 +270,7 @@ def render(results: dict, source: str) -> str:
     if not rows:
         raise ValueError(f"render: {source} has no '{NAME}' rows")
     m = results["machine"]
-    simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
-    machine = f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
+    machine = machine_words(m)
     lines = [
         "| case | rag_fast ms (spread) | transformers ms (spread) | static cache ms | "
         "vs `generate` | vs static cache | same ids | distinct top beams / hypotheses |",
@@ -288,19 +285,19 @@ def render(results: dict, source: str) -> str:
                 if name == "transformers":
                     continue
                 lines.append(
-                    f"| {case}, {name} | {r['median_ms']:.2f} ({_spread(r)}) "
-                    f"| {base['median_ms']:.2f} ({_spread(base)}) | - | {_ratio(r, 'speedup')} "
+                    f"| {case}, {name} | {r['median_ms']:.2f} ({spread_cell(r)}) "
+                    f"| {base['median_ms']:.2f} ({spread_cell(base)}) | - | {_ratio(r, 'speedup')} "
                     f"| - | {'yes' if r['extra'].get('same candidates') else 'NO'} | - |")
             continue
         ours = by["rag_fast"]
         static = by.get("transformers (static cache)")
         e = ours["extra"]
-        static_ms = (f"{static['median_ms']:.0f} ({_spread(static)})" if static
+        static_ms = (f"{static['median_ms']:.0f} ({spread_cell(static)})" if static
                      else "ids differ: not timed")
         same = all(r["extra"].get("same ids") for r in by.values())
         lines.append(
-            f"| {case} | {ours['median_ms']:.0f} ({_spread(ours)}) "
-            f"| {base['median_ms']:.0f} ({_spread(base)}) | {static_ms} "
+            f"| {case} | {ours['median_ms']:.0f} ({spread_cell(ours)}) "
+            f"| {base['median_ms']:.0f} ({spread_cell(base)}) | {static_ms} "
             f"| {_ratio(ours, 'x transformers')} | {_ratio(ours, 'x static cache')} "
             f"| {'yes, every run' if same else 'NO'} "
             f"| {e['distinct top beams']} / {e['distinct hypotheses']} |")

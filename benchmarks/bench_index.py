@@ -39,7 +39,8 @@ import time
 
 import numpy as np
 import torch
-from harness import Context, Measurement, Row, add_ratio, measure, ratio_is_noisy
+from harness import (Context, Measurement, Row, add_ratio, machine_words, measure, ratio_is_noisy,
+                     runs_counted, spread_cell)
 
 from rag_fast.retrieval import DenseIndex, exact_search, recall_at_k
 
@@ -226,15 +227,6 @@ def run(ctx: Context) -> list[Row]:
 
 
 # ------------------------------------------------------------------------------ README
-def _machine_words(m: dict) -> str:
-    simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
-    return f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
-
-
-def _spread(row: dict) -> str:
-    """A row's spread ((max - min) / median of its timed runs), "-" for rows written before
-    rows carried their runs."""
-    return "-" if row.get("spread") is None else f"{row['spread']:.0%}"
 
 
 def _ratio(row: dict, key: str) -> str:
@@ -266,14 +258,12 @@ def render(results: dict, source: str) -> str:
         how = f" ({e['factory']}{settings})" if e["factory"] else ""
         lines.append(
             f"| {data} | {r['provider'].removeprefix('rag_fast ')}{how} "
-            f"| {e['recall@10']:.3f} | {e['same top5']:.1%} | {e['QPS']:,.0f} | {_spread(r)} "
-            f"| {_ratio(r, 'x exact')} | {single['median_ms']:.3f} ms | {_spread(single)} "
+            f"| {e['recall@10']:.3f} | {e['same top5']:.1%} | {e['QPS']:,.0f} | {spread_cell(r)} "
+            f"| {_ratio(r, 'x exact')} | {single['median_ms']:.3f} ms | {spread_cell(single)} "
             f"| {_ratio(single, 'x exact')} | {e['B/vec']:,.0f} |"
         )
-    runs = sorted({len(r["runs_ms"]) for r in rows if r.get("runs_ms")})
-    if runs:
-        counted = f"{runs[0]}" if len(runs) == 1 else f"{runs[0]} to {runs[-1]}"
-        timing = (f"medians of {counted} timed runs after warm-up (a preset: the better of two "
+    if any(r.get("runs_ms") for r in rows):
+        timing = (f"medians of {runs_counted(rows)} timed runs after warm-up (a preset: the better of two "
                   "rounds alternating with faiss called directly), spread = (max - min) / median "
                   "of those runs; a ratio marked (noisy) has a side whose spread exceeds 20% or "
                   "runs that overlap the other side's")
@@ -284,7 +274,7 @@ def render(results: dict, source: str) -> str:
     command += " --only index" + (f" --repeats {args['repeats']}" if args.get("repeats") else "")
     plot = source.removesuffix(".json") + "-recall-qps.png"
     caption = (
-        f"Measured by `{command}` on {_machine_words(results['machine'])} "
+        f"Measured by `{command}` on {machine_words(results['machine'])} "
         f"(`benchmarks/results/{source}`; recall and throughput curves: "
         f"`benchmarks/results/{plot}`). Recall and same top 5 on the evaluation queries against "
         f"exact search; queries/s for batches of {BATCH} and milliseconds for one query, {timing}; "

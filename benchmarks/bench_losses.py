@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from harness import Context, Measurement, Row, add_ratio, measure, measure_interleaved, run_command
+from harness import (Context, Measurement, Row, add_ratio, machine_words, measure,
+                     measure_interleaved, run_command, runs_counted, spread_cell)
 
 NAME = "losses"
 PAD = 1
@@ -162,10 +163,6 @@ _LABELS = {"token eps=0.0": "RAG-Token, eps 0", "token eps=0.1": "RAG-Token, eps
            "sequence eps=0.1": "RAG-Sequence, eps 0.1"}
 
 
-def _machine_words(m: dict) -> str:
-    simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
-    return f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
-
 
 def _ratio(row: dict, key: str) -> str:
     v = row["extra"].get(key)
@@ -176,9 +173,6 @@ def _ratio(row: dict, key: str) -> str:
         return "-"
     return f"{v:.1f}x" + (" (noisy)" if key in row.get("noisy", []) else "")
 
-
-def _spread(row: dict) -> str:
-    return "-" if row.get("spread") is None else f"{row['spread']:.0%}"
 
 
 def _mem(row: dict) -> str:
@@ -210,16 +204,15 @@ def render(results: dict, source: str) -> str:
         mems = " / ".join(_mem(x) if x else "-" for x in (r, eager, comp))
         compile_s = comp["extra"].get("compile s") if comp else None
         lines.append(
-            f"| {label} | {dtype} | {direction} | {r['median_ms']:.1f} | {_spread(r)} "
+            f"| {label} | {dtype} | {direction} | {r['median_ms']:.1f} | {spread_cell(r)} "
             f"| {_ratio(r, 'speedup vs eager')} | {_ratio(r, 'speedup vs compiled')} "
             f"| {r['extra']['vs read']:.1f}x | {mems} "
             f"| {'-' if compile_s is None else f'{compile_s:.0f}'} |")
-    runs = sorted({len(r["runs_ms"]) for r in rows if r.get("runs_ms")})
-    counted = (f"{runs[0]}" if len(runs) == 1 else f"{runs[0]} to {runs[-1]}") if runs else "several"
+    counted = runs_counted(rows)
     args = results.get("args", {})
     command = run_command(args)
     caption = (
-        f"Measured by `{command}` on {_machine_words(results['machine'])} "
+        f"Measured by `{command}` on {machine_words(results['machine'])} "
         f"(`benchmarks/results/{source}`), {shape.replace(' ', ', ')}, random logits. "
         "rag_fast: the fused loss (`impl=\"auto\"`). Baselines on the same input: "
         "`transformers`' `get_nll` (eager) and the same `get_nll` under `torch.compile` "

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from harness import Context, Measurement, Row, add_ratio, measure_interleaved, run_command
+from harness import (Context, Measurement, Row, add_ratio, machine_words, measure_interleaved,
+                     run_command, runs_counted, spread_cell)
 
 NAME = "training"
 EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
@@ -189,10 +190,6 @@ def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: flo
 
 
 # ---------------------------------------------------------------------------- README section
-def _machine_words(m: dict) -> str:
-    simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
-    return f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
-
 
 def _ratio(row: dict | None, key: str) -> str:
     if row is not None and key == "speedup vs eager" and key not in row["extra"]:
@@ -201,9 +198,6 @@ def _ratio(row: dict | None, key: str) -> str:
         return "-"
     return f"{row['extra'][key]:.2f}x" + (" (noisy)" if key in row.get("noisy", []) else "")
 
-
-def _spread(row: dict | None) -> str:
-    return "-" if row is None or row.get("spread") is None else f"{row['spread']:.0%}"
 
 
 def _mb(row: dict | None) -> str:
@@ -235,22 +229,21 @@ def render(results: dict, source: str) -> str:
         peaks = " / ".join(_mb(x) for x in (r, eager, comp))
         lines.append(
             f"| {SIZE_WORDS.get(size_name, size_name)} | RAG-{mode.capitalize()} "
-            f"| {r['median_ms']:,.0f} | {_spread(r)} | {_ratio(r, 'speedup vs eager')} "
+            f"| {r['median_ms']:,.0f} | {spread_cell(r)} | {_ratio(r, 'speedup vs eager')} "
             f"| {_ratio(r, 'speedup vs compiled') if comp else 'not run'} | {peaks} "
             f"| {_ratio(r, 'memory vs eager')} | {_ratio(r, 'memory vs compiled')} "
             f"| {'-' if compile_s is None else f'{compile_s:.0f}'} |")
-    runs = sorted({len(r["runs_ms"]) for r in rows if r.get("runs_ms")})
-    counted = (f"{runs[0]}" if len(runs) == 1 else f"{runs[0]} to {runs[-1]}") if runs else "several"
+    counted = runs_counted(rows)
     args = results.get("args", {})
     command = run_command(args)
     skipped = "" if any_compiled else (
         " The compiled baseline was not run (quick mode: compiling takes minutes on 2 cores)."
         if args.get("quick") else " The compiled baseline was not run.")
-    if not runs:
+    if not any(r.get("runs_ms") for r in rows):
         skipped += (" This file predates recorded runs and whole-step memory: its peak MB is a "
                     "step's peak over the resident set just before it.")
     caption = (
-        f"Measured by `{command}` on {_machine_words(results['machine'])} "
+        f"Measured by `{command}` on {machine_words(results['machine'])} "
         f"(`benchmarks/results/{source}`). One training step (forward, backward, fused AdamW "
         f"step), {case_words.replace(' ', ', ')}, V={VOCAB}: `transformers`' RAG model "
         "(eager, and its loss step under `torch.compile`, default mode, whose compile time is "

@@ -323,6 +323,26 @@ def run_command(args: dict) -> str:
     return " ".join(parts)
 
 
+def machine_words(m: dict) -> str:
+    """A results file's machine as README captions name it: CPU, cores, SIMD level, torch."""
+    simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
+    return f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
+
+
+def spread_cell(row: dict | None) -> str:
+    """A saved row's spread as a table cell; "-" for no row, or a row written before rows
+    carried their runs."""
+    return "-" if row is None or row.get("spread") is None else f"{row['spread']:.0%}"
+
+
+def runs_counted(rows: list[dict]) -> str:
+    """How many timed runs the saved rows hold, in words: "5", "5 to 10" or "several"."""
+    runs = sorted({len(r["runs_ms"]) for r in rows if r.get("runs_ms")})
+    if not runs:
+        return "several"
+    return f"{runs[0]}" if len(runs) == 1 else f"{runs[0]} to {runs[-1]}"
+
+
 def noisy_note(flags: list[str]) -> str:
     """The table note of a row's noisy flags: '' or e.g. 'noisy (timing, speedup)'."""
     return f"noisy ({', '.join(flags)})" if flags else ""
