@@ -13,10 +13,15 @@ of rag_fast's); only the loss path differs. Providers:
   its step time (inductor's on-disk cache left as a user would have it: a repeated run
   compiles faster). ``--quick`` leaves it out (compiling takes minutes on 2 cores), and the fresh-process memory
   measurement too;
-- ``rag_fast``: ``RagModel`` over the same generator. It computes the logits of the positions
-  that have a target once (into a buffer it reuses from step to step, in L2-sized vocabulary
-  chunks), the fused loss writes their gradient in place, and the gradients of the tied input
-  embeddings are added into the LM head's ``[V, d]`` gradient in place.
+- ``rag_fast``: ``RagModel(lm_head_loss="fused")`` over the same generator: the LM head and
+  the RAG loss as one op that computes the logits a vocabulary tile at a time and never holds
+  them (``rag_fast.linear_rag_nll``);
+- ``rag_fast materialised``: ``RagModel(lm_head_loss="materialized")``: the logits of the
+  positions that have a target, once, into a buffer it reuses from step to step (in L2-sized
+  vocabulary chunks), the fused loss writing their gradient in place.
+  Both add the gradients of tied input embeddings into the LM head's ``[V, d]`` gradient in
+  place, at the end of the backward pass. :func:`render` shows, per case, the path
+  ``RagModel``'s default (``"auto"``) takes there (:func:`default_path`) and the other one.
 
 Time: the providers' steps alternate (:func:`harness.measure_interleaved`), one warm-up step
 each, then at least 5 timed steps each; ratios ``speedup vs eager`` / ``speedup vs compiled``
@@ -44,7 +49,8 @@ from harness import (Context, Measurement, Row, add_ratio, machine_words, measur
 
 NAME = "training"
 EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
-PROVIDERS = (EAGER, COMPILED, OURS)
+OURS_MATERIALISED = "rag_fast materialised"
+PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALISED)
 MIN_STEPS = 5  # timed steps per provider
 
 B, K, CONTEXT, TARGET, VOCAB = 4, 5, 64, 32, 50265
@@ -52,9 +58,17 @@ B, K, CONTEXT, TARGET, VOCAB = 4, 5, 64, 32, 50265
 SIZES = {
     "small": dict(d_model=256, layers=2, heads=4, ffn=1024),
     "bart-base": dict(d_model=768, layers=6, heads=12, ffn=3072),
+    # decoder-only: Qwen2-0.5B's width, heads, FFN and vocabulary, with 2 of its 24 layers
+    "qwen2-0.5b-2l": dict(d_model=896, layers=2, heads=14, kv_heads=2, ffn=4864, vocab=151936,
+                          causal=True),
+    "causal-small": dict(d_model=128, layers=1, heads=4, kv_heads=2, ffn=512, vocab=32000,
+                         causal=True),
 }
-QUICK_SIZES, FULL_SIZES = ("small",), ("small", "bart-base")
-SIZE_WORDS = {"small": "small (d 256, 2+2 layers)", "bart-base": "BART-base-sized (d 768, 6+6 layers)"}
+CAUSAL_B, CAUSAL_TARGET = 2, 32  # decoder-only case: questions, answer tokens (16 in --quick)
+QUICK_SIZES, FULL_SIZES = ("small", "causal-small"), ("small", "bart-base", "qwen2-0.5b-2l")
+SIZE_WORDS = {"small": "small (d 256, 2+2 layers)", "bart-base": "BART-base-sized (d 768, 6+6 layers)",
+              "qwen2-0.5b-2l": "decoder-only, Qwen2-0.5B-shaped (d 896, V 151936, 2 of 24 layers)",
+              "causal-small": "decoder-only, small (d 128, V 32000, 1 layer)"}
 # what the memory processes import before reading the bare resident set: the libraries, no model
 IMPORTS = ("transformers", "transformers.models.rag.modeling_rag", "rag_fast.models")
 
@@ -101,19 +115,112 @@ def _losses(hf, providers, target: int, device: str) -> dict:
             out[p] = eager
         elif p == COMPILED:
             out[p] = torch.compile(eager)
-        elif p == OURS:
+        elif p in (OURS, OURS_MATERIALISED):
             from rag_fast.models import RagModel
 
-            ours = RagModel.from_transformers(hf)  # the same generator module: identical weights
-            out[p] = lambda s: ours(labels, context_input_ids=contexts, context_attention_mask=mask,
-                                    doc_scores=s).loss
+            # the same generator module: identical weights
+            ours = RagModel.from_transformers(
+                hf, lm_head_loss="fused" if p == OURS else "materialized")
+            out[p] = lambda s, m=ours: m(labels, context_input_ids=contexts,
+                                         context_attention_mask=mask, doc_scores=s).loss
         else:
             raise ValueError(f"provider must be one of {PROVIDERS}, got {p!r}")
     return out
 
 
-def _step(loss, params, device: str, keep_grads: bool):
-    scores_leaf = _inputs(1)[3].to(device).requires_grad_()
+def _causal_model(size: dict):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=size["vocab"], hidden_size=size["d_model"], num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
+        intermediate_size=size["ffn"], max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).train()
+
+
+def _causal_inputs(vocab: int, target: int):
+    """Left-padded prompts ``[B*K, CONTEXT]`` of different lengths, answers ``[B, target]``."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (CAUSAL_B * K, CONTEXT), generator=g)
+    mask = torch.ones_like(prompts)
+    for row in range(CAUSAL_B * K):  # prompts of 48 to 64 tokens
+        pad = int(torch.randint(0, 17, (1,), generator=g))
+        prompts[row, :pad], mask[row, :pad] = 1, 0
+    answers = torch.randint(3, vocab, (CAUSAL_B, target), generator=g)
+    answers[:, -2:] = 1  # padding
+    return prompts, mask, answers
+
+
+def materialised_rag_loss(logits, scores, answers, mode: str, pad: int):
+    """The RAG loss the way ``transformers``' RAG models compute it (``get_nll`` of
+    ``RagTokenForGeneration`` / ``RagSequenceForGeneration``, no smoothing), over answer logits
+    ``[B*K, T, V]`` of a decoder-only generator: ``log_softmax`` over the vocabulary, the
+    passage log-prior added, ``logsumexp`` over the passages per token (RAG-Token) or of the
+    summed sequence log-likelihood (RAG-Sequence)."""
+    Bq, Kq = scores.shape
+    lp = torch.log_softmax(logits.float(), dim=-1).view(Bq, Kq, logits.shape[1], -1)
+    prior = torch.log_softmax(scores.float(), dim=1)[:, :, None]  # [B, K, 1]
+    target = answers[:, None, :, None].expand(Bq, Kq, answers.shape[1], 1)
+    tok = lp.gather(-1, target).squeeze(-1)  # [B, K, T]
+    keep = (answers != pad)[:, None, :]
+    if mode == "token":
+        marginal = torch.logsumexp(prior + tok, dim=1)  # [B, T]
+        return -(marginal * keep[:, 0]).sum(1).mean()
+    return -torch.logsumexp(prior[..., 0] + (tok * keep).sum(-1), dim=1).mean()
+
+
+def _causal_losses(gen, mode: str, providers, target: int, device: str) -> dict:
+    """provider -> ``loss(scores_leaf)`` over the decoder-only ``gen``. The baseline runs the
+    generator's own forward (``logits_to_keep``: the LM head on the answer positions only, the
+    cheapest way ``transformers`` offers) and :func:`materialised_rag_loss`."""
+    from rag_fast.models import _causal
+
+    prompts, mask, answers = (t.to(device) for t in _causal_inputs(gen.config.vocab_size,
+                                                                    target))
+    T = answers.shape[1]
+    ids = torch.cat([prompts, answers.repeat_interleave(K, 0)[:, :-1]], 1)
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], T - 1)], 1)
+    positions = _causal.position_ids(full_mask)
+
+    def eager(s):
+        logits = gen(input_ids=ids, attention_mask=full_mask, position_ids=positions,
+                     use_cache=False, logits_to_keep=T).logits
+        return materialised_rag_loss(logits, s, answers, mode, pad=1)
+
+    out = {}
+    for p in providers:
+        if p == EAGER:
+            out[p] = eager
+        elif p == COMPILED:
+            out[p] = torch.compile(eager)
+        elif p in (OURS, OURS_MATERIALISED):
+            from rag_fast.models import RagModel
+
+            ours = RagModel(gen, mode=mode, n_docs=K,
+                            lm_head_loss="fused" if p == OURS else "materialized")
+            out[p] = lambda s, m=ours: m(answers, context_input_ids=prompts,
+                                         context_attention_mask=mask, doc_scores=s).loss
+        else:
+            raise ValueError(f"provider must be one of {PROVIDERS}, got {p!r}")
+    return out
+
+
+def _check_same_loss(losses: dict, params, size_name: str, mode: str, device: str) -> None:
+    """Every provider's loss equals the baseline's (one forward each, dropout off)."""
+    scores = _inputs(1)[3][:CAUSAL_B].to(device)
+    with torch.no_grad():
+        values = {p: float(f(scores)) for p, f in losses.items() if p != COMPILED}
+    want = values[EAGER]
+    for p, v in values.items():
+        if abs(v - want) > 1e-3 * max(1.0, abs(want)):
+            raise AssertionError(f"{size_name} {mode}: {p} loss {v} differs from the "
+                                 f"baseline's {want}")
+
+
+def _step(loss, params, device: str, keep_grads: bool, batch: int = B):
+    scores_leaf = _inputs(1)[3][:batch].to(device).requires_grad_()
     # fused AdamW on every side: transformers' Trainer default (torch >= 2.8), and rag_fast's
     opt = torch.optim.AdamW(list(params) + [scores_leaf], lr=1e-5, fused=True)
 
@@ -130,6 +237,10 @@ def _step(loss, params, device: str, keep_grads: bool):
 def memory_step(mode: str, size_name: str, target: int, provider: str, device: str = "cpu"):
     """The step whose memory ``benchmarks/memory.py`` measures in a fresh process: only this
     provider's model and optimizer exist, and its gradients stay between steps."""
+    if SIZES[size_name].get("causal"):
+        gen = _causal_model(SIZES[size_name]).to(device)
+        loss = _causal_losses(gen, mode, [provider], target, device)[provider]
+        return _step(loss, gen.parameters(), device, keep_grads=True, batch=CAUSAL_B)
     hf = _hf_model(mode, SIZES[size_name]).to(device)
     loss = _losses(hf, [provider], target, device)[provider]
     return _step(loss, hf.rag.generator.parameters(), device, keep_grads=True)
@@ -142,18 +253,29 @@ def run(ctx: Context) -> list[Row]:
     from bench_losses import compile_seconds
 
     sizes = QUICK_SIZES if ctx.quick else FULL_SIZES
-    target = TARGET // 2 if ctx.quick else TARGET
-    providers = [EAGER, OURS] if ctx.quick else list(PROVIDERS)
+    providers = [EAGER, OURS, OURS_MATERIALISED] if ctx.quick else list(PROVIDERS)
     # a step takes about a second (small) or several (bart-base) on 2 cores: one warm-up step
     # and MIN_STEPS timed steps per provider, their steps alternating
     run_ctx = dataclasses.replace(ctx, repeats=MIN_STEPS, warmup=1)
     rows = []
     for size_name in sizes:
+        causal = SIZES[size_name].get("causal", False)
         for mode in ("token", "sequence"):
-            hf = _hf_model(mode, SIZES[size_name]).to(ctx.device)
-            params = list(hf.rag.generator.parameters())
-            steps = {p: _step(f, params, ctx.device, keep_grads=False)
-                     for p, f in _losses(hf, providers, target, ctx.device).items()}
+            if causal:
+                target = CAUSAL_TARGET // 2 if ctx.quick else CAUSAL_TARGET
+                gen = _causal_model(SIZES[size_name]).to(ctx.device)
+                params = list(gen.parameters())
+                losses = _causal_losses(gen, mode, providers, target, ctx.device)
+                _check_same_loss(losses, params, size_name, mode, ctx.device)
+                steps = {p: _step(f, params, ctx.device, keep_grads=False, batch=CAUSAL_B)
+                         for p, f in losses.items()}
+                hf = gen
+            else:
+                target = TARGET // 2 if ctx.quick else TARGET
+                hf = _hf_model(mode, SIZES[size_name]).to(ctx.device)
+                params = list(hf.rag.generator.parameters())
+                steps = {p: _step(f, params, ctx.device, keep_grads=False)
+                         for p, f in _losses(hf, providers, target, ctx.device).items()}
             compile_s = None
             if COMPILED in steps:
                 torch._dynamo.reset()
@@ -164,16 +286,17 @@ def run(ctx: Context) -> list[Row]:
             mem = {p: memory.step_memory(f"{__name__}:memory_step", mode, size_name, target, p,
                                          ctx.device, imports=IMPORTS)
                    for p in providers} if ctx.device == "cpu" and not ctx.quick else {}
-            case = f"{size_name} {mode} B={B} K={K} L={CONTEXT} T={target}"
-            rows += _rows(case, measured, mem, compile_s)
+            case = f"{size_name} {mode} B={CAUSAL_B if causal else B} K={K} L={CONTEXT} T={target}"
+            rows += _rows(case, measured, mem, compile_s, CAUSAL_B if causal else B)
     return rows
 
 
-def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: float | None) -> list[Row]:
+def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: float | None,
+          batch: int = B) -> list[Row]:
     rows = []
     base = measured[EAGER]
     for provider, m in measured.items():
-        row = Row.of(NAME, case, provider, m, {"examples/s": B / (m.median_ms / 1e3)})
+        row = Row.of(NAME, case, provider, m, {"examples/s": batch / (m.median_ms / 1e3)})
         add_ratio(row, "speedup vs eager", base, m)
         if COMPILED in measured:
             add_ratio(row, "speedup vs compiled", measured[COMPILED], m)
@@ -204,6 +327,19 @@ def _mb(row: dict | None) -> str:
     return "-" if row is None or row.get("peak_mb") is None else f"{row['peak_mb']:,.0f}"
 
 
+def default_path(case: str) -> str:
+    """``"fused"`` or ``"materialized"``: what ``RagModel(lm_head_loss="auto")`` runs for the
+    training step of ``case`` (fp32 logits of its B*K rows, target positions and vocabulary)."""
+    from rag_fast.models.rag_model import lm_head_path
+
+    size_name, _, *rest = case.split()
+    words = dict(w.split("=") for w in rest)
+    size = SIZES.get(size_name, {})
+    rows = int(words["B"]) * int(words["K"]) * (
+        int(words["T"]) if size.get("causal") else int(words["T"]) - 1)  # seq2seq: labels shift
+    return lm_head_path("auto", rows * size.get("vocab", VOCAB) * 4)
+
+
 def render(results: dict, source: str) -> str:
     """The README's training section from a results file (``source``: its name under
     ``benchmarks/results/``): a caption saying what, how and where, then one line per
@@ -211,28 +347,39 @@ def render(results: dict, source: str) -> str:
     rows = [r for r in results["rows"] if r["bench"] == NAME]
     by = {(r["case"], r["provider"]): r for r in rows}
     lines = [
-        "| generator | mode | rag_fast step ms | spread | vs `transformers` eager "
-        "| vs `torch.compile`d `transformers` | whole-step peak MB (rag_fast / eager / compiled) "
-        "| memory vs eager | memory vs compiled | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| generator | mode | `RagModel` default path | step ms | spread "
+        "| vs `transformers` eager | vs `torch.compile`d `transformers` "
+        "| whole-step peak MB (rag_fast / eager / compiled) | memory vs eager "
+        "| memory vs compiled | the other path: vs eager, peak MB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     case_words = ""
     any_compiled = False
-    for r in rows:
-        if r["provider"] != OURS:
+    for fused in rows:
+        if fused["provider"] != OURS:
             continue
-        size_name, mode, *rest = r["case"].split()
-        case_words = " ".join(rest)
-        eager, comp = by.get((r["case"], EAGER)), by.get((r["case"], COMPILED))
+        case = fused["case"]
+        size_name, mode, *rest = case.split()
+        if not SIZES.get(size_name, {}).get("causal"):
+            case_words = " ".join(rest)  # the encoder-decoder cases' shape, for the caption
+        materialised = by.get((case, OURS_MATERIALISED))
+        path = default_path(case)
+        r, other = ((fused, materialised) if path == "fused" or materialised is None
+                    else (materialised, fused))
+        other_name = "fused" if path != "fused" else "materialised"
+        other_cell = ("-" if other is None or other is r else
+                      f"{other_name}: {_ratio(other, 'speedup vs eager')}, {_mb(other)}")
+        eager, comp = by.get((case, EAGER)), by.get((case, COMPILED))
         any_compiled |= comp is not None
         compile_s = comp["extra"].get("compile s") if comp else None
         peaks = " / ".join(_mb(x) for x in (r, eager, comp))
+        path_word = "fused LM head" if r is fused else "materialised logits"
         lines.append(
-            f"| {SIZE_WORDS.get(size_name, size_name)} | RAG-{mode.capitalize()} "
+            f"| {SIZE_WORDS.get(size_name, size_name)} | RAG-{mode.capitalize()} | {path_word} "
             f"| {r['median_ms']:,.0f} | {spread_cell(r)} | {_ratio(r, 'speedup vs eager')} "
             f"| {_ratio(r, 'speedup vs compiled') if comp else 'not run'} | {peaks} "
             f"| {_ratio(r, 'memory vs eager')} | {_ratio(r, 'memory vs compiled')} "
-            f"| {'-' if compile_s is None else f'{compile_s:.0f}'} |")
+            f"| {other_cell} | {'-' if compile_s is None else f'{compile_s:.0f}'} |")
     counted = runs_counted(rows)
     args = results.get("args", {})
     command = run_command(args)
@@ -245,11 +392,21 @@ def render(results: dict, source: str) -> str:
     caption = (
         f"Measured by `{command}` on {machine_words(results['machine'])} "
         f"(`benchmarks/results/{source}`). One training step (forward, backward, fused AdamW "
-        f"step), {case_words.replace(' ', ', ')}, V={VOCAB}: `transformers`' RAG model "
+        f"step), {case_words.replace(' ', ', ')}, V={VOCAB} (encoder-decoder generators): `transformers`' RAG model "
         "(eager, and its loss step under `torch.compile`, default mode, whose compile time is "
         "the last column and is not in its step time; inductor's on-disk cache as a user's "
         "machine keeps it) vs `RagModel` driving the same generator, "
-        "contexts, passage scores and labels. "
+        "contexts, passage scores and labels, both with the fused LM-head + RAG loss that "
+        "never holds the logits (`lm_head_loss=\"fused\"`) and with the logits in a reused "
+        "buffer (`\"materialized\"`); the row shows the path `RagModel`'s default "
+        "(`\"auto\"`) takes at that shape (fused once the logits would reach 1 GiB), the "
+        "second-to-last column the other one. Decoder-only "
+        "generator (Qwen2 architecture, tied embeddings; B=2, prompts of 48 to 64 tokens, "
+        "left-padded): `transformers` has no RAG model for one, so its baseline is the "
+        "generator's own forward with `logits_to_keep` (the LM head on the answer positions "
+        "only) and the RAG loss over those logits as `transformers`' RAG models compute it "
+        "(`log_softmax`, passage prior, `logsumexp` over the passages); every provider's loss "
+        "is checked equal to it. "
         f"Times: medians of {counted} timed steps after a warm-up step, the providers' steps "
         "alternating; spread = (max - min) / median of rag_fast's steps; a ratio marked (noisy) "
         "has a side whose spread exceeds 20% or runs that overlap the other side's. "

@@ -26,11 +26,13 @@ MODULE_DIRS = (HERE, ROOT / "examples")  # where a renderer's module is looked u
 # section NAME -> (results file under benchmarks/results/, module defining render)
 SECTIONS: dict[str, tuple[str, str]] = {
     "losses": ("cpu-full.json", "bench_losses"),
-    "training": ("cpu-full.json", "bench_training"),
-    "decoding": ("cpu-full.json", "bench_decoding"),
+    "training": ("cpu-training-full.json", "bench_training"),
+    "lm_head": ("cpu-lm-head-full.json", "bench_lm_head"),
+    "decoding": ("cpu-decoding-full.json", "bench_decoding"),
     "index": ("cpu-index-full.json", "bench_index"),
     "distributed": ("cpu-distributed-full.json", "bench_distributed"),
     "knowledge-swap": ("knowledge-swap.json", "knowledge_swap"),
+    "knowledge-swap-causal": ("knowledge-swap-causal.json", "knowledge_swap"),
 }
 
 

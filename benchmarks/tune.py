@@ -1,6 +1,7 @@
 """Re-tune rag_fast's machine-dependent settings on this machine (docs/tuning.md).
 
     python benchmarks/tune.py lm-head-chunk    # LM_HEAD_CHUNK (CPU training's LM head)
+    python benchmarks/tune.py lm-head-tile     # TILE_BYTES of the fused LM-head + RAG loss
     python benchmarks/tune.py cpp-threads      # threads of the C++ kernels
     python benchmarks/tune.py cpp-simd         # instruction-set variant of the C++ kernels
 
@@ -130,6 +131,43 @@ def cmd_lm_head_chunk(args) -> int:
         print(f"to use it: set LM_HEAD_CHUNK = {best['value']} in rag_fast/models/_seq2seq.py "
               "(or assign rag_fast.models._seq2seq.LM_HEAD_CHUNK at run time)")
     _dump(args, {"setting": "LM_HEAD_CHUNK", "current": current, "rows": rows})
+    return 0
+
+
+# ---- TILE_BYTES of the fused LM-head loss ----------------------------------------------------
+def cmd_lm_head_tile(args) -> int:
+    import importlib
+
+    lin = importlib.import_module("rag_fast.ops.linear_rag_nll")
+    current = lin.TILE_BYTES
+    g = torch.Generator().manual_seed(0)
+    B, K, T, d, V = args.batch, args.docs, args.tokens, args.dim, args.vocab
+    h = torch.randn(B * K, T, d, generator=g).requires_grad_()
+    W = (torch.randn(V, d, generator=g) * d ** -0.5).requires_grad_()
+    s = torch.randn(B, K, generator=g).requires_grad_()
+    y = torch.randint(0, V, (B, T), generator=g)
+    sizes = sorted(set(args.candidates + [current >> 20]))
+
+    def run(mib: int):
+        def call():
+            tile = lin.tile_width(h.shape[0] * T, V, 4, mib << 20)
+            lin.linear_rag_nll(h, W, s, y, mode=args.mode, epsilon=args.epsilon,
+                               reduction="sum", tile=tile).backward()
+            h.grad = W.grad = s.grad = None
+
+        return call
+
+    times = time_rounds({str(m): run(m) for m in sizes}, args.rounds)
+    rows = summarise(times)
+    best = print_table(
+        f"TILE_BYTES (MiB of logits per tile): fused LM-head + RAG-{args.mode} loss, fwd+bwd, "
+        f"B{B} K{K} T{T} d{d} V{V} fp32, eps {args.epsilon}, {torch.get_num_threads()} threads, "
+        f"{args.rounds} rounds", rows, str(current >> 20), unit="MiB per tile")
+    print(f"in use: {current >> 20} MiB; best here: {best['value']} MiB")
+    if best["value"] != str(current >> 20):
+        print(f"to use it: set TILE_BYTES = {best['value']} << 20 in "
+              "rag_fast/ops/linear_rag_nll.py (or pass tile= to linear_rag_nll)")
+    _dump(args, {"setting": "TILE_BYTES", "current": current, "rows": rows})
     return 0
 
 
@@ -300,6 +338,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated chunk sizes (the one in use is always added)")
     common(p, 7)
     p.set_defaults(func=cmd_lm_head_chunk)
+
+    p = sub.add_parser("lm-head-tile",
+                       help="TILE_BYTES: logits per tile of the fused LM-head + RAG loss")
+    p.add_argument("--batch", type=_positive_int, default=4, help="questions B (default 4)")
+    p.add_argument("--docs", type=_positive_int, default=5, help="passages K (default 5)")
+    p.add_argument("--tokens", type=_positive_int, default=64, help="target tokens T (default 64)")
+    p.add_argument("--dim", type=_positive_int, default=896, help="d_model (default 896)")
+    p.add_argument("--vocab", type=_positive_int, default=151936, help="vocabulary (default 151936)")
+    p.add_argument("--mode", choices=["token", "sequence"], default="token")
+    p.add_argument("--epsilon", type=float, default=0.0, help="label smoothing (default 0)")
+    p.add_argument("--candidates", type=_int_list, default=[2, 4, 8, 16, 32],
+                   help="comma-separated MiB per tile (the one in use is always added)")
+    common(p, 3)
+    p.set_defaults(func=cmd_lm_head_tile)
 
     def kernel_shape(p):
         p.add_argument("--batch", type=_positive_int, default=4, help="losses: questions B (default 4)")

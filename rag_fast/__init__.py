@@ -2,6 +2,7 @@
 
 Public API (the heavier parts are imported on first use):
     rag_token_nll, rag_sequence_nll, rag_token_marginal   fused losses / marginal (rag_fast.ops)
+    linear_rag_nll                                        LM head + RAG loss, logits never held
     rag_token_beam_step                                   fused RAG-Token beam step
     reference                                             the paper's math in plain PyTorch
     use_fused_losses                                      switch transformers' RAG models to them
@@ -16,7 +17,13 @@ import importlib
 
 from rag_fast import reference
 from rag_fast.integrations import use_fused_losses
-from rag_fast.ops import rag_sequence_nll, rag_token_beam_step, rag_token_marginal, rag_token_nll
+from rag_fast.ops import (
+    linear_rag_nll,
+    rag_sequence_nll,
+    rag_token_beam_step,
+    rag_token_marginal,
+    rag_token_nll,
+)
 
 __version__ = "0.1.0"
 
@@ -30,6 +37,7 @@ _LAZY = {
     "load_retriever": "rag_fast.models",
     "rag_token_generate": "rag_fast.generation",
     "rag_sequence_generate": "rag_fast.generation",
+    "causal_generate": "rag_fast.generation.causal",
     "Trainer": "rag_fast.training",
     "TrainConfig": "rag_fast.training",
     "evaluate": "rag_fast.evaluation",
@@ -46,6 +54,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__",
+    "linear_rag_nll",
     "rag_sequence_nll",
     "rag_token_beam_step",
     "rag_token_marginal",

@@ -1,6 +1,6 @@
 """The ``rag-fast`` command.
 
-    rag-fast index build --passages FILE --encoder NAME [--preset ivfpq] --out DIR [--shard i/n]
+    rag-fast index build --passages FILE --encoder NAME [--preset ivfpq] [--on-disk] --out DIR [--shard i/n]
     rag-fast index search DIR "question" [-k 5]
     rag-fast index info DIR
     rag-fast init --index DIR --generator NAME|DIR|CONFIG.json --out MODEL_DIR
@@ -56,6 +56,11 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
                        help="question encoder for `index search` (default: --encoder)")
     build.add_argument("--preset", default="ivfpq", metavar="PRESET",
                        help=f"one of {', '.join(PRESETS)} or a faiss factory string (default ivfpq)")
+    build.add_argument("--on-disk", action="store_true",
+                       help="keep the inverted lists on disk, memory-mapped when the index is opened "
+                            "(for corpora larger than RAM): with ivfpq the lists hold 8-bit PQ codes "
+                            "instead of fast-scan ones; a factory string must be an IVF without "
+                            "fast-scan, e.g. 'IVF4096,SQ8'")
     build.add_argument("--out", required=True, metavar="DIR", help="output index directory")
     build.add_argument("--target-recall", type=float, default=0.95, metavar="R",
                        help="quality the stored search settings must reach against exact search: "
@@ -239,6 +244,7 @@ def _index_build(args) -> int:
 
     out = Path(args.out)
     progress = not args.no_progress
+    on_disk = bool(getattr(args, "on_disk", False))
     if not 0.0 < args.target_recall <= 1.0:
         raise ValueError(f"--target-recall must be in (0, 1], got {args.target_recall}")
     if out.exists() and not args.overwrite:
@@ -251,7 +257,7 @@ def _index_build(args) -> int:
     store = _staged_store(args, staging, progress)
     encoder = Encoder(args.encoder, pooling=args.pooling, max_length=args.max_length, device=args.device)
     # every check on sizes and settings before the (long) encoding
-    factory = plan_factory(args.preset, len(store), encoder.dim)
+    factory = plan_factory(args.preset, len(store), encoder.dim, on_disk=on_disk)
     query_encoder = Encoder(args.query_encoder, pooling=args.pooling, max_length=args.max_length,
                             device="cpu") if args.query_encoder else encoder
     if query_encoder.dim != encoder.dim:
@@ -277,7 +283,7 @@ def _index_build(args) -> int:
         if progress:
             print(f"encoding {len(questions)} questions to measure the index on ({source})")
         queries = query_encoder.encode_queries(questions).numpy()
-    index = DenseIndex.build(embeddings, args.preset, progress=progress,
+    index = DenseIndex.build(embeddings, args.preset, progress=progress, on_disk=on_disk,
                              target_recall=args.target_recall, queries=queries, query_source=source)
     with atomic_directory(out, overwrite=args.overwrite) as tmp:
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
@@ -293,7 +299,8 @@ def _index_build(args) -> int:
     quality = index.describe()["search_quality"]
     settings = ", ".join(f"{k}={v}" for k, v in index.params.items() if k != "rerank" or
                          index.factory != "Flat")
-    print(f"built {factory} over {len(index)} passages ({index.dim}-d) -> {out}; "
+    where = " (inverted lists memory-mapped when opened)" if index.on_disk else ""
+    print(f"built {factory}{where} over {len(index)} passages ({index.dim}-d) -> {out}; "
           + _quality_line(quality) + (f"; search defaults {settings}" if settings else ""))
     return 0
 

@@ -30,9 +30,11 @@ def _results(rows, quick=False):
 
 def _training_rows(with_compiled=True):
     measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
-                "rag_fast": _m([500, 505, 495, 502, 498])}
+                "rag_fast": _m([500, 505, 495, 502, 498]),
+                "rag_fast materialised": _m([450, 455, 445, 452, 448])}
     mem = {"transformers": StepMemory(1000.0, 400.0, 600.0, 300.0),
-           "rag_fast": StepMemory(700.0, 100.0, 600.0, 300.0)}
+           "rag_fast": StepMemory(700.0, 100.0, 600.0, 300.0),
+           "rag_fast materialised": StepMemory(760.0, 100.0, 660.0, 300.0)}
     if with_compiled:
         measured["transformers compiled"] = _m([800, 810, 790, 805, 795])
         mem["transformers compiled"] = StepMemory(900.0, 300.0, 600.0, 300.0)
@@ -70,10 +72,14 @@ def test_training_render_states_method_and_both_baselines():
     assert "Test CPU, 2 cores, rag_fast avx2, torch 2.13.0" in caption
     assert "fresh process" in caption and "warm step keeping its gradients" in caption
     assert "bare process" in caption and "--full --only training" in caption
+    assert "materialized" in caption and "logits_to_keep" in caption
     lines = table.splitlines()
     assert len(lines) == 3
-    assert lines[2] == ("| BART-base-sized (d 768, 6+6 layers) | RAG-Sequence | 500 | 2% | 2.00x "
-                        "| 1.60x | 700 / 1,000 / 900 | 0.70x | 0.78x | 42 |")
+    # logits of 4*5*31 rows x 50265 entries (125 MB): the default path is the materialised one
+    assert bench_training.default_path("bart-base sequence B=4 K=5 L=64 T=32") == "materialized"
+    assert lines[2] == ("| BART-base-sized (d 768, 6+6 layers) | RAG-Sequence | materialised logits "
+                        "| 450 | 2% | 2.22x | 1.78x | 760 / 1,000 / 900 | 0.76x | 0.84x "
+                        "| fused: 2.00x, 700 | 42 |")
 
 
 def test_training_render_without_compiled_says_so():
@@ -82,7 +88,8 @@ def test_training_render_without_compiled_says_so():
     text = bench_training.render(_results(rows, quick=True), "x.json")
     assert "--quick --only training" in text and "compiled baseline was not run" in text
     row = text.splitlines()[-1]
-    assert "| 2.00x (noisy) | not run | 700 / 1,000 / - | 0.70x | - | - |" in row
+    assert ("| materialised logits | 450 | 2% | 2.22x | not run | 760 / 1,000 / - | 0.76x | - "
+            "| fused: 2.00x (noisy), 700 | - |") in row
 
 
 def _loss_rows():
@@ -124,3 +131,42 @@ def test_quick_loss_rows_without_the_compiled_baseline():
     fused = next(r for r in rows if r.provider == "rag_fast fused")
     assert fused.extra["speedup vs eager"] == pytest.approx(381 / 32)
     assert "speedup vs compiled" not in fused.extra and fused.noisy == []
+
+
+def test_decoder_only_baseline_loss_equals_the_reference():
+    """The decoder-only case's baseline computes the RAG loss as transformers' RAG models do:
+    it must equal rag_fast's reference on the same logits (else the row compares nothing)."""
+    import torch
+
+    from rag_fast import reference
+
+    g = torch.Generator().manual_seed(0)
+    B, K, T, V = 2, 3, 5, 40
+    logits = torch.randn(B * K, T, V, generator=g, dtype=torch.float64)
+    scores = torch.randn(B, K, generator=g, dtype=torch.float64)
+    answers = torch.randint(3, V, (B, T), generator=g)
+    answers[0, -2:] = 1  # padding
+    for mode, ref in (("token", reference.rag_token_nll), ("sequence", reference.rag_sequence_nll)):
+        got = bench_training.materialised_rag_loss(logits, scores, answers, mode, pad=1)
+        want = ref(logits.view(B, K, T, V), scores, answers, ignore_index=1, reduction="mean")
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6, msg=mode)
+
+
+def test_decoder_only_rows_name_their_shape():
+    measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
+                "rag_fast": _m([500, 505, 495, 502, 498])}
+    rows = bench_training._rows("qwen2-0.5b-2l token B=2 K=5 L=64 T=32", measured, {}, None,
+                                batch=2)
+    assert rows[1].extra["examples/s"] == pytest.approx(2 / 0.5)
+    text = bench_training.render(_results(_training_rows() + rows), "x.json")
+    assert "decoder-only, Qwen2-0.5B-shaped" in text and "logits_to_keep" in text
+    assert "B=4, K=5, L=64, T=32" in text  # the caption keeps the encoder-decoder shape
+
+
+def test_default_path_follows_the_logits_size(monkeypatch):
+    from rag_fast.models import rag_model
+
+    case = "qwen2-0.5b-2l token B=2 K=5 L=64 T=32"  # 2*5*32 rows x 151936 x 4 B = 194 MB
+    assert bench_training.default_path(case) == "materialized"
+    monkeypatch.setattr(rag_model, "FUSED_LOGITS_BYTES", 194 * 10**6)
+    assert bench_training.default_path(case) == "fused"

@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import rag_fast  # noqa: F401  (registers torch.ops.rag_fast.*)
 from utils import requires_ext, requires_triton
 
-OPS = ("row_stats", "row_grad", "token_smooth_forward", "token_smooth_grad", "token_marginal",
-       "token_marginal_grad", "beam_step")
+OPS = ("row_stats", "row_grad", "token_smooth_forward", "token_smooth_stats", "token_smooth_grad",
+       "token_marginal", "token_marginal_grad", "beam_step")
 DIFFERENTIABLE = ("row_stats", "token_smooth_forward", "token_marginal")
 B, K, T, V, W, N = 2, 3, 4, 11, 2, 5  # N: beam-step candidates
 IMPLS = [pytest.param("cpp", marks=requires_ext), pytest.param("triton", marks=requires_triton)]
@@ -37,6 +37,7 @@ def _args(op: str, device: str = "cpu", requires_grad: bool = False) -> tuple:
         "row_stats": (x, y, -100),
         "row_grad": (x, y, -100, *stats, torch.empty_like(x)),
         "token_smooth_forward": (x, y, -100, a, True),
+        "token_smooth_stats": (x, a, stats[0]),
         "token_smooth_grad": (x, y, -100, a, *stats, rand(B, T), torch.empty_like(x)),
         "token_marginal": (x, a),
         "token_marginal_grad": (x, a, stats[0], rand(B, T, V), rand(B, T, V)),
@@ -52,6 +53,7 @@ def _expected(op: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
         "row_stats": [stats] * 3,
         "row_grad": [],
         "token_smooth_forward": [stats] * 3 + [((B, T), f32), stats],
+        "token_smooth_stats": [((B, T), f32), stats],
         "token_smooth_grad": [],
         "token_marginal": [((B, T, V), f32), stats],
         "token_marginal_grad": [((B, K, T, V), f32), stats],
@@ -148,6 +150,7 @@ def _replace(args: tuple, i: int, value) -> tuple:
     ("row_grad", 7, torch.zeros(B, 1, T, V).expand(B, K, T, V), "out must .* no overlapping"),
     ("token_smooth_forward", 3, torch.zeros(B, K + 1), r"log_prior must have shape \[2, 3\]"),
     ("token_smooth_grad", 8, torch.zeros(B, K, T), r"c_r must have shape \[2, 4\]"),
+    ("token_smooth_stats", 2, torch.zeros(B, K), r"lse must have shape \[2, 3, 4\]"),
     ("token_marginal_grad", 4, torch.zeros(B, T, V - 1),
      r"grad_marginal must have shape \[2, 4, 11\]"),
     ("beam_step", 3, torch.zeros(B * W, V + 1), r"bias must have shape \[4, 11\]"),
@@ -156,8 +159,8 @@ def _replace(args: tuple, i: int, value) -> tuple:
 def test_bad_arguments_are_refused_before_any_kernel(op, index, value, message, monkeypatch):
     from rag_fast.ops import _cpp
 
-    for name in ("row_stats", "row_grad", "token_smooth_forward", "token_smooth_grad",
-                 "token_marginal", "token_marginal_grad", "beam_step"):
+    for name in ("row_stats", "row_grad", "token_smooth_forward", "token_smooth_stats",
+                 "token_smooth_grad", "token_marginal", "token_marginal_grad", "beam_step"):
         monkeypatch.setattr(_cpp, name, lambda *a, **k: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=f"rag_fast::{op}: .*{message}"):
         getattr(torch.ops.rag_fast, op)(*_replace(_args(op), index, value))

@@ -101,8 +101,8 @@ def triton_route(monkeypatch):
             return tree_map(_wrap, launcher(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
         return run
 
-    for name in ("row_stats", "row_grad", "token_smooth_forward", "token_smooth_grad",
-                 "token_marginal", "token_marginal_grad"):
+    for name in ("row_stats", "row_grad", "token_smooth_forward", "token_smooth_stats",
+                 "token_smooth_grad", "token_marginal", "token_marginal_grad"):
         monkeypatch.setattr(rag_losses, name, spy(name, getattr(rag_losses, name)))
     monkeypatch.setattr(beam_step, "beam_step", spy("beam_step", beam_step.beam_step))
     return calls

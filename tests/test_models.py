@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from rag_fast.models import CheckpointError, RagModel, Retrieved
+from rag_fast.models import CheckpointError, RagModel, Retrieved, rag_model
 from rag_fast.testing import tiny_hf_rag
 
 B, K, L, T = 2, 3, 7, 6
@@ -50,10 +50,12 @@ def _losses(hf, ours, contexts, mask, scores, labels):
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 @pytest.mark.parametrize("epsilon", [0.0, 0.1])  # 0.1: the label-smoothing branch
-def test_loss_and_gradients_equal_transformers(mode, epsilon):
+@pytest.mark.parametrize("lm_head_loss", ["fused", "materialized"])
+def test_loss_and_gradients_equal_transformers(mode, epsilon, lm_head_loss):
     hf = _hf(mode)
     hf.config.label_smoothing = epsilon
-    ours = RagModel.from_transformers(hf)
+    ours = RagModel.from_transformers(hf, lm_head_loss=lm_head_loss)
+    assert ours.lm_head_loss == lm_head_loss
     assert ours.mode == mode and ours.epsilon == epsilon
     ref, out, s_hf, s_ours = _losses(hf, ours, *_inputs())
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -176,16 +178,19 @@ def test_retriever_path_scores_with_gradient_to_question_encoder():
 
 
 def test_lm_head_matches_generator_logits_for_bart_and_t5():
-    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
     from rag_fast.models import _seq2seq
 
-    t5 = T5ForConditionalGeneration(T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32,
-                                             num_layers=1, num_heads=2)).eval()
+    small = dict(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    t5 = T5ForConditionalGeneration(T5Config(**small)).eval()
+    # Flan-T5 style (untied head, no output scale) and mT5 (whose forward never scales)
+    flan = T5ForConditionalGeneration(T5Config(**small, tie_word_embeddings=False)).eval()
+    mt5 = MT5ForConditionalGeneration(MT5Config(**small)).eval()
     bart = _hf("token").rag.generator
     ids = torch.randint(3, 40, (2, 5))
     dec = torch.randint(3, 40, (2, 4))
-    for gen in (t5, bart):
+    for gen in (t5, flan, mt5, bart):
         mask = torch.ones_like(ids)
         expected = gen(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
         states = _seq2seq.decode(gen, dec, _seq2seq.encode(gen, ids, mask), mask)
@@ -212,13 +217,15 @@ def _generator_grads(model, contexts, mask, scores, labels) -> dict[str, torch.T
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 @pytest.mark.parametrize("generator", ["bart", "t5"])  # both tie the LM head to the embeddings
-def test_tied_embedding_gradient_equals_plain_autograd(mode, generator, monkeypatch):
+@pytest.mark.parametrize("lm_head_loss", ["fused", "materialized"])
+def test_tied_embedding_gradient_equals_plain_autograd(mode, generator, lm_head_loss,
+                                                       monkeypatch):
     from rag_fast.models import _seq2seq
 
     gen = _hf(mode).rag.generator if generator == "bart" else _t5_generator()
     weight = gen.get_output_embeddings().weight
     assert gen.get_input_embeddings().weight is weight
-    model = RagModel(gen, mode=mode, n_docs=K)
+    model = RagModel(gen, mode=mode, n_docs=K, lm_head_loss=lm_head_loss)
     inputs = _inputs()
     assert _seq2seq.split_tied_weight(gen) is not None  # the split path is taken
     with torch.no_grad():
@@ -239,7 +246,8 @@ def test_tied_embedding_gradient_equals_plain_autograd(mode, generator, monkeypa
 
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])
-def test_untied_lm_head_gradients_equal_transformers(mode):
+@pytest.mark.parametrize("lm_head_loss", ["fused", "materialized"])
+def test_untied_lm_head_gradients_equal_transformers(mode, lm_head_loss):
     # an LM head with its own weight: split_tied_weight does not apply, the plain path runs
     from rag_fast.models import _seq2seq
 
@@ -247,7 +255,7 @@ def test_untied_lm_head_gradients_equal_transformers(mode):
     gen = hf.rag.generator
     gen.lm_head.weight = torch.nn.Parameter(gen.lm_head.weight.detach().clone() + 0.5)
     assert _seq2seq.split_tied_weight(gen) is None
-    ours = RagModel.from_transformers(hf)
+    ours = RagModel.from_transformers(hf, lm_head_loss=lm_head_loss)
     ref, out, _, _ = _losses(hf, ours, *_inputs())
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     ref.sum().backward()
@@ -292,7 +300,7 @@ def test_logits_workspace_is_reused_only_when_free():
     from rag_fast.models import _seq2seq
 
     hf = _hf("token")
-    model = RagModel.from_transformers(hf)
+    model = RagModel.from_transformers(hf, lm_head_loss="materialized")  # the logits' buffer
     contexts, mask, scores, labels = _inputs()
     seen = []
     claim = _seq2seq.LogitsWorkspace.claim
@@ -328,3 +336,31 @@ def test_logits_workspace_is_reused_only_when_free():
     torch.testing.assert_close(
         clone(labels, context_input_ids=contexts, context_attention_mask=mask,
               doc_scores=scores).loss, loss())
+
+
+def test_auto_lm_head_loss_fuses_once_the_logits_are_large(monkeypatch):
+    import sys
+
+    lin = sys.modules["rag_fast.ops.linear_rag_nll"]
+    assert rag_model.lm_head_path("auto", rag_model.FUSED_LOGITS_BYTES) == "fused"
+    assert rag_model.lm_head_path("auto", rag_model.FUSED_LOGITS_BYTES - 1) == "materialized"
+    assert rag_model.lm_head_path("fused", 1) == "fused"
+    assert rag_model.lm_head_path("materialized", 1 << 40) == "materialized"
+    hf = _hf("token")
+    model = RagModel.from_transformers(hf)
+    assert model.lm_head_loss == "auto"
+    calls = []
+    apply = lin._LinearRagLoss.apply
+    monkeypatch.setattr(lin._LinearRagLoss, "apply", lambda *a: calls.append(1) or apply(*a))
+    contexts, mask, scores, labels = _inputs()
+
+    def loss():
+        return model(labels, context_input_ids=contexts, context_attention_mask=mask,
+                     doc_scores=scores).loss
+
+    small = loss()  # tiny logits: the materialised path
+    assert not calls
+    monkeypatch.setattr(rag_model, "FUSED_LOGITS_BYTES", 1)
+    fused = loss()  # every step's logits now count as large
+    assert calls
+    torch.testing.assert_close(fused, small, rtol=1e-5, atol=1e-6)

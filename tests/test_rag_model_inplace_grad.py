@@ -39,7 +39,7 @@ def _grads(model: RagModel, batch) -> dict[str, torch.Tensor]:
                                                    ("token", 0.1, "token_smooth_grad"),
                                                    ("sequence", 0.1, "row_grad")])
 def test_gradient_is_written_into_the_logits_and_is_right(mode, epsilon, launcher, monkeypatch):
-    model = RagModel.from_transformers(tiny_hf_rag(mode, n_docs=K))
+    model = RagModel.from_transformers(tiny_hf_rag(mode, n_docs=K), lm_head_loss="materialized")
     model.epsilon = epsilon
     batch = _batch()
     in_place = []
@@ -64,7 +64,7 @@ def test_gradient_is_written_into_the_logits_and_is_right(mode, epsilon, launche
 
 
 def test_second_backward_through_the_same_graph_raises():
-    model = RagModel.from_transformers(tiny_hf_rag("token", n_docs=K))
+    model = RagModel.from_transformers(tiny_hf_rag("token", n_docs=K), lm_head_loss="materialized")
     contexts, mask, scores, labels = _batch()
     loss = model.loss_from_contexts(contexts, mask, scores.clone().requires_grad_(), labels)
     loss.backward(retain_graph=True)

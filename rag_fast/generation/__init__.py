@@ -1,6 +1,9 @@
-"""RAG decoding: RAG-Token greedy/beam search, RAG-Sequence thorough and fast decoding."""
-from rag_fast.generation._decoder import UnsupportedGeneratorError
+"""RAG decoding: RAG-Token greedy/beam search/sampling, RAG-Sequence thorough and fast decoding,
+over any Hugging Face encoder-decoder generator (BART through a lean fast path; T5, Pegasus,
+Marian, mBART, ... through their own decoder modules)."""
+from rag_fast.generation._decoder import UnsupportedGeneratorError, make_decoder
 from rag_fast.generation.rag_sequence import rag_sequence_generate
 from rag_fast.generation.rag_token import rag_token_generate
 
-__all__ = ["UnsupportedGeneratorError", "rag_sequence_generate", "rag_token_generate"]
+__all__ = ["UnsupportedGeneratorError", "make_decoder", "rag_sequence_generate",
+           "rag_token_generate"]

@@ -125,38 +125,58 @@ def _single_thread(enabled: bool):
 
 
 class UnsupportedGeneratorError(ValueError):
-    """The generator is not an encoder-decoder model this module can drive."""
+    """The generator is not an encoder-decoder model rag_fast.generation can drive."""
 
 
 def check_generator(generator: torch.nn.Module) -> None:
-    """Raise UnsupportedGeneratorError unless ``generator`` is a BART-family seq2seq model."""
+    """Raise UnsupportedGeneratorError unless ``generator`` is a Hugging Face encoder-decoder
+    LM (an encoder, a decoder and an LM head): BART, mBART, Pegasus, Marian, T5, mT5, ..."""
     config = getattr(generator, "config", None)
     if config is None or not getattr(config, "is_encoder_decoder", False):
         raise UnsupportedGeneratorError(
             f"the generator must be an encoder-decoder model (config.is_encoder_decoder=True); "
             f"got {type(generator).__name__}, which has no encoder to read the passages"
         )
-    if getattr(config, "model_type", None) != "bart":
+    for name in ("get_encoder", "get_decoder", "get_output_embeddings"):
+        if not callable(getattr(generator, name, None)):
+            raise UnsupportedGeneratorError(
+                f"{type(generator).__name__} has no {name}(): rag_fast.generation drives "
+                "seq2seq LMs with an encoder, a decoder and an LM head"
+            )
+    head = generator.get_output_embeddings()
+    if not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise UnsupportedGeneratorError(
-            f"rag_fast.generation drives BART generators (model_type 'bart'); got "
-            f"{getattr(config, 'model_type', None)!r} ({type(generator).__name__})"
+            f"{type(generator).__name__}'s output embeddings have no weight (got "
+            f"{type(head).__name__}); an LM head is needed"
         )
-    if not hasattr(generator, "get_encoder"):
-        raise UnsupportedGeneratorError(f"{type(generator).__name__} has no get_encoder()")
+
+
+def is_bart(generator: torch.nn.Module) -> bool:
+    """Whether the lean :class:`BartDecoder` can drive ``generator`` (a BART model whose
+    decoder has the layout it re-implements); other generators use the generic decoder."""
+    if getattr(getattr(generator, "config", None), "model_type", None) != "bart":
+        return False
     decoder = getattr(getattr(generator, "model", None), "decoder", None)
     layers = getattr(decoder, "layers", None)
     needed = ("self_attn", "encoder_attn", "self_attn_layer_norm", "encoder_attn_layer_norm",
               "fc1", "fc2", "final_layer_norm")
-    if (
-        layers is None
-        or getattr(decoder, "layernorm_embedding", None) is None
-        or not all(hasattr(layer, name) for layer in layers for name in needed)
-        or not hasattr(generator, "lm_head")
-    ):
-        raise UnsupportedGeneratorError(
-            f"{type(generator).__name__} is not a BART-family generator (post-layer-norm decoder "
-            "with self_attn/encoder_attn/fc1/fc2); rag_fast.generation supports BART generators"
-        )
+    return (
+        layers is not None
+        and getattr(decoder, "layernorm_embedding", None) is not None
+        and all(hasattr(layer, name) for layer in layers for name in needed)
+        and hasattr(generator, "lm_head")
+    )
+
+
+def make_decoder(generator: torch.nn.Module):
+    """The decoder for ``generator``: :class:`BartDecoder` for BART (the fast path), else
+    :class:`rag_fast.generation._generic_decoder.GenericDecoder`."""
+    check_generator(generator)
+    if is_bart(generator):
+        return BartDecoder(generator)
+    from rag_fast.generation._generic_decoder import GenericDecoder
+
+    return GenericDecoder(generator)
 
 
 @dataclass
@@ -166,6 +186,10 @@ class CrossState:
     keys: list[torch.Tensor]  # per layer [E, H, S, hd]
     values: list[torch.Tensor]  # per layer [E, H, S, hd]
     mask: torch.Tensor | None  # [E, 1, 1, S] bool (True: attend), or None
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
 
 
 class SelfAttentionCache(list):
@@ -183,6 +207,11 @@ class BartDecoder:
 
     def __init__(self, generator: torch.nn.Module) -> None:
         check_generator(generator)
+        if not is_bart(generator):
+            raise UnsupportedGeneratorError(
+                f"BartDecoder drives BART generators only, got {type(generator).__name__} "
+                "(use make_decoder, which picks the generic decoder for other models)"
+            )
         self.generator = generator
         self.decoder = generator.model.decoder
         self.layers = list(self.decoder.layers)

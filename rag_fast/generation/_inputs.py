@@ -29,7 +29,8 @@ def resolve_inputs(
     n_docs: int | None,
     use_generator_config: bool,
 ) -> GenerationInputs:
-    """Accept a ``transformers`` RAG model (``.rag.generator``) or a bare seq2seq generator.
+    """Accept a ``transformers`` RAG model (``.rag.generator``) or a bare encoder-decoder
+    generator (BART, T5, Pegasus, Marian, mBART, ...).
 
     Raises:
         ValueError: shapes that disagree, non-integer ids, a generator without an encoder,
@@ -70,3 +71,12 @@ def resolve_inputs(
     check_context_length(context_input_ids, int(positions) if positions else None)
     return GenerationInputs(generator, gen_config, rag_config, context_input_ids.long(),
                             context_attention_mask, doc_scores, B, K)
+
+
+def check_rng(rng) -> None:
+    """Raise ValueError unless ``rng`` is None or a ``torch.Generator``."""
+    if rng is not None and not isinstance(rng, torch.Generator):
+        raise ValueError(
+            f"rng must be a torch.Generator (or None for torch's global generator), got "
+            f"{type(rng).__name__}"
+        )

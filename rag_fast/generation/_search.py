@@ -10,6 +10,7 @@ the fused beam step (rag_fast.ops.rag_token_beam_step); ties anywhere go to the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Callable
 
 import torch
@@ -35,13 +36,48 @@ class DecodingSettings:
     pad_token_id: int | None
     forced_bos_token_id: int | None
     forced_eos_token_id: int | None
+    # Logits processors beyond min length / forced tokens (transformers' definitions, applied
+    # in transformers' order: repetition penalty, no-repeat n-grams, min length, forced BOS,
+    # forced EOS, then, when sampling, temperature, top-k, top-p).
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # 1.0: off
+    no_repeat_ngram_size: int = 0  # 0: off
 
     @property
     def fill_token_id(self) -> int:
-        """What pads finished hypotheses (transformers: pad if set and non-zero, else EOS)."""
+        """What pads finished beam hypotheses (transformers: pad if set and non-zero, else EOS)."""
         if self.eos_token_id is None:
             return -1 if not self.pad_token_id else self.pad_token_id
         return self.pad_token_id if self.pad_token_id else self.eos_token_id
+
+    @property
+    def greedy_fill_token_id(self) -> int:
+        """What follows EOS in greedy / sampled sequences (transformers: the pad token, EOS when
+        there is none). Differs from :attr:`fill_token_id` when pad is 0, as for T5."""
+        if self.pad_token_id is not None:
+            return int(self.pad_token_id)
+        return -1 if self.eos_token_id is None else int(self.eos_token_id)
+
+    def processor_settings(self) -> list[str]:
+        """The names of the active settings that need the processor path."""
+        names = []
+        if self.do_sample:
+            names.append("do_sample")
+        if self.repetition_penalty != 1.0:
+            names.append("repetition_penalty")
+        if self.no_repeat_ngram_size > 0:
+            names.append("no_repeat_ngram_size")
+        return names
+
+    @property
+    def processed(self) -> bool:
+        """Whether a step needs the plain-PyTorch processor path (sampling, repetition
+        penalty or no-repeat n-grams), rather than the fused beam step."""
+        return (self.do_sample or self.repetition_penalty != 1.0
+                or self.no_repeat_ngram_size > 0)
 
 
 def _pick(value, *fallbacks):
@@ -68,32 +104,61 @@ def settings_from(
     pad_token_id: int | None = None,
     forced_bos_token_id: int | None = None,
     forced_eos_token_id: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int | None = None,
+    allow_processors: bool = False,
 ) -> DecodingSettings:
     """Resolve arguments against a ``GenerationConfig``-like ``config`` (None: its defaults).
 
     The decoder prompt is the one start token, so ``max_new_tokens`` means
     ``max_length = 1 + max_new_tokens`` and ``min_new_tokens`` means ``min_length = 1 + it``.
 
+    ``do_sample`` / ``temperature`` / ``top_k`` / ``top_p`` / ``repetition_penalty`` /
+    ``no_repeat_ngram_size`` follow transformers' defaults (top_k 50 when unset anywhere; the
+    sampling warpers are dropped when not sampling). A caller whose search applies them
+    (:func:`apply_processors`, :func:`processed_candidates`) passes ``allow_processors=True``;
+    otherwise active ones raise a ValueError naming them.
+
     Raises:
         ValueError: num_beams < 1 or above the vocabulary, num_return_sequences outside
             [1, num_beams], a maximum length that leaves no room after the 1-token prompt,
-            a missing decoder start token, an unknown early_stopping value.
+            a missing decoder start token, an unknown early_stopping value, a processor setting
+            out of range (named), an unimplemented processor set in the config.
     """
     def cfg(name):
         return getattr(config, name, None) if config is not None else None
 
+    def off(name, *neutral):
+        v = cfg(name)
+        return v is None or v is False or v in neutral
+
     unsupported = {
-        "do_sample": cfg("do_sample") not in (None, False),
-        "no_repeat_ngram_size": (cfg("no_repeat_ngram_size") or 0) > 0,
-        "repetition_penalty": cfg("repetition_penalty") not in (None, 1.0),
-        "bad_words_ids": bool(cfg("bad_words_ids")),
-        "suppress_tokens": bool(cfg("suppress_tokens")),
+        "bad_words_ids": not off("bad_words_ids") and bool(cfg("bad_words_ids")),
+        "suppress_tokens": not off("suppress_tokens") and bool(cfg("suppress_tokens")),
+        "begin_suppress_tokens": not off("begin_suppress_tokens")
+        and bool(cfg("begin_suppress_tokens")),
+        "sequence_bias": not off("sequence_bias") and bool(cfg("sequence_bias")),
+        "encoder_repetition_penalty": not off("encoder_repetition_penalty", 1.0),
+        "encoder_no_repeat_ngram_size": not off("encoder_no_repeat_ngram_size", 0),
+        "exponential_decay_length_penalty": not off("exponential_decay_length_penalty"),
+        "renormalize_logits": not off("renormalize_logits"),
+        "num_beam_groups": not off("num_beam_groups", 1),
+        "min_p": not off("min_p"),
+        "top_h": not off("top_h"),
+        "typical_p": not off("typical_p", 1.0),
+        "epsilon_cutoff": not off("epsilon_cutoff", 0.0),
+        "eta_cutoff": not off("eta_cutoff", 0.0),
     }
     active = [name for name, on in unsupported.items() if on]
     if active:
         raise ValueError(
             f"the generation config sets {active}, which rag_fast.generation does not implement "
-            "(it applies min length and forced BOS/EOS only); unset them to decode here"
+            "(it applies min length, forced BOS/EOS, repetition_penalty, no_repeat_ngram_size "
+            "and, when sampling, temperature, top_k and top_p); unset them to decode here"
         )
     beams = int(_pick(num_beams, cfg("num_beams"), 1))
     if beams < 1:
@@ -132,7 +197,45 @@ def settings_from(
         if len(eos) != 1:
             raise ValueError(f"exactly one eos_token_id is supported, got {eos}")
         eos = eos[0]
+    sample = _pick(do_sample, cfg("do_sample"), False)
+    if not isinstance(sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {sample!r}")
+    temp = _pick(temperature, cfg("temperature"), 1.0)
+    k_top = _pick(top_k, cfg("top_k"), 50)  # transformers' default when unset anywhere
+    p_top = _pick(top_p, cfg("top_p"), 1.0)
+    if sample:  # the warpers only matter (and are only checked, as there) when sampling
+        if isinstance(temp, bool) or not isinstance(temp, Real) or not 0.0 < temp < float("inf"):
+            raise ValueError(f"temperature must be a finite float > 0, got {temp!r}")
+        if isinstance(k_top, bool) or not isinstance(k_top, Integral) or k_top < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filter), got {k_top!r}")
+        if isinstance(p_top, bool) or not isinstance(p_top, Real) or not 0.0 <= p_top <= 1.0:
+            raise ValueError(
+                f"top_p must be a float in [0, 1] (1: no top-p filter), got {p_top!r}")
+    penalty = _pick(repetition_penalty, cfg("repetition_penalty"), 1.0)
+    if (isinstance(penalty, bool) or not isinstance(penalty, Real)
+            or not 0.0 < penalty < float("inf")):
+        raise ValueError(f"repetition_penalty must be a finite float > 0 (1.0: off), got {penalty!r}")
+    ngram = _pick(no_repeat_ngram_size, cfg("no_repeat_ngram_size"), 0)
+    if isinstance(ngram, bool) or not isinstance(ngram, Integral) or ngram < 0:
+        raise ValueError(f"no_repeat_ngram_size must be an integer >= 0 (0: off), got {ngram!r}")
+    if not sample:  # transformers applies the sampling warpers only when sampling
+        temp, k_top, p_top = 1.0, 0, 1.0
+    if not allow_processors:
+        wanted = [name for name, on in (("do_sample", sample), ("repetition_penalty",
+                                                                penalty != 1.0),
+                                        ("no_repeat_ngram_size", ngram > 0)) if on]
+        if wanted:
+            raise ValueError(
+                f"{wanted} are not supported by this decoder (it applies min length and forced "
+                "BOS/EOS only); unset them to decode here"
+            )
     return DecodingSettings(
+        do_sample=sample,
+        temperature=float(temp),
+        top_k=int(k_top),
+        top_p=float(p_top),
+        repetition_penalty=float(penalty),
+        no_repeat_ngram_size=int(ngram),
         num_beams=beams,
         max_length=max_len,
         min_length=min_len,
@@ -183,6 +286,103 @@ def forced_candidates(running: torch.Tensor, token: int) -> tuple[torch.Tensor, 
     fill_beams = torch.arange(W, device=running.device).expand(B, W)
     tokens = torch.full((B, 2 * W), token, dtype=torch.long, device=running.device)
     return torch.cat([scores, pad], 1), torch.cat([beams, fill_beams], 1), tokens
+
+
+def apply_processors(s: DecodingSettings, seqs: torch.Tensor, scores: torch.Tensor,
+                     cur_len: int) -> torch.Tensor:
+    """The step's scores ``[R, V]`` after the logits processors, given the sequences so far
+    ``seqs [R, cur_len]`` (decoder start token included), in ``transformers``' order.
+
+    Definitions (those of transformers' processors of the same names):
+    - repetition penalty p: a token already in the row's sequence has its score s become
+      ``s * p`` when ``s < 0`` and ``s / p`` otherwise (once, however often it occurred);
+    - no-repeat n-grams n: a token that would complete an n-gram already present in the row's
+      sequence gets ``-inf`` (n = 1 bans every token seen, the start token included);
+    - min length: EOS gets ``-inf`` while ``cur_len < min_length``;
+    - forced BOS (at ``cur_len == 1``) / EOS (at ``cur_len == max_length - 1``): every token
+      but the forced one gets ``-inf``, the forced one 0;
+    - when sampling: division by the temperature; top-k keeps the scores not below the k-th
+      largest (k raised to ``min_keep``); top-p drops, in ascending order of score, the tokens
+      whose cumulative softmax mass is ``<= 1 - top_p``, always keeping the ``min_keep`` best.
+      ``min_keep`` is 1 for sampling and 2 for beam sampling.
+    """
+    scores = scores.float()
+    R, V = scores.shape
+    if s.repetition_penalty != 1.0:
+        seen = scores.gather(1, seqs)
+        seen = torch.where(seen < 0, seen * s.repetition_penalty, seen / s.repetition_penalty)
+        scores = scores.scatter(1, seqs, seen)
+    n = s.no_repeat_ngram_size
+    if n > 0 and cur_len >= n:
+        # The last n-1 tokens, compared with the first n-1 tokens of every n-token window of
+        # the sequence; each matching window bans the token that ended it.
+        last = seqs[:, cur_len - n + 1:]  # [R, n-1]
+        windows = seqs.unfold(1, n, 1)  # [R, cur_len - n + 1, n]
+        hit = (windows[:, :, : n - 1] == last[:, None, :]).all(dim=2)
+        rows, where = hit.nonzero(as_tuple=True)
+        if rows.numel():
+            banned = torch.zeros((R, V), dtype=torch.bool, device=scores.device)
+            banned[rows, windows[rows, where, n - 1]] = True
+            scores = scores.masked_fill(banned, float("-inf"))
+    if s.eos_token_id is not None and cur_len < s.min_length:
+        scores = scores.clone()
+        scores[:, s.eos_token_id] = float("-inf")
+    forced = forced_token(s, cur_len)
+    if forced is not None:
+        scores = torch.full_like(scores, float("-inf"))
+        scores[:, forced] = 0.0
+    if not s.do_sample:
+        return scores
+    min_keep = 2 if s.num_beams > 1 else 1
+    if s.temperature != 1.0:
+        scores = scores / s.temperature
+    if s.top_k > 0:
+        k = min(max(s.top_k, min_keep), V)
+        kth = torch.topk(scores, k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if s.top_p < 1.0:
+        ordered, order = torch.sort(scores, dim=-1, descending=False)
+        mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = mass <= 1.0 - s.top_p
+        drop_sorted[:, V - min_keep:] = False
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def pick_tokens(s: DecodingSettings, scores: torch.Tensor,
+                rng: torch.Generator | None) -> torch.Tensor:
+    """Next token per row of processed ``scores [R, V]``: a draw from their softmax when
+    sampling (``rng``, or torch's global generator when None), else the first argmax."""
+    if s.do_sample:
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=rng)[:, 0]
+    return torch.argmax(scores, dim=-1)
+
+
+def processed_candidates(s: DecodingSettings, log_probs: torch.Tensor, running: torch.Tensor,
+                         seqs: torch.Tensor, cur_len: int,
+                         rng: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+    """The ``2W`` candidates ``(scores, beams, tokens)`` ``[B, 2W]`` of one beam step from
+    ``log_probs [B, W, V]`` (as transformers' beam search sees them, before processing), the
+    running scores ``[B, W]`` and sequences ``seqs [B, W, cur_len]``: processors, then the
+    best ``2W`` (or, when sampling, ``2W`` draws without replacement from the softmax of the
+    accumulated scores over all ``W*V`` continuations, sorted by score)."""
+    B, W, V = log_probs.shape
+    forced = forced_token(s, cur_len)
+    if forced is not None:
+        return forced_candidates(running, forced)
+    lp = apply_processors(s, seqs.reshape(B * W, cur_len), log_probs.reshape(B * W, V), cur_len)
+    acc = (lp.view(B, W, V) + running[:, :, None]).reshape(B, W * V)
+    n = min(2 * W, W * V)
+    if s.do_sample:
+        flat = torch.multinomial(torch.softmax(acc, dim=-1), n, generator=rng)
+        scores = acc.gather(1, flat)
+        scores, order = scores.sort(dim=-1, descending=True)
+        flat = flat.gather(1, order)
+    else:
+        scores, flat = select_top(acc, n)
+    return scores, flat // V, flat % V
 
 
 class BeamState:
@@ -266,14 +466,32 @@ def beam_search(
     ban: MinLengthBias,
     reorder: Callable[[torch.Tensor, int], None],
     impl: str,
+    log_probs: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rng: torch.Generator | None = None,
 ) -> BeamState:
     """Run ``state`` to the end: per step, ``step_logits(last tokens [B, W], position)`` gives
     the ``[B, W, K, V]`` logits, the fused beam step (or a forced token) picks the candidates,
-    and ``reorder(sources [B, W], cur_len)`` moves the decoder cache after the beams."""
+    and ``reorder(sources [B, W], cur_len)`` moves the decoder cache after the beams.
+
+    When the settings need the processor path (``s.processed``), ``log_probs(logits)`` turns
+    the step logits into the ``[B, W, V]`` log-probabilities transformers' beam search would
+    process, and :func:`processed_candidates` picks the candidates (drawing from ``rng`` when
+    sampling)."""
     s = state.s
+    if s.processed and log_probs is None:
+        raise ValueError(
+            f"{s.processor_settings()} are not supported by this decoder (its beam search "
+            "applies min length and forced BOS/EOS only); unset them")
     while not state.done:
         t = state.cur_len
         logits = step_logits(state.running[:, :, t - 1], t - 1)
+        if s.processed:
+            cand = processed_candidates(s, log_probs(logits), state.running_scores,
+                                        state.running[:, :, :t], t, rng)
+            sources = state.advance(*cand)
+            if not state.done:
+                reorder(sources, t)
+            continue
         forced = forced_token(s, t)
         if forced is not None:
             cand = forced_candidates(state.running_scores, forced)

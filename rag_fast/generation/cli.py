@@ -9,7 +9,9 @@ question encoder and passages retrieved from ``--index`` (default: the index the
 with the model's ``n_docs``; RAG-Token or RAG-Sequence decoding follows the model's mode.
 Without an index, each JSONL line may bring its passages:
 ``{"question": ..., "passages": [{"title": ..., "text": ...}, ...], "scores": [...]}`` (scores
-default to equal). One JSON line per question is printed (or written to ``--out``):
+default to equal). ``--do-sample`` (with ``--temperature``, ``--top-k``, ``--top-p``, ``--seed``),
+``--repetition-penalty`` and ``--no-repeat-ngram-size`` apply to seq2seq and decoder-only
+generators alike. One JSON line per question is printed (or written to ``--out``):
 ``{"question", "answer", "passages": [{"title", "score"}, ...]}``.
 """
 from __future__ import annotations
@@ -40,6 +42,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="RAG-Sequence decoding (default thorough)")
     p.add_argument("--num-beams", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample instead of searching; --no-do-sample searches (default: the "
+                        "model's generation config)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k best (0: off)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1: off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="penalise tokens already in the sequence (1: off; a decoder-only "
+                        "generator counts the prompt's tokens too)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None,
+                   help="never repeat an n-gram of this size (0: off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling draws (default: torch's global generator)")
     p.add_argument("--batch-size", type=int, default=8, help="questions decoded together")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--out", metavar="FILE", default=None, help="write JSONL here (default stdout)")
@@ -120,6 +135,15 @@ def run(args) -> int:
     settings = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
     if model.mode == "sequence":
         settings["decoding"] = args.decoding
+    for name in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+                 "no_repeat_ngram_size"):
+        value = getattr(args, name, None)
+        if value is not None:  # unset: the model's generation config decides
+            settings[name] = value
+    if getattr(args, "seed", None) is not None:
+        import torch
+
+        settings["rng"] = torch.Generator(device=model.device).manual_seed(args.seed)
     bar = None
     if args.out and not args.no_progress:
         from tqdm.auto import tqdm

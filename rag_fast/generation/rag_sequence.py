@@ -23,19 +23,29 @@ generator's own generation config and, like ``transformers``, no encoder mask; s
 
 Fast decoding skips step 3: a hypothesis counts only for the passages whose beam produced it,
 with the log-probability that beam search accumulated.
+
+Every encoder-decoder generator is supported: BART through the lean :class:`BartDecoder`, the
+others (T5, Pegasus, Marian, mBART, ...) through their own decoder modules
+(:class:`~rag_fast.generation._generic_decoder.GenericDecoder`). The per-passage searches apply
+the generator's logits processors as ``transformers``' ``generate`` does, sampling included:
+with ``do_sample`` the questions are searched one after the other (K passages at a time), so
+that the random draws come in the same order as ``transformers``' per-question ``generate``
+calls; seeded alike, they give the same samples.
 """
 from __future__ import annotations
 
 import torch
 
-from rag_fast.generation._decoder import BartDecoder, CrossState
-from rag_fast.generation._inputs import resolve_inputs
+from rag_fast.generation._decoder import make_decoder
+from rag_fast.generation._inputs import check_rng, resolve_inputs
 from rag_fast.generation._search import (
     BeamState,
     DecodingSettings,
     MinLengthBias,
+    apply_processors,
     beam_search,
     forced_token,
+    pick_tokens,
     settings_from,
 )
 from rag_fast.ops._dispatch import resolve_impl
@@ -67,12 +77,14 @@ def rag_sequence_generate(
     num_return_sequences: int | None = None,
     decoding: str = "thorough",
     impl: str = "auto",
+    rng: torch.Generator | None = None,
     **settings,
 ) -> torch.Tensor:
     """Generate answers with RAG-Sequence decoding.
 
     Args:
-        model: a ``transformers`` ``RagSequenceForGeneration`` or a bare BART-family generator.
+        model: a ``transformers`` ``RagSequenceForGeneration`` or a bare encoder-decoder
+            generator (BART, T5, Pegasus, Marian, ...).
         context_input_ids: ``[B*K, S]`` int64 passage-and-question ids, K rows per question.
         context_attention_mask: ``[B*K, S]`` mask used when rescoring (None: all ones).
         doc_scores: ``[B, K]`` passage scores; ``-inf`` marks a missing passage.
@@ -81,9 +93,13 @@ def rag_sequence_generate(
         decoding: ``"thorough"`` or ``"fast"``.
         impl: kernel backend of the beam steps and the rescoring's row statistics
             (``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"``; "cpp" needs CPU tensors).
-        **settings: the per-passage beam search's ``num_beams``, ``max_length`` /
+        rng: the ``torch.Generator`` sampling draws from (None: torch's global generator, as
+            ``transformers`` uses).
+        **settings: the per-passage search's ``num_beams``, ``max_length`` /
             ``max_new_tokens``, ``min_length`` / ``min_new_tokens``, ``length_penalty``,
-            ``early_stopping`` and token ids (defaults: the generator's generation config).
+            ``early_stopping``, token ids, ``do_sample``, ``temperature``, ``top_k``,
+            ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size`` (defaults: the
+            generator's generation config).
 
     Returns:
         ``[B * num_return_sequences, L]`` int64 ids padded with the generator's pad token.
@@ -97,11 +113,13 @@ def rag_sequence_generate(
         raise ValueError(f"decoding must be 'thorough' or 'fast', got {decoding!r}")
     inp = resolve_inputs(model, context_input_ids, context_attention_mask, doc_scores, n_docs,
                          use_generator_config=True)
-    dec = BartDecoder(inp.generator)
+    check_rng(rng)
+    dec = make_decoder(inp.generator)
     if "num_beams" not in settings or settings["num_beams"] is None:
         settings["num_beams"] = getattr(inp.rag_config, "num_beams", None) or 1
     settings["num_return_sequences"] = settings["num_beams"]
-    s = settings_from(inp.generation_config, dec.vocab_size, **settings)
+    s = settings_from(inp.generation_config, dec.vocab_size, allow_processors=True,
+                      **settings)
     R = num_return_sequences
     if R is None:
         R = getattr(inp.rag_config, "num_return_sequences", None) or 1
@@ -113,10 +131,15 @@ def rag_sequence_generate(
     # (it passes attention_mask=None to the generator), so padding is attended here too.
     enc = dec.encode(ids, None)
     cross = dec.cross_state(enc, None)
-    if s.num_beams == 1:
-        hyps, lengths, beam_logp = _greedy_per_passage(dec, cross, s, B * K, impl)
+    search = _greedy_per_passage if s.num_beams == 1 else _beam_per_passage
+    if s.do_sample:  # one question at a time: transformers' order of random draws
+        parts = []
+        for b in range(B):
+            rows = torch.arange(b * K, (b + 1) * K, device=ids.device)
+            parts.append(search(dec, dec.select_cross(cross, rows), s, K, impl, rng))
+        hyps, lengths, beam_logp = (torch.cat(p, dim=0) for p in zip(*parts))
     else:
-        hyps, lengths, beam_logp = _beam_per_passage(dec, cross, s, B * K, impl)
+        hyps, lengths, beam_logp = search(dec, cross, s, B * K, impl, rng)
     W = hyps.shape[1]
     hyps = hyps.view(B, K * W, -1)
     lengths = lengths.view(B, K * W)
@@ -125,6 +148,11 @@ def rag_sequence_generate(
     # 2. Union of hypotheses per question, de-duplicated, first occurrence first.
     hyps = hyps[:, :, : int(width.max())]
     uniq, first_pos, owner = _dedupe(hyps)  # [B, N, L], [B, N] (-1: none), [B, K*W] -> slot
+    # transformers scores each question's hypotheses at that question's own width: positions
+    # past it do not exist there, so they become padding here (they would otherwise count
+    # when finished beams are filled with EOS, as for T5 whose pad id is 0).
+    cols = torch.arange(uniq.shape[2], device=ids.device)
+    uniq = uniq.masked_fill(cols[None, None, :] >= width[:, None, None], pad)
     valid = first_pos >= 0
     log_prior = torch.log_softmax(inp.doc_scores.float(), dim=1)
 
@@ -147,8 +175,11 @@ def rag_sequence_generate(
         # The beams' log-probabilities bound the rescoring's when both read the same encoder
         # outputs, no token was forced (a forced token counts 0 in the beam) and the positions
         # after EOS are masked when rescoring.
+        # Processors (sampling, penalties) change what the searches' scores sum, so they bound
+        # nothing then.
         forced = s.forced_bos_token_id is not None or s.forced_eos_token_id is not None
-        if same_encoding and not forced and s.fill_token_id == pad:
+        fill = s.greedy_fill_token_id if s.num_beams == 1 else s.fill_token_id
+        if same_encoding and not forced and not s.processed and fill == pad:
             lower = _lower_bounds(owner, beam_logp.view(B, K * W), log_prior, W, uniq.shape[1])
         scores = -_sequence_loss(dec, cross, uniq, valid, log_prior, pad, inp, impl,
                                  lower=lower, keep=R)
@@ -175,11 +206,10 @@ def _generator_pad(inp) -> int:
     return int(pad)
 
 
-def _greedy_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings, E: int,
-                        impl: str):
-    device, V = cross.keys[0].device, dec.vocab_size
+def _greedy_per_passage(dec, cross, s: DecodingSettings, E: int, impl: str, rng=None):
+    device, V = cross.device, dec.vocab_size
     cache = dec.new_cache(E, s.max_length)
-    seq = torch.full((E, s.max_length), s.fill_token_id, dtype=torch.long, device=device)
+    seq = torch.full((E, s.max_length), s.greedy_fill_token_id, dtype=torch.long, device=device)
     seq[:, 0] = s.decoder_start_token_id
     lengths = torch.full((E,), s.max_length - 1, dtype=torch.long, device=device)
     logp = torch.zeros(E, device=device)
@@ -190,7 +220,11 @@ def _greedy_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings
     for t in range(1, s.max_length):
         logits = dec.step_logits(dec.step(seq[:, t - 1], t - 1, cache, cross, Q=1))
         forced = forced_token(s, t)
-        if forced is not None:
+        if s.processed:  # the generator's logits, processed, then argmax or a draw
+            raw = logits.float()
+            nxt = pick_tokens(s, apply_processors(s, seq[:, :t], raw, t), rng)
+            step_logp = torch.log_softmax(raw, dim=-1).gather(1, nxt[:, None])[:, 0]
+        elif forced is not None:
             nxt = torch.full((E,), forced, dtype=torch.long, device=device)
             step_logp = torch.zeros(E, device=device)
         else:
@@ -199,7 +233,7 @@ def _greedy_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings
                                              impl=impl)
             nxt, step_logp = tok[:, 0], sc[:, 0]
         logp = logp + torch.where(unfinished, step_logp, torch.zeros_like(step_logp))
-        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, s.fill_token_id))
+        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, s.greedy_fill_token_id))
         seq[:, t] = nxt
         if s.eos_token_id is not None:
             ended = unfinished & (nxt == s.eos_token_id)
@@ -211,8 +245,8 @@ def _greedy_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings
     return seq[:, None, :], lengths[:, None], logp[:, None]
 
 
-def _beam_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings, E: int, impl: str):
-    W, V, device = s.num_beams, dec.vocab_size, cross.keys[0].device
+def _beam_per_passage(dec, cross, s: DecodingSettings, E: int, impl: str, rng=None):
+    W, V, device = s.num_beams, dec.vocab_size, cross.device
     cache = dec.new_cache(E * W, s.max_length)
     base = (torch.arange(E, device=device) * W)[:, None]
 
@@ -223,7 +257,8 @@ def _beam_per_passage(dec: BartDecoder, cross: CrossState, s: DecodingSettings, 
     state = beam_search(
         BeamState(E, s, device), step_logits, torch.zeros((E, 1), device=device),
         MinLengthBias(s, E * W, V, device),
-        lambda sources, t: dec.reorder_cache(cache, (base + sources).reshape(-1), t), impl)
+        lambda sources, t: dec.reorder_cache(cache, (base + sources).reshape(-1), t), impl,
+        log_probs=lambda logits: torch.log_softmax(logits[:, :, 0].float(), dim=-1), rng=rng)
     lengths = state.finished_len
     # Undo the length penalty: the summed log-probability of each finished hypothesis.
     logp = state.finished_scores * lengths.clamp(min=1).float() ** s.length_penalty
@@ -273,7 +308,7 @@ def _lower_bounds(owner: torch.Tensor, beam_logp: torch.Tensor, log_prior: torch
     return lower - BOUND_SLACK
 
 
-def _lm_row_stats(dec: BartDecoder, hidden: torch.Tensor, impl: str):
+def _lm_row_stats(dec, hidden: torch.Tensor, impl: str):
     """Logits of ``hidden [U, K, d]`` -> ``(logits [U, K, V], lse [U, K], sum_v x [U, K])``.
 
     fp32 logits go through the fused row statistics (``torch.ops.rag_fast.row_stats``: C++ for
@@ -287,7 +322,7 @@ def _lm_row_stats(dec: BartDecoder, hidden: torch.Tensor, impl: str):
     return logits, torch.logsumexp(logits, dim=-1), logits.sum(-1)
 
 
-def _sequence_loss(dec: BartDecoder, cross: CrossState, uniq: torch.Tensor, valid: torch.Tensor,
+def _sequence_loss(dec, cross, uniq: torch.Tensor, valid: torch.Tensor,
                    log_prior: torch.Tensor, pad: int, inp, impl: str,
                    lower: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
     """``transformers``' RAG-Sequence loss (exclude_bos_score=True) of every hypothesis
@@ -368,7 +403,7 @@ def _sequence_loss(dec: BartDecoder, cross: CrossState, uniq: torch.Tensor, vali
     return (1.0 - eps) * nll + (eps / V) * -torch.logsumexp(smooth, dim=1)
 
 
-def _pruned_log_likelihood(dec: BartDecoder, hidden: torch.Tensor, b_idx: torch.Tensor,
+def _pruned_log_likelihood(dec, hidden: torch.Tensor, b_idx: torch.Tensor,
                            n_idx: torch.Tensor, t_idx: torch.Tensor, inverse: torch.Tensor,
                            rep: torch.Tensor, y: torch.Tensor, use_bos: torch.Tensor,
                            valid: torch.Tensor, at_one: torch.Tensor, log_prior: torch.Tensor,

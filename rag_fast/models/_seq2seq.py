@@ -71,12 +71,26 @@ def lm_head(generator: nn.Module) -> LMHead:
     if final_bias is not None:
         final_bias = final_bias.reshape(-1)
         bias = final_bias if bias is None else bias + final_bias
-    config = generator.config
-    scale_outputs = getattr(config, "scale_decoder_outputs", None)
-    if scale_outputs is None:  # transformers < 5: T5 scales exactly when embeddings are tied
-        scale_outputs = config.model_type in _T5_FAMILY and config.tie_word_embeddings
-    scale = float(config.d_model) ** -0.5 if scale_outputs else 1.0
-    return LMHead(head.weight, bias, scale)
+    return LMHead(head.weight, bias, output_scale(generator.config))
+
+
+def output_scale(config) -> float:
+    """The factor the generator's forward applies to the decoder states before its LM head:
+    T5's ``d_model ** -0.5`` where the forward applies it, else 1.
+
+    transformers 5 says so in the config (``scale_decoder_outputs``: T5, UMT5); a config without
+    it (mT5, the BART family) is not scaled there. Before version 5 the T5 family scaled exactly
+    when its input and output embeddings were tied."""
+    scale = getattr(config, "scale_decoder_outputs", None)
+    if scale is None:
+        import transformers
+
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            scale = False
+        else:
+            scale = (getattr(config, "model_type", None) in _T5_FAMILY
+                     and getattr(config, "tie_word_embeddings", True))
+    return float(config.d_model) ** -0.5 if scale else 1.0
 
 
 class DeferredHeadGrad:
@@ -93,16 +107,27 @@ class DeferredHeadGrad:
 
     def __init__(self) -> None:
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._late: list = []
 
     def add(self, g: torch.Tensor, h: torch.Tensor) -> None:
         self._parts.append((g, h))
 
+    def add_late(self, weight_grad) -> None:
+        """A callable returning a ``[V, d]`` gradient, called in :meth:`take` (the fused LM-head
+        loss hands its tile-by-tile ``G^T h`` here)."""
+        self._late.append(weight_grad)
+
     def take(self) -> torch.Tensor | None:
-        """``sum g^T h`` over what was added (None if nothing was), forgetting it."""
+        """``sum g^T h`` over what was added, plus the late parts (None if nothing was
+        added), forgetting it."""
         parts, self._parts = self._parts, []
+        late, self._late = self._late, []
         out = None
         for g, h in parts:
             out = g.t() @ h if out is None else out.addmm_(g.t(), h)
+        for weight_grad in late:
+            part = weight_grad()
+            out = part if out is None else out.add_(part)
         return out
 
 

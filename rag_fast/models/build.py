@@ -11,10 +11,11 @@ then L2-normalised), else by CLS. ``index=`` takes the question encoder, its poo
 normalisation from an index directory (what ``rag-fast index build`` used for questions), so
 the questions are embedded as the passages were, and records the index in the model.
 
-The generator is a ``*ForConditionalGeneration`` name or folder with weights, or a JSON
-config file (``{"model_type": "bart", "d_model": 256, ...}``) for a generator trained from
-scratch (random weights, seeded): its vocabulary size and special-token ids come from the
-generator tokenizer unless the file sets them.
+The generator is a ``*ForConditionalGeneration`` or a decoder-only ``*ForCausalLM`` (Qwen2,
+Llama, GPT-2, ...; docs/decoder_only.md) name or folder with weights, or a JSON config file
+(``{"model_type": "bart", "d_model": 256, ...}``, or ``"qwen2"``, ``"llama"``, ``"gpt2"``, ...)
+for a generator trained from scratch (random weights, seeded): its vocabulary size and
+special-token ids come from the generator tokenizer unless the file sets them.
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
     for key, value in ids.items():
         if key not in values:
             setattr(config, key, value)
-    if "decoder_start_token_id" not in values:
+    causal = not getattr(config, "is_encoder_decoder", False)
+    if "decoder_start_token_id" not in values and not causal:
         # answers are trained as [start, tokens..., eos]: decoding starts where training did
         config.decoder_start_token_id = config.bos_token_id
     if "vocab_size" not in values:
@@ -100,11 +102,38 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
     for key in ("forced_bos_token_id", "forced_eos_token_id"):
         if key not in values and hasattr(config, key):
             setattr(config, key, None)
-    if not getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"generator config {path}: model_type {model_type!r} is not an "
-                         "encoder-decoder model")
+    if causal:
+        # a decoder-only generator (Llama, Qwen2, GPT-2, ...): the prompt is continued by the
+        # answer (docs/decoder_only.md)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ValueError(f"generator config {path}: model_type {model_type!r} is neither "
+                             "an encoder-decoder model nor a causal LM transformers can build")
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config)
     torch.manual_seed(seed)
     return transformers.AutoModelForSeq2SeqLM.from_config(config)
+
+
+def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
+    """A seq2seq or decoder-only generator with weights, by name or folder (the config's
+    ``is_encoder_decoder`` decides). A decoder-only one without a pad token gets the
+    tokenizer's (or, failing that, its EOS, set on the tokenizer as well)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(name)
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM.from_pretrained(name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(name)
+    if model.config.pad_token_id is None:
+        if tokenizer.pad_token_id is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(f"generator {name!r} has no pad token and its tokenizer no pad "
+                                 "or eos token: a decoder-only generator needs one to pad")
+            tokenizer.pad_token = tokenizer.eos_token
+        model.config.pad_token_id = int(tokenizer.pad_token_id)
+    return model
 
 
 def build_rag_model(
@@ -123,7 +152,9 @@ def build_rag_model(
     """A RagModel to start training from (see the module docstring).
 
     Args:
-        generator: a seq2seq model name or folder, or a JSON config file (random weights).
+        generator: a seq2seq or decoder-only (``*ForCausalLM``) model name or folder, or a
+            JSON config file (random weights; ``model_type`` "bart", "t5", ... or "qwen2",
+            "llama", "gpt2", ...).
         question_encoder: an encoder name or folder; default: the index's question encoder.
         index: an index directory; its question encoder (and pooling) is used unless
             ``question_encoder`` is given, and the model records it for eval / generate.
@@ -133,7 +164,8 @@ def build_rag_model(
         seed: the random initialisation of a generator built from a config file.
     Raises:
         ValueError: neither ``question_encoder`` nor ``index``; a config file without
-            ``model_type`` or not encoder-decoder; a tokenizer missing special tokens; a
+            ``model_type`` or of a model that is neither encoder-decoder nor a causal LM; a
+            tokenizer missing special tokens; a
             question encoder whose dimension differs from the index's.
         OSError: a name or folder that ``transformers`` cannot open.
     """
@@ -165,7 +197,7 @@ def build_rag_model(
         if is_config:
             g_model = _generator_from_config(generator, g_tok, seed)
         else:
-            g_model = transformers.AutoModelForSeq2SeqLM.from_pretrained(generator)
+            g_model = _pretrained_generator(generator, g_tok)
     model = RagModel(g_model, q_model, None, mode=mode, n_docs=n_docs,
                      generator_tokenizer=g_tok, question_tokenizer=q_tok, epsilon=epsilon,
                      question_pooling=pooling if pooling in ("cls", "mean") else "auto",
@@ -183,7 +215,8 @@ def register(subparsers) -> None:
                     "train from: a question encoder and a generator by Hugging Face name or "
                     "local folder; a generator JSON config file gives random weights.")
     p.add_argument("--generator", required=True, metavar="NAME|DIR|FILE.json",
-                   help="seq2seq generator: name, folder, or a JSON config (random weights)")
+                   help="generator, seq2seq (BART, T5, ...) or decoder-only (Qwen2, Llama, "
+                        "GPT-2, ...): name, folder, or a JSON config (random weights)")
     p.add_argument("--question-encoder", default=None, metavar="NAME|DIR",
                    help="question encoder (default: the --index's question encoder)")
     p.add_argument("--index", default=None, metavar="DIR",
@@ -212,6 +245,7 @@ def _run(args) -> int:
                             max_context_length=args.max_context_length, seed=args.seed)
     model.save(str(out))
     params = sum(p.numel() for p in model.parameters())
-    print(f"initialised a RAG-{args.mode.capitalize()} model ({params / 1e6:.1f}M parameters, "
-          f"n_docs={model.n_docs}) -> {out}")
+    kind = "decoder-only " if model.is_causal else ""
+    print(f"initialised a {kind}RAG-{args.mode.capitalize()} model "
+          f"({params / 1e6:.1f}M parameters, n_docs={model.n_docs}) -> {out}")
     return 0

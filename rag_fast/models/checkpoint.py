@@ -19,6 +19,20 @@ runs code. A directory is written and replaced as index directories are
 (``rag_fast.retrieval._files.atomic_directory``: after a kill the path holds the old or the
 new model, leftovers of dead writers are cleaned); loading checks every file against
 ``rag_fast.json`` and names the file that does not match.
+
+A RagModel with a decoder-only generator (``*ForCausalLM``) has no ``transformers`` RAG class,
+so its directory holds the two models side by side instead (``"layout": "causal"`` in
+``rag_fast.json``; the same atomic write and the same checks on load):
+
+    generator/                   the generator's ``save_pretrained`` (config.json,
+                                 generation_config.json, model.safetensors)
+    question_encoder/            the question encoder's ``save_pretrained``
+    question_encoder_tokenizer/  generator_tokenizer/     as above
+    generation_config.json       the RagModel's generation defaults, when it has its own
+    rag_fast.json                as above, plus ``"layout": "causal"``
+
+Each model is re-created from its ``config.json`` (the ``transformers`` class its
+``architectures`` names) and its safetensors weights: no code runs on load either.
 """
 from __future__ import annotations
 
@@ -38,6 +52,12 @@ SIDE_FILE = "rag_fast.json"
 QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
 GENERATOR_TOKENIZER_DIR = "generator_tokenizer"
 ARCHITECTURES = {"token": "RagTokenForGeneration", "sequence": "RagSequenceForGeneration"}
+# the layouts of rag_fast.json's "layout": a transformers RAG folder (the default, also when
+# absent), or the generator and question encoder saved side by side (decoder-only generators)
+LAYOUT_RAG, LAYOUT_CAUSAL = "rag", "causal"
+LAYOUTS = (LAYOUT_RAG, LAYOUT_CAUSAL)
+GENERATOR_DIR = "generator"
+QUESTION_ENCODER_DIR = "question_encoder"
 
 
 class CheckpointError(ValueError):
@@ -109,12 +129,20 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
     """
     from rag_fast.retrieval._files import atomic_directory
 
-    config = rag_config(model)
+    causal = bool(getattr(model, "is_causal", False))
+    if causal:
+        _check_savable(model)
+        config = None
+    else:
+        config = rag_config(model)
     index = index if index is not None else model.index_path
     with atomic_directory(os.path.abspath(path), overwrite=True) as tmp:
         tmp = str(tmp)
         with quiet_transformers():
-            _hf_wrapper(model, config).save_pretrained(tmp, safe_serialization=True)
+            if causal:
+                _save_causal_models(model, tmp)
+            else:
+                _hf_wrapper(model, config).save_pretrained(tmp, safe_serialization=True)
             for sub, tokenizer in ((GENERATOR_TOKENIZER_DIR, model.generator_tokenizer),
                                    (QUESTION_TOKENIZER_DIR, model.question_tokenizer)):
                 if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
@@ -122,6 +150,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
         side = {
             "kind": KIND,
             "format": FORMAT,
+            "layout": LAYOUT_CAUSAL if causal else LAYOUT_RAG,
             "options": model.options(),
             "index": os.path.abspath(index) if index else None,
             "files": _describe(tmp),
@@ -129,6 +158,38 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
         with open(os.path.join(tmp, SIDE_FILE), "w", encoding="utf-8") as f:
             json.dump(side, f, indent=1)
         _fsync_tree(tmp)
+
+
+def _check_savable(model: RagModel) -> None:
+    """A decoder-only RagModel's directory needs both models to be ``transformers`` models
+    (``save_pretrained`` and a config naming their class)."""
+    for name, module in (("generator", model.generator),
+                         ("question_encoder", model.question_encoder)):
+        if module is None or not callable(getattr(module, "save_pretrained", None)) \
+                or not hasattr(getattr(module, "config", None), "to_dict"):
+            what = "None" if module is None else type(module).__name__
+            raise CheckpointError(
+                f"the model directory of a decoder-only RagModel needs a transformers {name} "
+                f"(a PreTrainedModel with save_pretrained and a .config); this RagModel's "
+                f"{name} is {what}")
+
+
+def _save_causal_models(model: RagModel, root: str) -> None:
+    """The decoder-only layout's models into ``root`` (see the module docstring)."""
+    for sub, module in ((GENERATOR_DIR, model.generator),
+                        (QUESTION_ENCODER_DIR, model.question_encoder)):
+        folder = os.path.join(root, sub)
+        module.save_pretrained(folder, safe_serialization=True)
+        config_path = os.path.join(folder, "config.json")
+        with open(config_path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if not saved.get("architectures"):  # loading re-creates the class it names
+            saved["architectures"] = [type(module).__name__]
+            with open(config_path, "w", encoding="utf-8") as f:
+                json.dump(saved, f, indent=2)
+    if model.generation_config is not None and hasattr(model.generation_config,
+                                                       "save_pretrained"):
+        model.generation_config.save_pretrained(root)
 
 
 def read_side_file(path: str) -> dict | None:
@@ -155,6 +216,14 @@ def read_side_file(path: str) -> dict | None:
     for key, kind in (("options", dict), ("files", dict)):
         if not isinstance(side.get(key), kind):
             raise CheckpointError(f"{side_path}: {key!r} is missing or not a {kind.__name__}")
+    if side.get("layout", LAYOUT_RAG) not in LAYOUTS:
+        raise CheckpointError(f"{side_path}: unknown layout {side.get('layout')!r} (expected "
+                              f"one of {list(LAYOUTS)})")
+    if side.get("layout") == LAYOUT_CAUSAL:
+        for required in (f"{GENERATOR_DIR}/config.json", f"{QUESTION_ENCODER_DIR}/config.json"):
+            if required not in side["files"]:
+                raise CheckpointError(f"{side_path}: a decoder-only model directory must list "
+                                      f"{required} among its files")
     for rel, record in side["files"].items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
@@ -173,10 +242,72 @@ def resolve_model_dir(path: str) -> str:
     """``path`` if it is a model directory, else its ``model/`` when ``path`` is the output
     directory of ``rag-fast train`` (which saves the trained model there)."""
     path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(
-            os.path.join(path, "model", "config.json")):
+
+    def is_model(folder: str) -> bool:
+        return (os.path.isfile(os.path.join(folder, "config.json"))
+                or os.path.isfile(os.path.join(folder, SIDE_FILE)))
+
+    if not is_model(path) and is_model(os.path.join(path, "model")):
         return os.path.join(path, "model")
     return path
+
+
+def _side_layout(path: str) -> str:
+    """The ``layout`` ``rag_fast.json`` records (``"rag"`` when absent), read before the full
+    check so that the right files are looked for."""
+    side_path = os.path.join(path, SIDE_FILE)
+    if not os.path.isfile(side_path):
+        return LAYOUT_RAG
+    try:
+        with open(side_path, encoding="utf-8") as f:
+            side = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{side_path} is not valid JSON: {e}") from None
+    layout = side.get("layout", LAYOUT_RAG) if isinstance(side, dict) else LAYOUT_RAG
+    return layout if isinstance(layout, str) else repr(layout)
+
+
+def _pretrained_class(folder: str, what: str, fallback: str):
+    """The ``transformers`` class a saved model's ``config.json`` names (``architectures``)."""
+    import transformers
+
+    config_path = os.path.join(folder, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_path}: cannot read the {what}'s config: {e}") from None
+    arch = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        if arch is not None:
+            raise CheckpointError(f"{config_path}: the {what}'s architecture {arch!r} is not a "
+                                  "transformers model class")
+        cls = getattr(transformers, fallback)
+    return cls
+
+
+def _load_causal(path: str, side: dict, retriever: Any, overrides: dict) -> RagModel:
+    """A decoder-only RagModel from the causal layout (files already verified)."""
+    models = {}
+    for sub, what, fallback in ((GENERATOR_DIR, "generator", "AutoModelForCausalLM"),
+                                (QUESTION_ENCODER_DIR, "question_encoder", "AutoModel")):
+        folder = os.path.join(path, sub)
+        cls = _pretrained_class(folder, what, fallback)
+        try:
+            models[what] = cls.from_pretrained(folder, use_safetensors=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{folder}: the {what}'s weights do not load: {e}") from None
+    tokenizers = _load_tokenizers(path)
+    options = {**side["options"], **overrides}
+    try:
+        model = RagModel(models["generator"], models["question_encoder"], retriever,
+                         **tokenizers, **options)
+    except TypeError as e:
+        raise CheckpointError(f"{os.path.join(path, SIDE_FILE)}: options do not fit RagModel: "
+                              f"{e}") from None
+    model.index_path = side.get("index")
+    return model
 
 
 def _rag_architecture(path: str) -> str:
@@ -248,6 +379,14 @@ def load_rag_model(
     recover_directory(path)  # a save killed between its renames left it aside
     if not os.path.isdir(path):
         raise CheckpointError(f"model directory {path!r} does not exist")
+    if _side_layout(path) != LAYOUT_RAG:  # decoder-only: the models side by side
+        side = read_side_file(path)  # checks the layout, every file's size and SHA-256
+        with quiet_transformers():
+            model = _load_causal(path, side, retriever, overrides)
+            model.generation_config = _generation_config(path)
+        if device is not None:
+            model.to(device)
+        return model.eval()
     arch = _rag_architecture(path)
     side = read_side_file(path)
     with quiet_transformers():

@@ -82,6 +82,8 @@ def greedy_decode(
     ``passage_embeddings`` ``[B, K, d]`` are given). Needs both tokenizers."""
     if not questions:
         raise ValueError("no questions to answer")
+    if getattr(model, "is_causal", False):
+        return _greedy_causal(model, questions, max_new_tokens, passages, passage_embeddings)
     q_inputs = model.tokenize_questions(questions)
     q = model.encode_questions(q_inputs["input_ids"], q_inputs["attention_mask"])
     if passages is None:
@@ -105,6 +107,28 @@ def greedy_decode(
     tok = model.generator_tokenizer
     texts = [tok.decode(ids, skip_special_tokens=True).strip() for ids in best]
     return Decoded(texts, best, [list(p) for p in passages], scores)
+
+
+def _greedy_causal(model, questions, max_new_tokens, passages, passage_embeddings) -> Decoded:
+    """A decoder-only generator: ``RagModel.generate`` with one beam (RAG-Token: the marginal
+    argmax per step; RAG-Sequence: a greedy answer per passage, rescored thoroughly), no
+    sampling and no penalties whatever the generation config says, as for seq2seq here."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if model.generator_tokenizer is None:
+        raise ValueError("greedy_decode needs the model's generator_tokenizer (to write the "
+                         "prompts and decode the answers)")
+    out = model.generate(list(questions), passages=passages,
+                         passage_embeddings=passage_embeddings, num_beams=1,
+                         num_return_sequences=1, max_new_tokens=max_new_tokens,
+                         min_new_tokens=0, decoding="thorough", do_sample=False,
+                         repetition_penalty=1.0, no_repeat_ngram_size=0)
+    eos = model.generator.config.eos_token_id
+    eos = -1 if eos is None else int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+    token_ids = [_strip(row, eos, model.pad_token_id) for row in out.sequences.tolist()]
+    tok = model.generator_tokenizer
+    texts = [tok.decode(ids, skip_special_tokens=True).strip() for ids in token_ids]
+    return Decoded(texts, token_ids, [list(p) for p in out.passages], out.doc_scores)
 
 
 def _rescore_sequences(model, ctx, scores, rows, start, eos) -> list[list[int]]:

@@ -26,11 +26,36 @@ import torch
 from torch import nn
 
 from rag_fast._validation import check_context_length, check_decoding_scores
-from rag_fast.models import _seq2seq
-from rag_fast.ops import rag_sequence_nll, rag_token_nll
+from rag_fast.models import _causal, _seq2seq
+from rag_fast.ops import linear_rag_nll, rag_sequence_nll, rag_token_nll
 
 MODES = ("token", "sequence")
 POOLINGS = ("auto", "cls", "mean")
+LM_HEAD_LOSSES = ("auto", "fused", "materialized")
+# lm_head_loss="auto" fuses the LM head into the loss once a step's logits would take this
+# many bytes. Below it the materialised path is faster (one LM-head GEMM fewer: 1.3x to 1.6x
+# less time for the loss step in benchmarks/results/cpu-lm-head-full.json) for at most this
+# much memory; above it the memory matters more (docs/lm_head_loss.md).
+FUSED_LOGITS_BYTES = 1 << 30
+
+
+def lm_head_path(choice: str, logits_bytes: int) -> str:
+    """``"fused"`` or ``"materialized"``: what ``lm_head_loss=choice`` runs for a step whose
+    logits would take ``logits_bytes``."""
+    if choice != "auto":
+        return choice
+    return "fused" if logits_bytes >= FUSED_LOGITS_BYTES else "materialized"
+# The ignored target of a decoder-only generator's loss (its labels may use the pad token as
+# the EOS target: see RagModel.prepare_labels).
+CAUSAL_IGNORE = -100
+
+
+def _eos_ids(config) -> tuple[int, ...]:
+    """The generator config's EOS token ids (none, one, or a list)."""
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 @dataclass
@@ -99,10 +124,15 @@ def _tokenizer_size(tokenizer: Any) -> int:
 
 
 class RagModel(nn.Module):
-    """RAG-Token or RAG-Sequence over any Hugging Face seq2seq generator and question encoder.
+    """RAG-Token or RAG-Sequence over any Hugging Face seq2seq or decoder-only generator and
+    question encoder.
 
     Args:
-        generator: a ``*ForConditionalGeneration`` model (BART, T5, ...).
+        generator: a ``*ForConditionalGeneration`` model (BART, T5, ...), or a decoder-only
+            ``*ForCausalLM`` (Llama, Qwen2, Mistral, GPT-2, ...; its config needs a
+            ``pad_token_id``). For a decoder-only generator the prompt is the passage and the
+            question, ``labels`` are the answer tokens and answers come back without the
+            prompt: see docs/decoder_only.md.
         question_encoder: a module mapping ``(input_ids [B, L], attention_mask [B, L])`` to
             ``[B, d]`` vectors, or to hidden states ``[B, L, d]`` pooled by ``question_pooling``
             (DPR question encoders return ``[B, d]`` already). May be None when questions are
@@ -118,6 +148,14 @@ class RagModel(nn.Module):
         question_pooling: "auto" | "cls" | "mean" for encoders returning hidden states.
         normalize_questions: L2-normalise question vectors (for cosine-trained encoders).
         max_context_length: generator context tokens (truncated).
+        loss_impl: the loss kernels' backend, ``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"``.
+        lm_head_loss: how the LM head meets the loss. ``"fused"``: one op that computes the
+            logits a vocabulary tile at a time and never holds all of them
+            (``rag_fast.linear_rag_nll``; one or two more LM-head GEMMs per step);
+            ``"materialized"``: the ``[B*K, T, V]`` logits in a reused buffer, then the fused
+            loss over them (faster while they fit); ``"auto"`` (default): fused once a step's
+            logits would take at least :data:`FUSED_LOGITS_BYTES` (1 GiB), else materialised.
+            Under ``torch.compile`` the materialised path runs (traced without a graph break).
 
     Raises:
         ValueError: bad mode or n_docs, a generator RagModel cannot drive, or a generator
@@ -142,6 +180,7 @@ class RagModel(nn.Module):
         max_context_length: int = 128,
         max_question_length: int = 64,
         loss_impl: str = "auto",
+        lm_head_loss: str = "auto",
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -150,7 +189,14 @@ class RagModel(nn.Module):
             raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
         if question_pooling not in POOLINGS:
             raise ValueError(f"question_pooling must be one of {POOLINGS}, got {question_pooling!r}")
-        _seq2seq.check_seq2seq(generator)
+        if lm_head_loss not in LM_HEAD_LOSSES:
+            raise ValueError(f"lm_head_loss must be one of {LM_HEAD_LOSSES}, got {lm_head_loss!r}")
+        # decoder-only generators (any *ForCausalLM): see _causal and docs/decoder_only.md
+        self.is_causal = _causal.is_causal(generator)
+        if self.is_causal:
+            _causal.check_causal(generator)  # also requires config.pad_token_id
+        else:
+            _seq2seq.check_seq2seq(generator)
         V = _seq2seq.vocab_size(generator)
         if generator_tokenizer is not None and _tokenizer_size(generator_tokenizer) > V:
             raise ValueError(
@@ -178,6 +224,7 @@ class RagModel(nn.Module):
         self.max_context_length = int(max_context_length)
         self.max_question_length = int(max_question_length)
         self.loss_impl = loss_impl
+        self.lm_head_loss = lm_head_loss
         # training steps reuse one logits buffer (see _seq2seq.LogitsWorkspace)
         self._logits_workspace = _seq2seq.LogitsWorkspace()
         # the index directory recorded in a saved model (``rag-fast eval/generate`` default)
@@ -199,6 +246,7 @@ class RagModel(nn.Module):
             "normalize_questions": self.normalize_questions,
             "max_context_length": self.max_context_length,
             "max_question_length": self.max_question_length, "loss_impl": self.loss_impl,
+            "lm_head_loss": self.lm_head_loss,
         }
 
     @property
@@ -311,8 +359,20 @@ class RagModel(nn.Module):
                     texts.append(join_context(*passage_fields(found[k]), question))
                 else:
                     texts.append(question)
-        enc = self.generator_tokenizer(texts, padding=True, truncation=True,
-                                       max_length=self.context_length(), return_tensors="pt")
+        tok = self.generator_tokenizer
+        if self.is_causal:
+            # a decoder-only prompt is left-padded (the answer follows its last token in the
+            # same column for every row) and truncated on the left (the question is at its end)
+            saved = (tok.padding_side, tok.truncation_side)
+            tok.padding_side, tok.truncation_side = "left", "left"
+            try:
+                enc = tok(texts, padding=True, truncation=True, max_length=self.context_length(),
+                          return_tensors="pt")
+            finally:
+                tok.padding_side, tok.truncation_side = saved
+        else:
+            enc = tok(texts, padding=True, truncation=True, max_length=self.context_length(),
+                      return_tensors="pt")
         device = self.generator.device
         return {"input_ids": enc["input_ids"].to(device),
                 "attention_mask": enc["attention_mask"].to(device)}
@@ -332,7 +392,9 @@ class RagModel(nn.Module):
         doc_scores: torch.Tensor | None = None,
         reduction: str = "mean",
     ) -> RagOutput:
-        """The RAG loss of ``labels`` ``[B, T]`` (decoder input; target = labels shifted left).
+        """The RAG loss of ``labels`` ``[B, T]`` (decoder input; target = labels shifted left;
+        for a decoder-only generator: the answer tokens, target t = ``labels[:, t]``, predicted
+        from the token before it, see docs/decoder_only.md).
 
         Passage scores: ``doc_scores`` ``[B, K]`` if given (as ``transformers``' RAG models
         accept), else ``q . e`` from the questions (``questions`` as text, or
@@ -396,7 +458,23 @@ class RagModel(nn.Module):
         return _Inputs(doc_scores, context_input_ids, context_attention_mask, kept, questions)
 
     def prepare_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(decoder_input_ids [B, T-1], targets [B, T-1])`` from labels ``[B, T]``."""
+        """``(decoder_input_ids [B, T-1], targets [B, T-1])`` from labels ``[B, T]``.
+
+        Decoder-only generators: ``(answer_ids [B, T], targets [B, T])``: the labels are the
+        answer tokens themselves, target t predicted from the token before it (the prompt's last
+        token for t = 0). ``answer_ids`` have -100 replaced by the pad token; in ``targets``
+        every ignored position is -100 (:data:`CAUSAL_IGNORE`): -100 itself, and the pad token
+        unless it is also the EOS token (then it is the EOS target, and padding must be -100).
+        """
+        if self.is_causal:
+            if labels.dim() != 2 or labels.shape[1] < 1:
+                raise ValueError(f"labels must be [B, T] answer token ids with T >= 1, got "
+                                 f"{tuple(labels.shape)}")
+            ids = labels.masked_fill(labels == CAUSAL_IGNORE, self.pad_token_id)
+            targets = labels
+            if self.pad_token_id not in _eos_ids(self.generator.config):
+                targets = labels.masked_fill(labels == self.pad_token_id, CAUSAL_IGNORE)
+            return ids, targets
         if labels.dim() != 2 or labels.shape[1] < 2:
             raise ValueError(f"labels must be [B, T] with T >= 2, got {tuple(labels.shape)}")
         labels = labels.masked_fill(labels == -100, self.pad_token_id)
@@ -413,11 +491,17 @@ class RagModel(nn.Module):
         """The RAG loss given contexts ``[B*K, L]``, scores ``[B, K]`` and labels ``[B, T]``."""
         B, K = self._check_batch(context_input_ids, doc_scores, labels)
         decoder_input_ids, targets = self.prepare_labels(labels)
-        head = _seq2seq.lm_head(self.generator)
+        head = (_causal if self.is_causal else _seq2seq).lm_head(self.generator)
         # a tied embedding's gradient is added into the LM head's in place (see _seq2seq)
         tied = _seq2seq.split_tied_weight(self.generator)
         if tied is not None:
             head = replace(head, weight=tied.head)
+        if self.is_causal:
+            # prompt ++ answer per (question, passage); state t predicts labels[:, t]
+            states = _causal.answer_states(self.generator, context_input_ids,
+                                           context_attention_mask, decoder_input_ids, tied)
+            return self._rag_loss(head, tied, states, doc_scores, targets, K, reduction,
+                                  CAUSAL_IGNORE)
         states = _seq2seq.decode(
             self.generator,
             decoder_input_ids.repeat_interleave(K, dim=0),
@@ -425,16 +509,41 @@ class RagModel(nn.Module):
             context_attention_mask,
             tied,
         )  # [B*K, T-1, d]
-        logits = _seq2seq.lm_logits(head, states, self._logits_workspace,
-                                    None if tied is None else tied.deferred)  # [B*K, T-1, V]
+        return self._rag_loss(head, tied, states, doc_scores, targets, K, reduction,
+                              self.pad_token_id)
+
+    def _rag_loss(self, head: "_seq2seq.LMHead", tied, states: torch.Tensor,
+                  doc_scores: torch.Tensor, targets: torch.Tensor, K: int,
+                  reduction: str, ignore_index: int) -> torch.Tensor:
+        """The RAG loss of generator states ``[B*K, T, d]`` (before the LM head's scale) for
+        ``targets`` ``[B, T]``: the fused LM-head loss (which never holds the ``[B*K, T, V]``
+        logits) or the LM head's logits then a fused loss over them, as ``lm_head_loss`` and
+        the logits' size decide (:func:`lm_head_path`)."""
         exclude_bos = False
-        if self.mode == "sequence" and self.exclude_bos and self.bos_token_id is not None:
+        if (self.mode == "sequence" and self.exclude_bos and self.bos_token_id is not None
+                and not self.is_causal):  # a decoder-only answer has no start token
             # transformers' rule: drop BOS only if every target starts with it
             exclude_bos = bool(targets[:, 0].eq(self.bos_token_id).all())
+        # Under torch.compile the materialised path runs: its ops are custom ops the compiler
+        # traces (no graph break), and the compiler plans the logits' memory itself.
+        device = states.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else head.weight.dtype)
+        logits_bytes = states.shape[:-1].numel() * head.weight.shape[0] * dtype.itemsize
+        path = lm_head_path(self.lm_head_loss, logits_bytes)
+        if path == "fused" and not torch.compiler.is_compiling():
+            h = states * head.scale if head.scale != 1.0 else states
+            return linear_rag_nll(
+                h, head.weight, doc_scores, targets, bias=head.bias, mode=self.mode, n_docs=K,
+                epsilon=self.epsilon, ignore_index=ignore_index, exclude_bos=exclude_bos,
+                reduction=reduction, impl=self.loss_impl,
+                deferred_weight_grad=None if tied is None else tied.deferred)
+        logits = _seq2seq.lm_logits(head, states, self._logits_workspace,
+                                    None if tied is None else tied.deferred)  # [B*K, T-1, V]
         loss_fn = rag_token_nll if self.mode == "token" else rag_sequence_nll
         return loss_fn(
             logits, doc_scores, targets, n_docs=K, epsilon=self.epsilon,
-            ignore_index=self.pad_token_id, exclude_bos=exclude_bos, reduction=reduction,
+            ignore_index=ignore_index, exclude_bos=exclude_bos, reduction=reduction,
             impl=self.loss_impl,
             # the logits are a temporary of this function: their buffer takes the gradient (a
             # second backward through this graph then raises instead of reading it)
@@ -450,9 +559,20 @@ class RagModel(nn.Module):
         if context_input_ids.dim() != 2 or context_input_ids.shape[0] != B * K:
             raise ValueError(f"context_input_ids must be [B*K, L] = [{B}*{K}, L], got "
                              f"{tuple(context_input_ids.shape)}")
-        if labels.shape[0] != B:
-            raise ValueError(f"labels are for {labels.shape[0]} questions, doc_scores for {B}")
-        check_context_length(context_input_ids, self.max_positions)
+        if labels.dim() != 2 or labels.shape[0] != B:
+            raise ValueError(f"labels must be [B={B}, T] (one row per question of doc_scores), "
+                             f"got {tuple(labels.shape)}")
+        if self.is_causal:
+            # prompt and answer share the positions: S + T - 1 of them at most
+            limit = self.max_positions
+            if limit is not None and context_input_ids.shape[1] + labels.shape[1] - 1 > limit:
+                raise ValueError(
+                    f"context_input_ids ({context_input_ids.shape[1]} tokens) and labels "
+                    f"({labels.shape[1]}) need {context_input_ids.shape[1] + labels.shape[1] - 1} "
+                    f"positions but the generator has {limit} (config.max_position_embeddings); "
+                    "shorten the contexts (max_context_length) or the answers")
+        else:
+            check_context_length(context_input_ids, self.max_positions)
         V = self.vocab_size
         ok = (labels == -100) | (labels == self.pad_token_id) | ((labels >= 0) & (labels < V))
         if torch.compiler.is_compiling():  # no host read in a compiled graph
@@ -461,6 +581,13 @@ class RagModel(nn.Module):
         elif not bool(ok.all()):
             raise ValueError(f"labels contain token id {int(labels[~ok][0])}, outside the "
                              f"generator's vocabulary [0, {V})")
+        # a question whose passages are all missing has no passage prior (a NaN loss)
+        if doc_scores.device.type == "cpu" and not torch.compiler.is_compiling():
+            empty = torch.isneginf(doc_scores.detach()).all(dim=1)
+            if bool(empty.any()):
+                raise ValueError(
+                    f"doc_scores: question {int(empty.nonzero()[0])} has every passage score "
+                    "-inf (no passage): each question needs at least one finite passage score")
         return B, K
 
     # ------------------------------------------------------------------ generation
@@ -492,11 +619,17 @@ class RagModel(nn.Module):
             decoding: RAG-Sequence only, ``"thorough"`` or ``"fast"``.
             impl: beam-step backend (``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"``).
             **settings: ``num_beams``, ``max_new_tokens`` / ``max_length``, ``min_length``,
-                ``length_penalty``, ``num_return_sequences`` ...; defaults from the model
-                directory's ``generation_config.json`` (as ``transformers``).
+                ``length_penalty``, ``num_return_sequences``, ``do_sample``, ``temperature``,
+                ``top_k``, ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``,
+                ``rng`` (a ``torch.Generator`` for the draws) ...; defaults from the model
+                directory's ``generation_config.json`` (as ``transformers``). A decoder-only
+                generator's repetition penalty and n-gram ban read the prompt too
+                (docs/decoder_only.md).
         Returns:
-            :class:`Generation`: ``sequences`` ``[B*R, L]`` token ids (R answers per question),
-            ``texts`` (with a generator tokenizer), the passages used and ``doc_scores``.
+            :class:`Generation`: ``sequences`` ``[B*R, L]`` token ids (R answers per question;
+            for a decoder-only generator the answer tokens only, see
+            ``rag_fast.generation.causal``), ``texts`` (with a generator tokenizer), the
+            passages used and ``doc_scores``.
         Raises:
             ValueError: missing inputs; a question whose passages all score ``-inf`` or a NaN
                 score (named); contexts longer than the generator's positions.
@@ -523,6 +656,18 @@ class RagModel(nn.Module):
         doc_scores, passages, questions = inputs.doc_scores, inputs.passages, inputs.questions
         context_input_ids, context_attention_mask = inputs.context_input_ids, inputs.context_mask
         check_decoding_scores(doc_scores.detach(), questions)
+        if self.is_causal:
+            from rag_fast.generation.causal import causal_generate
+
+            sequences = causal_generate(
+                self.generator, context_input_ids, context_attention_mask, doc_scores,
+                mode=self.mode, decoding=decoding, impl=impl,
+                generation_config=self.generation_config, **settings)
+            texts = None
+            if self.generator_tokenizer is not None:
+                texts = [t.strip() for t in self.generator_tokenizer.batch_decode(
+                    sequences, skip_special_tokens=True)]
+            return Generation(sequences, texts, passages, doc_scores)
         view = _TransformersView(self)
         if self.mode == "token":
             sequences = rag_token_generate(view, context_input_ids, context_attention_mask,
@@ -539,8 +684,15 @@ class RagModel(nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, *, index: str | None = None) -> None:
         """Write a model directory atomically: a ``transformers`` RAG folder (safetensors) plus
-        ``rag_fast.json`` (see ``rag_fast.models.checkpoint``). ``index``: the index directory
-        to record (default: ``self.index_path``)."""
+        ``rag_fast.json`` (see ``rag_fast.models.checkpoint``); with a decoder-only generator,
+        the generator and the question encoder saved side by side (``save_pretrained``) with
+        their tokenizers and ``rag_fast.json``. ``index``: the index directory to record
+        (default: ``self.index_path``).
+
+        Raises:
+            CheckpointError (a ValueError): a generator or question encoder that is not a
+                ``transformers`` model.
+        """
         from rag_fast.models.checkpoint import save_rag_model
 
         save_rag_model(self, path, index=index)
@@ -548,7 +700,8 @@ class RagModel(nn.Module):
     @classmethod
     def load(cls, path: str, **kwargs) -> "RagModel":
         """Load a model directory (``save``, ``rag-fast init/train``, or a ``transformers`` RAG
-        folder), verified file by file; ``device=`` and RagModel option overrides allowed."""
+        folder; seq2seq or decoder-only generator), verified file by file; ``device=`` and
+        RagModel option overrides allowed."""
         from rag_fast.models.checkpoint import load_rag_model
 
         return load_rag_model(path, **kwargs)
@@ -586,7 +739,8 @@ class Generation:
     """What :meth:`RagModel.generate` returns.
 
     sequences: ``[B*R, L]`` int64 token ids (R = num_return_sequences), starting with the
-        decoder start token, padded with the pad token.
+        decoder start token, padded with the pad token. For a decoder-only generator: the answer
+        tokens only (no prompt, no start token), padded with the pad token.
     texts: the decoded answers (None without a generator tokenizer).
     passages: per question, the passages decoded over (None when contexts were given).
     doc_scores: ``[B, K]`` passage scores.

@@ -371,6 +371,32 @@ torch.library.register_autograd("rag_fast::token_smooth_forward", _token_smooth_
                                 setup_context=_token_smooth_setup)
 
 
+def _check_token_smooth_stats(logits, log_prior, lse, impl) -> str:
+    return _check("token_smooth_stats", impl, logits, lambda B, K, T, V: {
+        "log_prior": (log_prior, (B, K), _FLOAT), "lse": (lse, (B, K, T), _FLOAT),
+    })
+
+
+@torch.library.custom_op(
+    "rag_fast::token_smooth_stats", mutates_args=(), device_types=("cpu", "cuda"),
+    schema="(Tensor logits, Tensor log_prior, Tensor lse, str impl=\"auto\") -> (Tensor, Tensor)",
+)
+def token_smooth_stats(logits: Tensor, log_prior: Tensor, lse: Tensor, impl: str = "auto"
+                       ) -> tuple[Tensor, Tensor]:
+    """``sum_m = sum_v M`` ``[B, T]`` and ``rho = sum_v R`` ``[B, K, T]`` of logits whose row
+    normalisers ``lse`` are given (not computed from these logits): the fused LM-head loss
+    calls it on one vocabulary tile at a time with the rows' final log-sum-exp. No autograd."""
+    backend = _check_token_smooth_stats(logits, log_prior, lse, impl)
+    kernels = _kernels("token_smooth_stats", backend, {"logits": logits})
+    return kernels.token_smooth_stats(logits, log_prior, lse)
+
+
+@token_smooth_stats.register_fake
+def _(logits, log_prior, lse, impl="auto"):
+    _check_token_smooth_stats(logits, log_prior, lse, impl)
+    return _pair(logits), _stats(logits)
+
+
 def _check_token_smooth_grad(logits, targets, log_prior, lse, c_p, c_y, c_1, c_r, out,
                              impl) -> str:
     backend = _check("token_smooth_grad", impl, logits, lambda B, K, T, V: {

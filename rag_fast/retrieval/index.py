@@ -9,6 +9,14 @@ Presets:
             top-k exact among the ``rerank * max(k, 10)`` candidates; ``nprobe`` and ``rerank`` per call.
     any other string is a faiss factory string (inner product metric).
 
+On-disk inverted lists (``build(..., on_disk=True)``, ``rag-fast index build --on-disk``): the
+index is built as an IVF whose lists faiss can memory-map (with ``ivfpq``:
+``IVF{nlist},PQ{M}``, 8-bit codes rather than fast-scan, whose blocked lists faiss always
+reads into RAM; a factory string must be such an IVF, e.g. ``IVF4096,SQ8``), the manifest
+says so, and :meth:`DenseIndex.load` opens ``index.faiss`` with faiss's ``IO_FLAG_MMAP``: the
+coarse quantiser and the codebooks are read into RAM, the codes and ids of the lists stay in
+the file and are paged in by the lists a search visits.
+
 Every index keeps the vectors themselves as fp16 in a faiss scalar-quantiser store
 (``vectors.faiss``): its codes are the IEEE fp16 bytes, so the same memory is both faiss's
 re-ranking store and :attr:`DenseIndex.embeddings` (a ``[N, d]`` float16 numpy view), and on
@@ -25,9 +33,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -53,6 +63,7 @@ SMALL_CORPUS = 39 * 16  # below: every preset is exact search (k-means of 16 lis
 GPU_MAX_K = 2048  # faiss GPU's largest k and nprobe
 RERANK_MIN_K = 10  # a re-ranking search fetches at least rerank * 10 candidates (the tuned k)
 _INDEX_FILE, _VECTORS_FILE = "index.faiss", "vectors.faiss"
+_PREFETCH_THREADS = 0  # faiss OnDiskInvertedLists.prefetch_nthread for mapped lists (see load)
 _warned: set[str] = set()
 _lock = threading.Lock()
 
@@ -80,12 +91,14 @@ def faiss_gpu_supports(index) -> bool:
                            faiss.IndexIVFScalarQuantizer)
 
 
-def preset_factory(preset: str, n: int, d: int) -> tuple[str, int]:
+def preset_factory(preset: str, n: int, d: int, on_disk: bool = False) -> tuple[str, int]:
     """(faiss factory string, default re-rank factor) of a preset for ``n`` vectors of ``d``.
 
     ivfpq: ``nlist`` is the power of two nearest ``sqrt(n)`` (but at most ``n / 39`` so that
     k-means has 39 points per centroid) and the PQ has ``M`` 4-bit sub-quantisers with
-    ``d / M`` near 8 (the largest even divisor of ``d`` up to ``d / 8``).
+    ``d / M`` near 8 (the largest even divisor of ``d`` up to ``d / 8``). With ``on_disk``
+    the same lists hold plain 8-bit PQ codes (``M``: the largest divisor of ``d`` up to
+    ``d / 8``), which faiss can memory-map; fast-scan blocks it cannot.
 
     Presets adapt to the corpus size: below :data:`SMALL_CORPUS` vectors (where exact search
     takes well under a millisecond and a quantiser has too little to train on) ``ivfpq`` and
@@ -98,30 +111,73 @@ def preset_factory(preset: str, n: int, d: int) -> tuple[str, int]:
     if preset == "ivfpq":
         nlist = 2 ** round(math.log2(max(1.0, math.sqrt(n))))
         nlist = max(1, min(nlist, 2 ** int(math.log2(max(1, n // 39)))))
+        if on_disk:
+            m = next(m for m in range(max(1, d // 8), 0, -1) if d % m == 0)
+            return f"IVF{nlist},PQ{m}", 8
         m = next((m for m in range(max(2, d // 8), 0, -1) if d % m == 0 and m % 2 == 0), 1)
         return f"IVF{nlist},PQ{m}x4fs", 8
     raise ValueError(f"preset must be one of {PRESETS} or a faiss factory string, got {preset!r}")
 
 
-def plan_factory(preset: str, n: int, d: int) -> str:
+def _check_on_disk(on_disk: object) -> bool:
+    if not isinstance(on_disk, bool):
+        raise ValueError(f"on_disk must be True or False, got {on_disk!r}")
+    return on_disk
+
+
+def _extract_ivf(index):
+    """The IVF inside a faiss index, or None when it has none."""
+    try:
+        return faiss.extract_index_ivf(index)
+    except RuntimeError:
+        return None
+
+
+def lists_mappable(index) -> str | None:
+    """None when faiss can memory-map the inverted lists of ``index`` (an IVF whose lists are
+    faiss's plain array lists, written contiguously by ``write_index``), else the reason."""
+    ivf = _extract_ivf(index)
+    if ivf is None:
+        return "it has no inverted lists (only an IVF index has)"
+    lists = faiss.downcast_InvertedLists(ivf.invlists)
+    if isinstance(lists, faiss.BlockInvertedLists):
+        return "its lists are fast-scan blocks, which faiss always reads into RAM"
+    if not isinstance(lists, (faiss.ArrayInvertedLists, faiss.OnDiskInvertedLists)):
+        return f"faiss keeps its lists as {type(lists).__name__}, which it cannot memory-map"
+    return None
+
+
+def _on_disk_error(preset: str, reason: str) -> ValueError:
+    return ValueError(f"on_disk=True: preset {preset!r} cannot keep inverted lists on disk: {reason}; "
+                      "use preset 'ivfpq' (8-bit PQ lists with on_disk) or an IVF factory without "
+                      "fast-scan, e.g. 'IVF4096,PQ64' or 'IVF4096,SQ8'")
+
+
+def _factory_index(preset: str, factory: str, d: int):
+    try:
+        return faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        raise ValueError(f"preset {preset!r} is not a preset {PRESETS} nor a valid faiss "
+                         f"factory string: {str(exc).strip().splitlines()[-1]}") from None
+
+
+def plan_factory(preset: str, n: int, d: int, on_disk: bool = False) -> str:
     """The faiss factory string :meth:`DenseIndex.build` will use for ``n`` vectors of ``d``,
     checked before anything is encoded (``rag-fast index build`` calls it first).
 
     Raises:
-        ValueError: an unknown preset or factory string, or a factory whose quantiser needs
-            more training vectors than the corpus has (naming both numbers).
+        ValueError: an unknown preset or factory string, a factory whose quantiser needs
+            more training vectors than the corpus has (naming both numbers), or ``on_disk``
+            with a preset or factory whose inverted lists faiss cannot memory-map.
     """
+    if _check_on_disk(on_disk) and preset in ("exact", "hnsw"):
+        raise _on_disk_error(preset, "it has no inverted lists (only an IVF index has)")
     if preset in PRESETS:
-        return preset_factory(preset, n, d)[0]
-    try:
-        index = faiss.index_factory(d, preset, faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as exc:
-        raise ValueError(f"preset {preset!r} is not a preset {PRESETS} nor a valid faiss "
-                         f"factory string: {str(exc).strip().splitlines()[-1]}") from None
-    try:
-        ivf = faiss.extract_index_ivf(index)
-    except RuntimeError:
-        ivf = None
+        return preset_factory(preset, n, d, on_disk)[0]
+    index = _factory_index(preset, preset, d)
+    if on_disk and (reason := lists_mappable(index)) is not None:
+        raise _on_disk_error(preset, reason)
+    ivf = _extract_ivf(index)
     if ivf is not None and n < ivf.nlist:
         raise ValueError(f"preset {preset!r} has {ivf.nlist} inverted lists but the corpus has "
                          f"{n} vectors (k-means needs at least one per list); use fewer lists "
@@ -133,6 +189,7 @@ _MAX_SETTING = 2**31 - 1  # faiss takes nprobe, efSearch and k as C ints
 SETTINGS = ("nprobe", "ef_search", "rerank")  # the search settings of params / search() / tune()
 _MANIFEST_KEYS = ("kind", "format", "preset", "factory", "count", "dim", "metric", "params",
                   "faiss_version", "meta", "files")
+_OPTIONAL_KEYS = ("on_disk",)  # absent from manifests written before it existed (= False)
 
 
 def _check_int(name: str, value: object, low: int = 1, high: int = _MAX_SETTING) -> int:
@@ -177,9 +234,12 @@ def _check_manifest(root: Path, manifest: dict) -> None:
     if missing:
         raise StorageError(f"{where}: missing key(s) {missing}; an index manifest has "
                            f"{list(_MANIFEST_KEYS)} (written by DenseIndex.save)")
-    unknown = sorted(set(manifest) - set(_MANIFEST_KEYS))
+    unknown = sorted(set(manifest) - set(_MANIFEST_KEYS) - set(_OPTIONAL_KEYS))
     if unknown:
-        raise StorageError(f"{where}: unknown key(s) {unknown}; expected only {list(_MANIFEST_KEYS)}")
+        raise StorageError(f"{where}: unknown key(s) {unknown}; expected only "
+                           f"{list(_MANIFEST_KEYS + _OPTIONAL_KEYS)}")
+    if not isinstance(manifest.get("on_disk", False), bool):
+        raise bad("on_disk", "true or false")
     fmt = manifest["format"]
     if isinstance(fmt, bool) or not isinstance(fmt, int):
         raise bad("format", f"the int {FORMAT}")
@@ -252,16 +312,19 @@ class DenseIndex:
     """
 
     def __init__(self, base, vectors, preset: str, factory: str, params: dict, meta: dict | None = None,
-                 source: Path | None = None):
+                 source: Path | None = None, *, on_disk: bool = False):
         self._base = base  # the faiss index of the preset
         self._vectors = vectors  # faiss IndexScalarQuantizer(fp16): the exact vectors
         self.preset, self.factory, self.meta, self.source = preset, factory, dict(meta or {}), source
         self.params = dict(params)  # defaults: nprobe, ef_search, rerank
-        self._ivf = None
-        try:
-            self._ivf = faiss.extract_index_ivf(base)
-        except RuntimeError:
-            pass
+        #: whether the saved index.faiss is opened with its inverted lists memory-mapped
+        #: (``build(on_disk=True)``; :attr:`lists_mapped` says whether this object's are)
+        self.on_disk = bool(on_disk)
+        # for mapped lists: a descriptor of the index.faiss that faiss mapped, and its manifest
+        # entry (save copies that file instead of serialising lists faiss cannot write back)
+        self._mapped_fd: int | None = None
+        self._mapped_entry: dict | None = None
+        self._ivf = _extract_ivf(base)
         self._hnsw = isinstance(faiss.downcast_index(base), faiss.IndexHNSW)
         self._refine = faiss.IndexRefine(base, vectors) if self.params.get("rerank", 1) > 1 else None
         n, d = vectors.ntotal, vectors.d
@@ -291,6 +354,7 @@ class DenseIndex:
         seed: int = 0,
         progress: bool = True,
         meta: dict | None = None,
+        on_disk: bool = False,
         target_recall: float | None = None,
         queries: np.ndarray | torch.Tensor | None = None,
         query_source: str | None = None,
@@ -313,8 +377,15 @@ class DenseIndex:
                 fetched, so a search for fewer than 10 has the quality :meth:`tune` measured); 1 or
                 less turns re-ranking off. Default: 8 for ivfpq, off otherwise.
             nprobe, ef_search: default search parameters (see :meth:`search`, :meth:`tune`).
+            on_disk: write the inverted lists so that :meth:`load` memory-maps them instead of
+                reading them into RAM: with ``"ivfpq"`` the lists hold 8-bit PQ codes
+                (``IVF{nlist},PQ{M}``, not fast-scan); a factory string must be an IVF
+                without fast-scan (``"IVF4096,PQ64"``, ``"IVF4096,SQ8"``). Below
+                :data:`SMALL_CORPUS` vectors ``ivfpq`` is exact search, with no lists.
+                The build itself holds the codes in RAM (``M + 8`` bytes per vector for PQ).
         Raises:
-            ValueError: empty or non-2-D ``embeddings``, NaN/inf rows, bad parameters.
+            ValueError: empty or non-2-D ``embeddings``, NaN/inf rows, bad parameters,
+                ``on_disk`` with ``"exact"``, ``"hnsw"`` or a factory faiss cannot map.
         """
         n, d = _shape(embeddings)
         if n == 0 or d == 0:
@@ -324,22 +395,20 @@ class DenseIndex:
                                     or queries.shape[0] == 0):
             raise ValueError(f"queries must have shape [Q >= 1, d={d}] (the embeddings' dimension), "
                              f"got {tuple(getattr(queries, 'shape', ()))}")
+        if _check_on_disk(on_disk) and preset in ("exact", "hnsw"):
+            raise _on_disk_error(preset, "it has no inverted lists (only an IVF index has)")
         if preset in PRESETS:
-            factory, default_rerank = preset_factory(preset, n, d)
+            factory, default_rerank = preset_factory(preset, n, d, on_disk)
         else:
             factory, default_rerank = preset, 1
-        try:
-            base = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
-        except RuntimeError as exc:
-            raise ValueError(f"preset {preset!r} is not a preset {PRESETS} nor a valid faiss "
-                             f"factory string: {str(exc).strip().splitlines()[-1]}") from None
+        base = _factory_index(preset, factory, d)
+        small = preset in PRESETS and factory == "Flat"  # ivfpq on a small corpus: exact, no lists
+        if on_disk and not small and (reason := lists_mappable(base)) is not None:
+            raise _on_disk_error(preset, reason)
+        on_disk = on_disk and not small
         rerank = default_rerank if rerank is None else _check_int("rerank", rerank, 0)
         params = {"rerank": max(1, rerank)}
-        ivf = None
-        try:
-            ivf = faiss.extract_index_ivf(base)
-        except RuntimeError:
-            pass
+        ivf = _extract_ivf(base)
         if ivf is not None:
             params["nprobe"] = _check_int("nprobe", nprobe) if nprobe is not None else max(1, ivf.nlist // 64)
         if isinstance(base, faiss.IndexHNSW):
@@ -363,7 +432,7 @@ class DenseIndex:
             _check_finite("embeddings", chunk, offset=start)
             vectors.add(chunk)
             base.add(chunk)
-        index = cls(base, vectors, preset, factory, params, meta)
+        index = cls(base, vectors, preset, factory, params, meta, on_disk=on_disk)
         if target_recall is not None:
             index.measure(target_recall, tune=index.factory != "Flat", queries=queries,
                           query_source=query_source, progress=progress)
@@ -476,8 +545,18 @@ class DenseIndex:
         return self._refine if self._refine is not None else self._base
 
     def index_bytes(self) -> int:
-        """Serialized size of the search structure, without the fp16 vectors beside it."""
+        """Serialized size of the search structure, without the fp16 vectors beside it (for
+        memory-mapped lists: the size of the file they are mapped from)."""
+        if self._mapped_entry is not None:
+            return int(self._mapped_entry["bytes"])
         return int(faiss.serialize_index(self._base).size)
+
+    @property
+    def lists_mapped(self) -> bool:
+        """Whether this object's inverted lists are memory-mapped from ``index.faiss`` (an
+        ``on_disk`` index opened with ``load(mmap=True)``) rather than held in RAM."""
+        return self._ivf is not None and isinstance(
+            faiss.downcast_InvertedLists(self._ivf.invlists), faiss.OnDiskInvertedLists)
 
     def describe(self) -> dict:
         """Preset, factory, size, search defaults and, when measured (:meth:`measure`, or
@@ -485,7 +564,7 @@ class DenseIndex:
         milliseconds per query at those defaults."""
         return {"preset": self.preset, "factory": self.factory, "count": self.ntotal, "dim": self.dim,
                 "metric": "inner_product", "params": dict(self.params), "faiss_version": faiss.__version__,
-                "search_quality": (self.meta or {}).get("search_quality")}
+                "on_disk": self.on_disk, "search_quality": (self.meta or {}).get("search_quality")}
 
     # ---- search ---------------------------------------------------------------------------
     def search_parameters(self, k: int, nprobe: int | None = None, ef_search: int | None = None,
@@ -761,25 +840,51 @@ class DenseIndex:
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
         """Write ``path/`` (index.faiss, vectors.faiss, manifest.json) atomically.
 
+        An index whose lists are memory-mapped is saved by copying the file they are mapped
+        from (held open since :meth:`load`, so a later replacement of that path does not
+        matter), streamed, and checked against the checksum its manifest gave at load.
+
         Raises:
             FileExistsError: ``path`` exists and ``overwrite`` is False.
+            StorageError: the mapped ``index.faiss`` no longer matches its manifest's checksum
+                (changed in place since it was loaded); nothing is written.
         """
         with atomic_directory(path, overwrite) as tmp:
-            faiss.write_index(self._base, str(tmp / _INDEX_FILE))
+            if self._mapped_fd is not None:
+                self._copy_mapped(tmp / _INDEX_FILE)
+            else:
+                faiss.write_index(self._base, str(tmp / _INDEX_FILE))
             faiss.write_index(self._vectors, str(tmp / _VECTORS_FILE))
             described = {k: v for k, v in self.describe().items() if k != "search_quality"}
+            files = describe_files(tmp, [_INDEX_FILE, _VECTORS_FILE])
+            if self._mapped_entry is not None and files[_INDEX_FILE] != self._mapped_entry:
+                raise StorageError(f"{self.source / _INDEX_FILE}, whose inverted lists this index "
+                                   "memory-maps, no longer matches the checksum of its manifest "
+                                   "(changed on disk since it was loaded); reload or rebuild the index")
             manifest = {"kind": INDEX_KIND, "format": FORMAT, **described, "meta": self.meta,
-                        "files": describe_files(tmp, [_INDEX_FILE, _VECTORS_FILE])}
+                        "files": files}
             write_json(tmp / MANIFEST, manifest)
         return Path(path)
+
+    def _copy_mapped(self, dest: Path) -> None:
+        """Stream the open file the inverted lists are mapped from to ``dest``."""
+        fd, offset = self._mapped_fd, 0
+        with open(dest, "wb") as out:
+            while chunk := os.pread(fd, 1 << 23, offset):
+                out.write(chunk)
+                offset += len(chunk)
 
     @classmethod
     def load(cls, path: str | Path, verify: bool = True, expected_dim: int | None = None,
              mmap: bool = True) -> "DenseIndex":
-        """Open a saved index; the fp16 vectors are memory-mapped when ``mmap`` (and faiss can).
+        """Open a saved index; the fp16 vectors are memory-mapped when ``mmap`` (and faiss can),
+        and so are the inverted lists of an index built with ``on_disk=True`` (faiss
+        ``IO_FLAG_MMAP``: the coarse quantiser and codebooks are read, the lists' codes and
+        ids stay in ``index.faiss``; see :attr:`lists_mapped`).
 
         Args:
             verify: check every file's SHA-256 (sizes are always checked).
+            mmap: False reads everything into RAM (an ``on_disk`` index too).
             expected_dim: raise unless the index has this dimension (e.g. the encoder's).
         Raises:
             StorageError: missing, truncated, corrupt, or inconsistent with its manifest.
@@ -802,29 +907,59 @@ class DenseIndex:
             raise ValueError(f"expected_dim={expected_dim} does not match the index dimension {d} "
                              f"of {str(root)!r} (built with another encoder?)")
         flag = getattr(faiss, "IO_FLAG_MMAP_IFC", 0) if mmap else 0
+        on_disk = manifest.get("on_disk", False)
+        mapped_fd = None  # closed here unless handed to the index (which closes it when collected)
         try:
-            base = faiss.read_index(str(root / _INDEX_FILE))
-            vectors = faiss.read_index(str(root / _VECTORS_FILE), flag)
-        except RuntimeError as exc:
-            raise StorageError(f"faiss cannot read the index under {str(root)!r}: "
-                               f"{str(exc).strip().splitlines()[-1]}") from None
-        for name, idx in ((_INDEX_FILE, base), (_VECTORS_FILE, vectors)):
-            if idx.d != d or idx.ntotal != n:
-                raise StorageError(f"{root / name} holds {idx.ntotal} x {idx.d} vectors, the manifest "
-                                   f"says {n} x {d} (dimension mismatch or mixed-up files)")
-        if not isinstance(vectors, faiss.IndexScalarQuantizer) or vectors.code_size != 2 * d:
-            raise StorageError(f"{root / _VECTORS_FILE} is not an fp16 vector store")
-        try:
-            is_ivf = faiss.extract_index_ivf(base) is not None
-        except RuntimeError:
-            is_ivf = False
-        for key, needed in (("nprobe", is_ivf), ("ef_search", isinstance(faiss.downcast_index(base),
-                                                                         faiss.IndexHNSW))):
-            if needed and key not in manifest["params"]:
-                raise StorageError(f"{root / MANIFEST}: missing key 'params.{key}' (an int >= 1), "
-                                   f"which a {manifest['factory']!r} index needs")
-        index = cls(base, vectors, manifest["preset"], manifest["factory"], manifest["params"],
-                    manifest.get("meta"), source=root)
+            try:
+                if on_disk and mmap:
+                    # faiss maps the file it opens: open it first and let faiss open that very
+                    # file (/proc/self/fd), so the mapped lists and what save() copies are one file
+                    mapped_fd = os.open(root / _INDEX_FILE, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    if os.fstat(mapped_fd).st_size != manifest["files"][_INDEX_FILE]["bytes"]:
+                        raise StorageError(f"{root / _INDEX_FILE} changed size while it was opened")
+                    by_fd = f"/proc/self/fd/{mapped_fd}"
+                    base = faiss.read_index(by_fd if os.path.exists(by_fd) else str(root / _INDEX_FILE),
+                                            faiss.IO_FLAG_MMAP)
+                else:
+                    base = faiss.read_index(str(root / _INDEX_FILE))
+                vectors = faiss.read_index(str(root / _VECTORS_FILE), flag)
+            except RuntimeError as exc:
+                raise StorageError(f"faiss cannot read the index under {str(root)!r}: "
+                                   f"{str(exc).strip().splitlines()[-1]}") from None
+            if on_disk and (reason := lists_mappable(base)) is not None:
+                raise StorageError(f"{root / MANIFEST}: key 'on_disk' is true but {root / _INDEX_FILE} "
+                                   f"holds a {manifest['factory']!r} index and {reason}")
+            for name, idx in ((_INDEX_FILE, base), (_VECTORS_FILE, vectors)):
+                if idx.d != d or idx.ntotal != n:
+                    raise StorageError(f"{root / name} holds {idx.ntotal} x {idx.d} vectors, the manifest "
+                                       f"says {n} x {d} (dimension mismatch or mixed-up files)")
+            if not isinstance(vectors, faiss.IndexScalarQuantizer) or vectors.code_size != 2 * d:
+                raise StorageError(f"{root / _VECTORS_FILE} is not an fp16 vector store")
+            try:
+                is_ivf = faiss.extract_index_ivf(base) is not None
+            except RuntimeError:
+                is_ivf = False
+            for key, needed in (("nprobe", is_ivf), ("ef_search", isinstance(faiss.downcast_index(base),
+                                                                             faiss.IndexHNSW))):
+                if needed and key not in manifest["params"]:
+                    raise StorageError(f"{root / MANIFEST}: missing key 'params.{key}' (an int >= 1), "
+                                       f"which a {manifest['factory']!r} index needs")
+            index = cls(base, vectors, manifest["preset"], manifest["factory"], manifest["params"],
+                        manifest.get("meta"), source=root, on_disk=on_disk)
+            if mapped_fd is not None:
+                if not index.lists_mapped:
+                    raise StorageError(f"faiss read the inverted lists of {root / _INDEX_FILE} into "
+                                       f"RAM instead of memory-mapping them (faiss {faiss.__version__}); "
+                                       "open it with mmap=False")
+                # faiss starts 32 threads per search to page the probed lists in ahead of the
+                # scan; here a search pages them in on its own thread(s) as it reads them
+                faiss.downcast_InvertedLists(index._ivf.invlists).prefetch_nthread = _PREFETCH_THREADS
+                index._mapped_entry = dict(manifest["files"][_INDEX_FILE])
+                weakref.finalize(index, os.close, mapped_fd)
+                index._mapped_fd, mapped_fd = mapped_fd, None
+        finally:
+            if mapped_fd is not None:
+                os.close(mapped_fd)
         return index
 
 

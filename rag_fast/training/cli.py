@@ -46,7 +46,8 @@ TOP_LEVEL = {
     "resume": "true / false",
 }
 MODEL_OPTIONS = ("n_docs", "epsilon", "mode", "exclude_bos", "max_context_length",
-                 "max_question_length", "loss_impl", "question_pooling", "normalize_questions")
+                 "max_question_length", "loss_impl", "lm_head_loss", "question_pooling",
+                 "normalize_questions")
 
 
 def _fail(path: str, key: str, expected: str, got=None) -> ValueError:

@@ -9,19 +9,36 @@ from rag_fast.evaluation.data import QAExample
 
 
 def encode_targets(model, texts: Sequence[str]) -> torch.Tensor:
-    """Labels ``[B, T]``: ``start + tokens + eos`` per text, padded with the pad token.
+    """Labels ``[B, T]`` of the answer texts, padded with the pad token (seq2seq) or -100
+    (decoder-only, whose pad token may be its EOS token, a target).
 
-    ``start`` is the generator's BOS (or its decoder start token, for T5), matching how
-    ``rag_fast.models.decoding`` starts an answer.
+    Seq2seq generator: ``start + tokens + eos`` per text, ``start`` the generator's BOS (or its
+    decoder start token, for T5), matching how ``rag_fast.models.decoding`` starts an answer.
+    Decoder-only generator: ``tokens + eos`` (no start token: the labels are the answer ids
+    themselves, the first one predicted from the prompt's last token; docs/decoder_only.md).
+    With a list of EOS ids the first one ends the answers.
+
+    Raises:
+        ValueError: a model without a generator tokenizer, a generator config without
+            ``eos_token_id``.
     """
     from rag_fast.models.decoding import start_token_id
 
     tokenizer = model.generator_tokenizer
     if tokenizer is None:
         raise ValueError("the model needs generator_tokenizer= to encode answers")
-    start, eos = start_token_id(model), int(model.generator.config.eos_token_id)
-    rows = [[start, *tokenizer(t, add_special_tokens=False)["input_ids"], eos] for t in texts]
-    labels = torch.full((len(rows), max(map(len, rows))), model.pad_token_id, dtype=torch.long)
+    eos = getattr(model.generator.config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None:
+        raise ValueError("generator.config.eos_token_id is not set: answers end with EOS")
+    eos = int(eos)
+    causal = getattr(model, "is_causal", False)
+    head = [] if causal else [start_token_id(model)]
+    rows = [[*head, *tokenizer(t, add_special_tokens=False)["input_ids"], eos] for t in texts]
+    # a decoder-only model's padding is -100: its pad token may be its EOS (a target)
+    fill = -100 if causal else model.pad_token_id
+    labels = torch.full((len(rows), max(map(len, rows))), fill, dtype=torch.long)
     for i, row in enumerate(rows):
         labels[i, :len(row)] = torch.tensor(row)
     return labels

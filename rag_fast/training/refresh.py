@@ -131,11 +131,14 @@ def _name(step: int, shard: tuple[int, int] | None) -> str:
 
 
 def build_like(old, vectors: np.ndarray, meta: dict | None = None):
-    """A :class:`DenseIndex` over ``vectors`` with ``old``'s preset and search settings."""
+    """A :class:`DenseIndex` over ``vectors`` with ``old``'s preset, search settings and
+    placement of the inverted lists (in RAM or on disk)."""
     from rag_fast.retrieval.index import DenseIndex
 
     settings = {k: old.params[k] for k in ("nprobe", "ef_search", "rerank") if k in old.params}
-    return DenseIndex.build(vectors, old.preset, progress=False, meta=meta, **settings)
+    # an index whose inverted lists live on disk is rebuilt the same way
+    return DenseIndex.build(vectors, old.preset, progress=False, meta=meta,
+                            on_disk=bool(getattr(old, "on_disk", False)), **settings)
 
 
 class IndexRefresher:

@@ -1,0 +1,353 @@
+"""The LM head and the RAG loss in one op, without the ``[B, K, T, V]`` logits.
+
+A RAG loss reads the logits ``x = h W^T + b`` only through a few per-row statistics (see
+``rag_fast/ops/_fused_loss.py``): the row's log-sum-exp ``L``, its target logit, its sum, and for
+RAG-Token with label smoothing the per-(b, t) sum over v of the passage marginal ``M`` (with
+``rho``, the posterior mass per row, for the backward). Each of them is a sum over the
+vocabulary, so the vocabulary is walked in tiles of ``tile`` columns and only one
+``[B*K*T, tile]`` tile of logits exists at a time:
+
+- forward, pass 1: per tile, ``x = h W_tile^T (+ b)``; ``L`` merges the tiles' log-sum-exps, the
+  target logit is read from the tile that holds it, the row sums add up;
+- forward, pass 2 (RAG-Token with ``epsilon > 0`` only): per tile, with ``L`` now final,
+  the tile's share of ``sum_v M`` and of ``rho`` (the K rows of each (b, t) together);
+- the loss follows from those ``O(B*K*T)`` statistics by the same small graph as the fused
+  losses over materialised logits;
+- backward: the small graph's gradients give per-row coefficients; per tile the logits are
+  recomputed, their gradient is written over them in place (the cross-entropy-shaped formula
+  of docs/design.md), and ``dh += G W_tile``, ``dW_tile = G^T h``, ``db_tile = sum_rows G``.
+
+Cost: the materialised path runs three ``[N, d] x [d, V]``-sized GEMMs (logits, ``dh``, ``dW``);
+this op runs four (the logits twice), five for RAG-Token with label smoothing; in exchange it
+never writes, reads back or page-faults a logits-sized buffer. Memory beyond the weights and
+their gradients: one tile, ``dh`` and ``O(B*K*T)`` statistics.
+
+Backends: the per-tile statistics and gradients are the fused losses' own kernels (C++ on the
+CPU, Triton on a GPU), called on tile views through their custom ops (``torch.ops.rag_fast.*``,
+which check every argument before a kernel runs); the GEMMs are torch's (BLAS on the CPU, cuBLAS on
+a GPU). ``impl="torch"`` is the materialised reference (``F.linear`` then
+``rag_fast.reference``), which also serves float64.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rag_fast import reference
+from rag_fast.ops import _custom_ops  # noqa: F401  (registers torch.ops.rag_fast.*)
+from rag_fast.ops._common import prepare_loss
+from rag_fast.ops.rag_sequence_nll import _sequence_small_graph
+from rag_fast.ops.rag_token_nll import _token_small_graph
+
+MODES = ("token", "sequence")
+
+# Bytes of one logits tile (rows x tile columns). Small enough to stay a small fraction of the
+# logits (1 280 rows x V 151 936 fp32 are 742 MiB; a tile is 1%), large enough that each GEMM
+# still runs near full speed (measured on a 2-core Xeon: tiles of 2 048 and 8 192 columns of a
+# 1 280 x 896 x 151 936 product ran within 7% of each other). Re-measure with
+# ``python benchmarks/tune.py lm-head-tile``.
+TILE_BYTES = 8 << 20
+MIN_TILE = 256
+
+
+def tile_width(rows: int, V: int, element_size: int, tile_bytes: int | None = None) -> int:
+    """Vocabulary columns per tile: ``tile_bytes`` (default: :data:`TILE_BYTES`, read at each
+    call) of logits, a multiple of 64, at least ``MIN_TILE`` and at most V."""
+    tile_bytes = TILE_BYTES if tile_bytes is None else tile_bytes
+    width = tile_bytes // max(1, rows * element_size)
+    width = max(MIN_TILE, width - width % 64)
+    return max(1, min(V, width))
+
+
+class _Tiles:
+    """The vocabulary tiles of ``h W^T + b`` into one reused buffer."""
+
+    def __init__(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 width: int) -> None:
+        self.h2, self.weight, self.bias, self.width = h2, weight, bias, width
+        self.V = weight.shape[0]
+        self._buf = torch.empty(h2.shape[0] * min(width, self.V), dtype=h2.dtype,
+                                device=h2.device)
+
+    def __iter__(self):
+        N = self.h2.shape[0]
+        for v0 in range(0, self.V, self.width):
+            v1 = min(v0 + self.width, self.V)
+            x = self._buf[: N * (v1 - v0)].view(N, v1 - v0)
+            torch.mm(self.h2, self.weight[v0:v1].t(), out=x)
+            if self.bias is not None:
+                x += self.bias[v0:v1]
+            yield v0, v1, x
+
+
+def _local_targets(targets: torch.Tensor, ignore_index: int, v0: int, v1: int) -> torch.Tensor:
+    """Targets as column indices of the tile ``[v0, v1)``; -1 (the tiles' ignore value) where
+    the target lies elsewhere or is ignored."""
+    inside = (targets >= v0) & (targets < v1) & (targets != ignore_index)
+    return torch.where(inside, targets - v0, torch.full_like(targets, -1))
+
+
+class _GradTiles(_Tiles):
+    """The tiles of the logits' gradient ``G``: each tile's logits recomputed, then overwritten
+    with their gradient from the per-row coefficients (see the module docstring)."""
+
+    def __init__(self, h2, weight, bias, width, shape, targets, ignore_index, a, lse, c_p, c_y,
+                 c_1, c_r, smooth_token: bool, impl: str) -> None:
+        super().__init__(h2, weight, bias, width)
+        self.shape, self.targets, self.ignore_index, self.a = shape, targets, ignore_index, a
+        self.lse, self.c_p, self.c_y, self.c_1, self.c_r = lse, c_p, c_y, c_1, c_r
+        self.smooth_token, self.impl = smooth_token, impl
+
+    def __iter__(self):
+        B, K, T = self.shape
+        for v0, v1, x in super().__iter__():
+            x4 = x.view(B, K, T, v1 - v0)
+            local = _local_targets(self.targets, self.ignore_index, v0, v1)
+            if self.smooth_token:
+                torch.ops.rag_fast.token_smooth_grad(x4, local, -1, self.a, self.lse, self.c_p,
+                                                     self.c_y, self.c_1, self.c_r, x4, self.impl)
+            else:
+                torch.ops.rag_fast.row_grad(x4, local, -1, self.lse, self.c_p, self.c_y,
+                                            self.c_1, x4, self.impl)
+            yield v0, v1, x
+
+    @torch.no_grad()
+    def weight_grad(self) -> torch.Tensor:
+        """``G^T h`` ``[V, d]``, tile by tile (the logits recomputed once more). float32 when
+        the tiles are bf16/fp16 (autocast): the tied weight it belongs to, and the embedding
+        rows added into it later, are float32."""
+        low = self.weight.dtype in (torch.bfloat16, torch.float16)
+        dtype = torch.float32 if low else self.weight.dtype
+        dW = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+        for v0, v1, G in self:
+            if low:
+                dW[v0:v1] = G.t() @ self.h2
+            else:
+                torch.mm(G.t(), self.h2, out=dW[v0:v1])
+        return dW
+
+
+class _LinearRagLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h2, weight, bias, a, targets, mask, nll_mask, shape, mode, epsilon,
+                ignore_index, reduction, impl, width, deferred):
+        B, K, T = shape
+        N, V = h2.shape[0], weight.shape[0]
+        smooth_token = mode == "token" and epsilon > 0
+        need_sum = mode == "sequence" and epsilon > 0
+        y_rows = targets[:, None, :].expand(B, K, T).reshape(N)
+        lse = torch.full((N,), float("-inf"), dtype=torch.float32, device=h2.device)
+        x_tgt = torch.zeros(N, dtype=torch.float32, device=h2.device)
+        x_sum = torch.zeros(N, dtype=torch.float32, device=h2.device) if need_sum else None
+        tiles = _Tiles(h2, weight, bias, width)
+        for v0, v1, x in tiles:
+            part, _, part_sum = torch.ops.rag_fast.row_stats(x.view(B, K, T, v1 - v0), None,
+                                                             ignore_index, impl)
+            torch.logaddexp(lse, part.view(N), out=lse)
+            if need_sum:
+                x_sum += part_sum.view(N)
+            local = _local_targets(y_rows, ignore_index, v0, v1)
+            here = local >= 0
+            picked = x.gather(1, local.clamp_min(0)[:, None]).squeeze(1).float()
+            x_tgt = torch.where(here, picked, x_tgt)
+        lse3 = lse.view(B, K, T)
+        sum_m = rho = None
+        needs_grad = any(ctx.needs_input_grad[:4])
+        if smooth_token:
+            sum_m = torch.zeros((B, T), dtype=torch.float32, device=h2.device)
+            rho = torch.zeros((B, K, T), dtype=torch.float32, device=h2.device)
+            for v0, v1, x in tiles:
+                part_m, part_rho = torch.ops.rag_fast.token_smooth_stats(
+                    x.view(B, K, T, v1 - v0), a, lse3, impl)
+                sum_m += part_m
+                rho += part_rho
+        graph = _small_graph(mode, mask, nll_mask, epsilon, V, reduction)
+        loss = graph(lse3, x_tgt.view(B, K, T), None if x_sum is None else x_sum.view(B, K, T),
+                     sum_m, a)
+        if needs_grad:
+            ctx.save_for_backward(h2, weight, bias, a, targets, mask, nll_mask, lse3,
+                                  x_tgt.view(B, K, T),
+                                  None if x_sum is None else x_sum.view(B, K, T), sum_m, rho)
+        ctx.meta = (shape, mode, epsilon, ignore_index, reduction, impl, width)
+        ctx.deferred = deferred
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_loss):
+        (h2, weight, bias, a, targets, mask, nll_mask, lse, x_tgt, x_sum, sum_m,
+         rho) = ctx.saved_tensors
+        shape, mode, epsilon, ignore_index, reduction, impl, width = ctx.meta
+        B, K, T = shape
+        N, V = h2.shape[0], weight.shape[0]
+        smooth_token = mode == "token" and epsilon > 0
+        # the small graph's gradients with respect to the statistics and the log-prior
+        stats = [t.detach().requires_grad_() if t is not None else None
+                 for t in (lse, x_tgt, x_sum, sum_m, a)]
+        with torch.enable_grad():
+            loss = _small_graph(mode, mask, nll_mask, epsilon, V, reduction)(*stats)
+            wanted = [t for t in stats if t is not None]
+            grads = torch.autograd.grad(loss, wanted, g_loss, allow_unused=True,
+                                        materialize_grads=True)
+        found = iter(grads)
+        g_lse, g_tgt, g_sum, g_sum_m, g_a = (None if t is None else next(found) for t in stats)
+        if g_sum is None:  # no row sums in this loss
+            g_sum = torch.zeros_like(lse)
+        c_p = g_lse
+        if smooth_token:
+            weighted = g_sum_m[:, None, :] * rho  # d sum_m / d a = rho; the P term of R - rho P
+            g_a = g_a + weighted.sum(-1)
+            c_p = g_lse - weighted
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
+            bias is not None and ctx.needs_input_grad[2])
+        dh = torch.zeros((N, h2.shape[1]), dtype=torch.float32, device=h2.device) if need_h \
+            else None
+        dW = torch.empty_like(weight) if need_w else None
+        db = torch.empty_like(bias) if need_b else None
+        deferred = ctx.deferred if need_w else None
+        if deferred is not None:  # the weight's gradient is computed later (see below)
+            dW, need_w = None, False
+        grad_tiles = _GradTiles(h2, weight, bias, width, (B, K, T), targets, ignore_index, a,
+                                lse, c_p, g_tgt, g_sum, g_sum_m, smooth_token, impl)
+        if need_h or need_w or need_b:
+            for v0, v1, G in grad_tiles:
+                if need_h:
+                    if dh.dtype == G.dtype:
+                        dh.addmm_(G, weight[v0:v1])
+                    else:
+                        dh += G @ weight[v0:v1]
+                if need_w:
+                    torch.mm(G.t(), h2, out=dW[v0:v1])
+                if need_b:
+                    db[v0:v1] = G.sum(0)
+        if deferred is not None:
+            deferred.add_late(grad_tiles.weight_grad)
+        g_h = None if dh is None else dh.to(h2.dtype)
+        return (g_h, dW, db, g_a if ctx.needs_input_grad[3] else None,
+                None, None, None, None, None, None, None, None, None, None, None)
+
+
+def _small_graph(mode, mask, nll_mask, epsilon, V, reduction):
+    if mode == "token":
+        return _token_small_graph(mask, nll_mask, epsilon, V, reduction)
+    return _sequence_small_graph(mask, nll_mask, epsilon, V, reduction)
+
+
+def _check(hidden, weight, bias, doc_scores, targets, mode, n_docs, tile):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("doc_scores", doc_scores)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be the LM head's [V, d] matrix, got {tuple(weight.shape)}")
+    if doc_scores.dim() != 2:
+        raise ValueError(f"doc_scores must be [B, K], got {tuple(doc_scores.shape)}")
+    B, K = doc_scores.shape
+    if n_docs is not None and n_docs != K:
+        raise ValueError(f"n_docs={n_docs} but doc_scores has K={K} passages per question")
+    d = weight.shape[1]
+    if hidden.dim() == 4:
+        if hidden.shape[:2] != (B, K) or hidden.shape[-1] != d:
+            raise ValueError(f"hidden must be [B={B}, K={K}, T, d={d}] or [B*K, T, d], got "
+                             f"{tuple(hidden.shape)}")
+    elif hidden.dim() == 3:
+        if hidden.shape[0] != B * K or hidden.shape[-1] != d:
+            raise ValueError(f"hidden must be [B*K={B * K}, T, d={d}] or [B, K, T, d], got "
+                             f"{tuple(hidden.shape)}")
+    else:
+        raise ValueError(f"hidden must be [B*K, T, d] or [B, K, T, d], got {tuple(hidden.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor)
+                             or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"bias must be None or a [V={weight.shape[0]}] tensor, got "
+                         f"{getattr(bias, 'shape', type(bias).__name__)}")
+    for name, t in (("weight", weight), ("bias", bias), ("doc_scores", doc_scores),
+                    ("targets", targets)):
+        if isinstance(t, torch.Tensor) and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden on {hidden.device}")
+    if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+        raise ValueError(f"tile must be a positive int (vocabulary columns), got {tile!r}")
+
+
+def linear_rag_nll(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    doc_scores: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    mode: str = "token",
+    n_docs: int | None = None,
+    epsilon: float = 0.0,
+    ignore_index: int = -100,
+    exclude_bos: bool = False,
+    reduction: str = "none",
+    impl: str = "auto",
+    tile: int | None = None,
+    deferred_weight_grad=None,
+) -> torch.Tensor:
+    """RAG-Token or RAG-Sequence loss of the logits ``hidden @ weight^T + bias``, computed a
+    vocabulary tile at a time: the ``[B, K, T, V]`` logits never exist.
+
+    Equal (forward and every gradient) to ``rag_token_nll`` / ``rag_sequence_nll`` of
+    ``F.linear(hidden, weight, bias)``.
+
+    Args:
+        hidden: ``[B*K, T, d]`` or ``[B, K, T, d]`` decoder states (after any output scaling),
+            float32 / bfloat16 (float16 on CUDA; float64 runs the materialised reference).
+        weight: ``[V, d]`` LM head; bias: ``[V]`` or None.
+        doc_scores: ``[B, K]`` passage scores (``-inf``: missing passage).
+        targets: ``[B, T]`` integer targets aligned with ``hidden`` (``ignore_index``: masked).
+        mode: ``"token"`` (RAG-Token) or ``"sequence"`` (RAG-Sequence).
+        n_docs, epsilon, ignore_index, exclude_bos, reduction: as in ``rag_token_nll``.
+        impl: ``"auto"`` | ``"cpp"`` | ``"triton"`` for the per-tile kernels, ``"torch"`` for
+            the materialised reference.
+        tile: vocabulary columns per tile (default: ``TILE_BYTES`` of logits per tile).
+        deferred_weight_grad: a ``rag_fast.models._seq2seq.DeferredHeadGrad`` of a tied LM
+            head (what ``RagModel`` passes): the weight's gradient is then computed when that
+            object's ``take()`` is called, at the end of the backward pass (once the
+            activations are freed), at the cost of recomputing the logits once more; until
+            then ``weight`` gets no gradient from this op. None (default): in this op's
+            backward.
+
+    Returns:
+        float32 loss: ``[B]`` for ``reduction="none"``, else a scalar.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match, a bad option, targets outside
+            ``[0, V)``.
+
+    Under autocast the GEMMs run in the autocast dtype (as ``F.linear`` would).
+    """
+    _check(hidden, weight, bias, doc_scores, targets, mode, n_docs, tile)
+    B, K = doc_scores.shape
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
+        dt = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise ValueError(f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias must share "
+                         "one dtype")
+    T, d, V = hidden.shape[-2], hidden.shape[-1], weight.shape[0]
+    # validation and impl choice as for the losses over logits, on a [B, K, T, V] stand-in
+    stand_in = hidden.new_empty(V).expand(B, K, T, V)  # V elements, stride 1 along V
+    p = prepare_loss(stand_in, doc_scores, targets, n_docs, epsilon, ignore_index, exclude_bos,
+                     reduction, impl)
+    if p.impl == "torch":
+        logits = F.linear(hidden, weight, bias).reshape(B, K, T, V)
+        fn = reference.rag_token_nll if mode == "token" else reference.rag_sequence_nll
+        return fn(logits, p.doc_scores, p.targets, epsilon=epsilon, ignore_index=ignore_index,
+                  exclude_bos=exclude_bos, reduction=reduction)
+    h2 = hidden.reshape(B * K * T, d)
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    a = torch.log_softmax(p.doc_scores.float(), dim=1)
+    width = tile if tile is not None else tile_width(h2.shape[0], V, h2.element_size())
+    with torch.autocast(device_type, enabled=False):
+        return _LinearRagLoss.apply(h2, w, bias, a, p.targets, p.mask, p.nll_mask, (B, K, T),
+                                    mode, float(epsilon), ignore_index, reduction, p.impl,
+                                    min(width, V), deferred_weight_grad)

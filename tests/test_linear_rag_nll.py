@@ -1,0 +1,312 @@
+"""The fused LM-head + RAG loss equals the loss over materialised logits: forward and every
+gradient (hidden states, LM head weight and bias, passage scores), per element, against a
+float64 oracle (``F.linear`` then ``rag_fast.reference``), at vocabularies of 7, 1003 and
+151 936 entries, K of 1 and 5, label smoothing 0 and 0.1, ignored positions and missing
+passages."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rag_fast import linear_rag_nll, rag_sequence_nll, rag_token_nll
+from rag_fast import reference as ref
+from rag_fast.models import _seq2seq
+from utils import RTOL, assert_close_rule, requires_cuda, requires_ext, requires_triton
+
+lin = sys.modules["rag_fast.ops.linear_rag_nll"]  # the module (the package exports the function)
+
+IGNORE = -100
+
+
+def _case(B, K, T, d, V, *, seed=0, missing=False, bias=True, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B * K, T, d, generator=g, dtype=torch.float64)
+    W = torch.randn(V, d, generator=g, dtype=torch.float64) / d ** 0.5 * 2
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
+    s = torch.randn(B, K, generator=g, dtype=torch.float64) * 2
+    if missing:
+        s[0, K - 1] = float("-inf")  # a question with a missing passage
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[B - 1, T - 1] = IGNORE  # an ignored (padding) position
+    if T > 2:
+        y[0, 1] = IGNORE
+    return h, W, b, s, y
+
+
+def _grads(fn, tensors, upstream=None):
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+    loss = fn(*leaves)
+    loss.backward(upstream if upstream is not None else None)
+    return loss.detach(), [None if t is None else t.grad for t in leaves]
+
+
+def _materialised(mode, eps, red, exclude_bos=False):
+    def fn(h, W, b, s, y):
+        x = F.linear(h, W, b)
+        B, K = s.shape
+        x = x.view(B, K, *x.shape[1:])
+        f = ref.rag_token_nll if mode == "token" else ref.rag_sequence_nll
+        return f(x, s, y, epsilon=eps, ignore_index=IGNORE, exclude_bos=exclude_bos,
+                 reduction=red)
+    return fn
+
+
+def _fused(mode, eps, red, exclude_bos=False, **kw):
+    def fn(h, W, b, s, y):
+        return linear_rag_nll(h, W, s, y, bias=b, mode=mode, epsilon=eps, ignore_index=IGNORE,
+                              exclude_bos=exclude_bos, reduction=red, **kw)
+    return fn
+
+
+def _check_against_oracle(mode, eps, B, K, T, d, V, *, red="mean", missing=False, bias=True,
+                          tile=None, upstream=None, exclude_bos=False, impl="auto",
+                          dtype=torch.float32):
+    h, W, b, s, y = _case(B, K, T, d, V, missing=missing, bias=bias)
+    names = ["loss", "hidden", "weight", "bias", "doc_scores"]
+
+    def with_y(fn):
+        return lambda h_, W_, b_, s_: fn(h_, W_, b_, s_, y)
+
+    up64 = None if upstream is None else upstream.double()
+    want, want_g = _grads(with_y(_materialised(mode, eps, red, exclude_bos)), [h, W, b, s], up64)
+    low = [None if t is None else t.to(dtype) for t in (h, W, b)] + [s.float()]
+    up = None if upstream is None else upstream.float()
+    plain, plain_g = _grads(with_y(_materialised(mode, eps, red, exclude_bos)), low, up)
+    got, got_g = _grads(with_y(_fused(mode, eps, red, exclude_bos, tile=tile, impl=impl)), low, up)
+    assert got.dtype == torch.float32
+    # The hidden, weight and bias gradients are sums over the vocabulary or the rows of
+    # products with the logits' gradient G, whose terms can cancel: each element's floor is the
+    # dtype's relative tolerance times the size of its terms (|G| |W|, |G|^T |h|, sum |G|).
+    G = _logits_grad(mode, eps, red, exclude_bos, h, W, b, s, y, up64).flatten(0, -2).abs()
+    h2 = h.reshape(-1, d).abs()
+    floors = {"hidden": (G @ W.abs()).view_as(h), "weight": G.t() @ h2, "bias": G.sum(0),
+              "doc_scores": 1e-6}  # doc_scores: sums over K that cancel to about 0
+    for name, a, p, o in zip(names, [got, *got_g], [plain, *plain_g], [want, *want_g]):
+        if o is None:
+            assert a is None, name
+            continue
+        atol = floors.get(name, 0.0)
+        if isinstance(atol, torch.Tensor):
+            atol = RTOL[dtype] * atol
+        assert_close_rule(a.float(), p.float(), o, dtype, f"{mode} eps={eps} V={V} K={K} {name}",
+                          atol=atol)
+
+
+def _logits_grad(mode, eps, red, exclude_bos, h, W, b, s, y, upstream):
+    """The float64 gradient of the loss with respect to the logits ``[B*K, T, V]``."""
+    x = F.linear(h, W, b).requires_grad_()
+    B, K = s.shape
+    f = ref.rag_token_nll if mode == "token" else ref.rag_sequence_nll
+    loss = f(x.view(B, K, *x.shape[1:]), s, y, epsilon=eps, ignore_index=IGNORE,
+             exclude_bos=exclude_bos, reduction=red)
+    (g,) = torch.autograd.grad(loss, x, upstream)
+    return g
+
+
+@requires_ext
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("K", [1, 5])
+@pytest.mark.parametrize("V", [7, 1003])
+def test_equals_materialised_loss(mode, eps, K, V):
+    # tiles that do not divide V, and a question with a missing passage when K > 1
+    _check_against_oracle(mode, eps, B=3, K=K, T=5, d=12, V=V, missing=K > 1,
+                          tile=3 if V == 7 else 256)
+
+
+@requires_ext
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("K", [1, 5])
+def test_equals_materialised_loss_at_qwen2_vocabulary(mode, eps, K):
+    # V = 151 936 (Qwen2), the default tile width
+    _check_against_oracle(mode, eps, B=2, K=K, T=3, d=16, V=151936, missing=K > 1)
+
+
+@requires_ext
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_per_question_upstream_gradient_and_options(mode):
+    # reduction="none" with a different upstream weight per question; no bias; exclude_bos
+    up = torch.tensor([0.5, -2.0, 1.5])
+    _check_against_oracle(mode, 0.1, B=3, K=4, T=6, d=8, V=300, red="none", bias=False,
+                          upstream=up, exclude_bos=mode == "sequence", missing=True, tile=128)
+    _check_against_oracle(mode, 0.0, B=3, K=2, T=4, d=8, V=50, red="sum", tile=50)
+
+
+@requires_ext
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_bfloat16_matches_the_materialised_fused_loss(mode):
+    h, W, b, s, y = _case(2, 3, 4, 16, 517, missing=True)
+    low = [t.to(torch.bfloat16) for t in (h, W, b)] + [s.float()]
+
+    def materialised(h_, W_, b_, s_):
+        f = rag_token_nll if mode == "token" else rag_sequence_nll
+        return f(F.linear(h_, W_, b_), s_, y, epsilon=0.1, ignore_index=IGNORE, reduction="sum")
+
+    want, want_g = _grads(materialised, low)
+    got, got_g = _grads(lambda h_, W_, b_, s_: linear_rag_nll(
+        h_, W_, s_, y, bias=b_, mode=mode, epsilon=0.1, ignore_index=IGNORE, reduction="sum",
+        tile=128), low)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    for name, a, w in zip(["hidden", "weight", "bias", "doc_scores"], got_g, want_g):
+        assert a.dtype == w.dtype, name
+        # same bf16 logits; the gradient GEMMs sum in a different order
+        torch.testing.assert_close(a.float(), w.float(), rtol=3e-2, atol=3e-2, msg=name)
+
+
+@requires_ext
+def test_hidden_may_be_4d_and_tile_width_never_changes_the_result():
+    h, W, b, s, y = [None if t is None else t.float() if t.is_floating_point() else t
+                     for t in _case(2, 3, 5, 8, 333)]
+    base = linear_rag_nll(h, W, s, y, bias=b, epsilon=0.1, ignore_index=IGNORE, tile=333)
+    four = linear_rag_nll(h.view(2, 3, 5, 8), W, s, y, bias=b, epsilon=0.1,
+                          ignore_index=IGNORE, tile=333)
+    torch.testing.assert_close(four, base, rtol=0, atol=0)
+    for tile in (1, 64, 100, 10_000):
+        got = linear_rag_nll(h, W, s, y, bias=b, epsilon=0.1, ignore_index=IGNORE, tile=tile)
+        torch.testing.assert_close(got, base, rtol=2e-6, atol=2e-6)
+
+
+def test_tile_width_rule():
+    assert lin.tile_width(1280, 151936, 4) == (lin.TILE_BYTES // (1280 * 4)) // 64 * 64
+    assert lin.tile_width(10, 151936, 4) == 151936  # few rows: the whole vocabulary at once
+    assert lin.tile_width(10**7, 151936, 4) == lin.MIN_TILE
+    assert lin.tile_width(10**7, 7, 4) == 7
+    # a tile of the issue's shape (B4 K5 T64 fp32) is at most 2% of the logits
+    rows, V = 4 * 5 * 64, 151936
+    assert rows * lin.tile_width(rows, V, 4) <= 0.02 * rows * V
+
+
+@requires_ext
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_deferred_weight_gradient_equals_the_immediate_one(mode):
+    h, W, b, s, y = [None if t is None else t.float() if t.is_floating_point() else t
+                     for t in _case(2, 3, 4, 8, 200, missing=True)]
+    leaves = [t.clone().requires_grad_() for t in (h, W, b, s)]
+    linear_rag_nll(leaves[0], leaves[1], leaves[3], y, bias=leaves[2], mode=mode, epsilon=0.1,
+                   ignore_index=IGNORE, reduction="mean", tile=64).backward()
+    now = [t.grad for t in leaves]
+    deferred = _seq2seq.DeferredHeadGrad()
+    late = [t.clone().requires_grad_() for t in (h, W, b, s)]
+    linear_rag_nll(late[0], late[1], late[3], y, bias=late[2], mode=mode, epsilon=0.1,
+                   ignore_index=IGNORE, reduction="mean", tile=64,
+                   deferred_weight_grad=deferred).backward()
+    assert late[1].grad is None  # left to the deferred object
+    dW = deferred.take()
+    assert deferred.take() is None  # taken once
+    torch.testing.assert_close(dW, now[1], rtol=0, atol=0)
+    for a, w in zip([late[0].grad, late[2].grad, late[3].grad], [now[0], now[2], now[3]]):
+        torch.testing.assert_close(a, w, rtol=0, atol=0)
+
+
+@requires_ext
+def test_no_grad_forward_and_frozen_head():
+    h, W, b, s, y = [None if t is None else t.float() if t.is_floating_point() else t
+                     for t in _case(2, 2, 3, 8, 90)]
+    with torch.no_grad():
+        a = linear_rag_nll(h, W, s, y, bias=b, ignore_index=IGNORE, reduction="none")
+    assert a.shape == (2,) and not a.requires_grad
+    # a head that needs no gradient: only hidden gets one, and it equals the trained head's
+    hh = h.clone().requires_grad_()
+    Wt = W.clone().requires_grad_()
+    frozen = torch.autograd.grad(
+        linear_rag_nll(hh, W, s, y, bias=b, ignore_index=IGNORE, reduction="sum"), [hh])[0]
+    g_h, g_w = torch.autograd.grad(
+        linear_rag_nll(hh, Wt, s, y, bias=b, ignore_index=IGNORE, reduction="sum"), [hh, Wt])
+    torch.testing.assert_close(frozen, g_h, rtol=0, atol=0)
+    assert g_w.abs().sum() > 0
+
+
+@requires_ext
+def test_autocast_runs_the_tiles_in_bfloat16_and_returns_float32_gradients():
+    h, W, b, s, y = [None if t is None else t.float() if t.is_floating_point() else t
+                     for t in _case(2, 3, 4, 16, 300, missing=True)]
+    leaves = [t.clone().requires_grad_() for t in (h, W, s)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_rag_nll(leaves[0], leaves[1], leaves[2], y, ignore_index=IGNORE,
+                             epsilon=0.1, reduction="sum", tile=128)
+    got.backward()
+    # the same bf16 logits through the materialised path
+    ref_leaves = [t.clone().requires_grad_() for t in (h, W, s)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(ref_leaves[0], ref_leaves[1])
+    want = rag_token_nll(logits, ref_leaves[2], y, epsilon=0.1, ignore_index=IGNORE,
+                         reduction="sum")
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    for name, a, w in zip(["hidden", "weight", "doc_scores"], leaves, ref_leaves):
+        assert a.grad.dtype == torch.float32, name
+        torch.testing.assert_close(a.grad, w.grad, rtol=3e-2, atol=3e-2, msg=name)
+    # the late weight gradient of a tied head is float32 too
+    deferred = _seq2seq.DeferredHeadGrad()
+    late = W.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        linear_rag_nll(h, late, s, y, ignore_index=IGNORE, epsilon=0.1, reduction="sum",
+                       tile=128, deferred_weight_grad=deferred).backward()
+    dW = deferred.take()
+    assert dW.dtype == torch.float32
+    torch.testing.assert_close(dW, leaves[1].grad, rtol=3e-2, atol=3e-2)
+
+
+@requires_triton
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_triton_tiles_equal_the_oracle(mode, eps):
+    # Triton's interpreter on the CPU (conftest.py); on a GPU the same launchers run compiled
+    _check_against_oracle(mode, eps, B=2, K=3, T=3, d=8, V=37, missing=True, tile=16,
+                          impl="triton")
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_cuda_bfloat16_at_qwen2_vocabulary(mode):
+    h, W, b, s, y = _case(2, 5, 8, 64, 151936, missing=True)
+    dev = [t.to("cuda", torch.bfloat16) for t in (h, W, b)] + [s.float().cuda()]
+    y = y.cuda()
+
+    def materialised(h_, W_, b_, s_):
+        f = rag_token_nll if mode == "token" else rag_sequence_nll
+        return f(F.linear(h_, W_, b_), s_, y, epsilon=0.1, ignore_index=IGNORE, reduction="sum")
+
+    want, want_g = _grads(materialised, dev)
+    got, got_g = _grads(lambda h_, W_, b_, s_: linear_rag_nll(
+        h_, W_, s_, y, bias=b_, mode=mode, epsilon=0.1, ignore_index=IGNORE,
+        reduction="sum"), dev)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    for name, a, w in zip(["hidden", "weight", "bias", "doc_scores"], got_g, want_g):
+        torch.testing.assert_close(a.float(), w.float(), rtol=3e-2, atol=3e-2, msg=name)
+
+
+def test_bad_arguments_name_what_is_wrong():
+    h, W, s = torch.randn(6, 3, 8), torch.randn(20, 8), torch.randn(2, 3)
+    y = torch.randint(0, 20, (2, 3))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        linear_rag_nll(h, W, s, y, mode="tokens")
+    with pytest.raises(ValueError, match=r"hidden must be \[B\*K=6, T, d=8\]"):
+        linear_rag_nll(torch.randn(5, 3, 8), W, s, y)
+    with pytest.raises(ValueError, match="weight must be the LM head's"):
+        linear_rag_nll(h, torch.randn(20), s, y)
+    with pytest.raises(ValueError, match=r"bias must be None or a \[V=20\]"):
+        linear_rag_nll(h, W, s, y, bias=torch.randn(19))
+    with pytest.raises(ValueError, match="tile must be a positive int"):
+        linear_rag_nll(h, W, s, y, tile=0)
+    with pytest.raises(ValueError, match="tile must be a positive int"):
+        linear_rag_nll(h, W, s, y, tile=True)
+    with pytest.raises(ValueError, match="hidden must be a floating tensor"):
+        linear_rag_nll(torch.ones(6, 3, 8, dtype=torch.long), W, s, y)
+    with pytest.raises(ValueError, match="share one dtype"):
+        linear_rag_nll(h, W.double(), s, y)
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, V=20\)"):
+        linear_rag_nll(h, W, s, torch.full((2, 3), 25))
+    with pytest.raises(ValueError, match="n_docs"):
+        linear_rag_nll(h, W, s, y, n_docs=4)
+
+
+def test_float64_runs_the_materialised_reference():
+    h, W, b, s, y = _case(2, 2, 3, 8, 40)
+    got = linear_rag_nll(h, W, s, y, bias=b, epsilon=0.1, ignore_index=IGNORE, reduction="none")
+    want = _materialised("token", 0.1, "none")(h, W, b, s, y)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
