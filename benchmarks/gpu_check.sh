@@ -71,14 +71,14 @@ else
   step install 300 "$root" "$py" -m pip install --no-build-isolation --no-deps --no-index .
   pytest_py=(-m pytest)
   bench_args=(--device cuda --full)
-  benches=(losses decoding training)
+  benches=(losses lm_head decoding training)
 fi
 
 step info 60 "$out" "$py" -m rag_fast.info
 # The CUDA tests (marked requires_cuda) from the modules that import no faiss, run in tests/
 # so that they import the installed package.
 step tests 300 "$root/tests" "$py" "${pytest_py[@]}" -m requires_cuda -p no:cacheprovider -q -rs \
-  --junitxml="$out/tests.xml" test_triton_kernels.py test_cuda.py
+  --junitxml="$out/tests.xml" test_triton_kernels.py test_cuda.py test_linear_rag_nll.py
 for bench in "${benches[@]}"; do
   step "bench-$bench" 240 "$root" "$py" benchmarks/run.py "${bench_args[@]}" --only "$bench" \
     --out "$out/bench-$bench.json"

@@ -254,6 +254,13 @@ def measure_interleaved(
     return out
 
 
+# Environment variables that cap the instruction set each library uses, so that one CPU can stand
+# in for an older one (docs/benchmarks.md, "Other machines"): rag_fast's kernels, torch's own
+# kernels, MKL (BLAS) and oneDNN. Recorded in the machine description when set.
+ISA_CAP_VARIABLES = ("RAG_FAST_SIMD", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                     "ONEDNN_MAX_CPU_ISA")
+
+
 def machine_description(device: str) -> dict:
     """What the numbers were measured on."""
     info = {
@@ -265,6 +272,13 @@ def machine_description(device: str) -> dict:
         "torch_threads": torch.get_num_threads(),
         "device": device,
     }
+    try:  # the instruction set torch's own CPU kernels were dispatched to
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        pass
+    caps = {k: os.environ[k] for k in ISA_CAP_VARIABLES if os.environ.get(k)}
+    if caps:
+        info["isa_caps"] = caps
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
@@ -326,7 +340,12 @@ def run_command(args: dict) -> str:
 def machine_words(m: dict) -> str:
     """A results file's machine as README captions name it: CPU, cores, SIMD level, torch."""
     simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
-    return f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
+    words = f"{m['cpu']}, {m['cpu_count']} cores{simd}, torch {m['torch'].split('+')[0]}"
+    caps = m.get("isa_caps")
+    if caps:
+        words += " (instruction sets capped: " + ", ".join(
+            f"`{k}={v}`" for k, v in sorted(caps.items())) + ")"
+    return words
 
 
 def spread_cell(row: dict | None) -> str:

@@ -7,6 +7,8 @@ A generated section sits between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME 
 ``render(results, source) -> str`` turns that file into the section's Markdown: a bench
 (``benchmarks/bench_*.py``) or an example (``examples/*.py``) that writes its own results.
 Adding a section: one line here, the two markers in the README, then run this script.
+:data:`DOCS_SECTIONS` does the same for ``docs/benchmarks.md`` (runs on other machines);
+``--check`` and a rewrite cover both files.
 """
 from __future__ import annotations
 
@@ -35,6 +37,15 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "knowledge-swap-causal": ("knowledge-swap-causal.json", "knowledge_swap"),
 }
 
+# The same for docs/benchmarks.md ("Other machines"): runs on CPUs other than the README's,
+# and with instruction sets capped to stand in for older CPUs.
+DOCS_FILE = "docs/benchmarks.md"
+DOCS_SECTIONS: dict[str, tuple[str, str]] = {
+    "losses-epyc": ("cpu-losses-epyc.json", "bench_losses"),
+    "decoding-epyc": ("cpu-decoding-epyc.json", "bench_decoding"),
+    "decoding-epyc-avx2": ("cpu-decoding-epyc-avx2.json", "bench_decoding"),
+}
+
 
 def _module(name: str):
     """The module ``name`` from the first of :data:`MODULE_DIRS` that has ``name.py``."""
@@ -59,7 +70,7 @@ def _module(name: str):
 
 def rendered(name: str) -> str:
     """Section ``name`` as its committed results file renders it."""
-    source, module = SECTIONS[name]
+    source, module = SECTIONS[name] if name in SECTIONS else DOCS_SECTIONS[name]
     with open(RESULTS / source, encoding="utf-8") as f:
         results = json.load(f)
     return _module(module).render(results, source)
@@ -81,19 +92,16 @@ def readme_section(text: str, name: str) -> str | None:
     return None if m is None else m.group(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="only compare; exit 1 naming every section that differs")
-    parser.add_argument("--readme", default=str(ROOT / "README.md"))
-    args = parser.parse_args(argv)
-    text = pathlib.Path(args.readme).read_text(encoding="utf-8")
-    missing = [name for name in SECTIONS if readme_section(text, name) is None]
+def _update(path: str, sections: dict[str, tuple[str, str]], check: bool) -> bool:
+    """Compare (``check``) or rewrite the generated sections of the file ``path``; print every
+    section that is missing or differs. True when the file is as its results render."""
+    text = pathlib.Path(path).read_text(encoding="utf-8")
+    missing = [name for name in sections if readme_section(text, name) is None]
     for name in missing:
-        print(f"{args.readme}: no section {name!r} (<!-- bench:{name} --> ... <!-- /bench:{name} -->) "
-              f"for benchmarks/results/{SECTIONS[name][0]}", file=sys.stderr)
+        print(f"{path}: no section {name!r} (<!-- bench:{name} --> ... <!-- /bench:{name} -->) "
+              f"for benchmarks/results/{sections[name][0]}", file=sys.stderr)
     new, differing = text, []
-    for name in SECTIONS:
+    for name in sections:
         if name in missing:
             continue
         try:
@@ -105,19 +113,33 @@ def main(argv: list[str] | None = None) -> int:
         if readme_section(text, name) != section:
             differing.append(name)
             new = _pattern(name).sub(lambda m, name=name, s=section: _markers(name, s), new)
-    if args.check:
+    if check:
         for name in differing:
-            print(f"{args.readme}: section {name!r} differs from what benchmarks/results/"
-                  f"{SECTIONS[name][0]} renders to (run python benchmarks/render.py)", file=sys.stderr)
-        return 1 if missing or differing else 0
-    if missing:  # nothing written: a section without its place is the README's mistake
-        return 1
+            print(f"{path}: section {name!r} differs from what benchmarks/results/"
+                  f"{sections[name][0]} renders to (run python benchmarks/render.py)",
+                  file=sys.stderr)
+        return not (missing or differing)
+    if missing:  # nothing written: a section without its place is the file's mistake
+        return False
     if new != text:
-        tmp = f"{args.readme}.tmp.{os.getpid()}"
+        tmp = f"{path}.tmp.{os.getpid()}"
         pathlib.Path(tmp).write_text(new, encoding="utf-8")
-        os.replace(tmp, args.readme)
-        print(f"updated {args.readme}: {', '.join(differing)}")
-    return 0
+        os.replace(tmp, path)
+        print(f"updated {path}: {', '.join(differing)}")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="only compare; exit 1 naming every section that differs")
+    parser.add_argument("--readme", default=str(ROOT / "README.md"))
+    parser.add_argument("--docs", default=str(ROOT / DOCS_FILE),
+                        help=f"the file of DOCS_SECTIONS (default {DOCS_FILE})")
+    args = parser.parse_args(argv)
+    ok = _update(args.readme, SECTIONS, args.check)
+    ok = _update(args.docs, DOCS_SECTIONS, args.check) and ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Re-tune rag_fast's machine-dependent settings on this machine (docs/tuning.md).
 
     python benchmarks/tune.py lm-head-chunk    # LM_HEAD_CHUNK (CPU training's LM head)
-    python benchmarks/tune.py lm-head-tile     # TILE_BYTES of the fused LM-head + RAG loss
+    python benchmarks/tune.py lm-head-tile     # TILE_BYTES(_CUDA) of the fused LM-head + RAG loss
     python benchmarks/tune.py cpp-threads      # threads of the C++ kernels
     python benchmarks/tune.py cpp-simd         # instruction-set variant of the C++ kernels
 
@@ -139,35 +139,45 @@ def cmd_lm_head_tile(args) -> int:
     import importlib
 
     lin = importlib.import_module("rag_fast.ops.linear_rag_nll")
-    current = lin.TILE_BYTES
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("tune.py lm-head-tile: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    name = "TILE_BYTES_CUDA" if cuda else "TILE_BYTES"
+    current = getattr(lin, name)
+    dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator().manual_seed(0)
     B, K, T, d, V = args.batch, args.docs, args.tokens, args.dim, args.vocab
-    h = torch.randn(B * K, T, d, generator=g).requires_grad_()
-    W = (torch.randn(V, d, generator=g) * d ** -0.5).requires_grad_()
-    s = torch.randn(B, K, generator=g).requires_grad_()
-    y = torch.randint(0, V, (B, T), generator=g)
-    sizes = sorted(set(args.candidates + [current >> 20]))
+    h = torch.randn(B * K, T, d, generator=g).to(args.device, dtype).requires_grad_()
+    W = (torch.randn(V, d, generator=g) * d ** -0.5).to(args.device, dtype).requires_grad_()
+    s = torch.randn(B, K, generator=g).to(args.device).requires_grad_()
+    y = torch.randint(0, V, (B, T), generator=g).to(args.device)
+    candidates = args.candidates or ([16, 32, 64, 128, 256, 512] if cuda else [2, 4, 8, 16, 32])
+    sizes = sorted(set(candidates + [current >> 20]))
 
     def run(mib: int):
         def call():
-            tile = lin.tile_width(h.shape[0] * T, V, 4, mib << 20)
+            tile = lin.tile_width(h.shape[0] * T, V, h.element_size(), mib << 20)
             lin.linear_rag_nll(h, W, s, y, mode=args.mode, epsilon=args.epsilon,
                                reduction="sum", tile=tile).backward()
             h.grad = W.grad = s.grad = None
+            if cuda:
+                torch.cuda.synchronize()
 
         return call
 
     times = time_rounds({str(m): run(m) for m in sizes}, args.rounds)
     rows = summarise(times)
     best = print_table(
-        f"TILE_BYTES (MiB of logits per tile): fused LM-head + RAG-{args.mode} loss, fwd+bwd, "
-        f"B{B} K{K} T{T} d{d} V{V} fp32, eps {args.epsilon}, {torch.get_num_threads()} threads, "
-        f"{args.rounds} rounds", rows, str(current >> 20), unit="MiB per tile")
+        f"{name} (MiB of logits per tile): fused LM-head + RAG-{args.mode} loss, fwd+bwd, "
+        f"B{B} K{K} T{T} d{d} V{V} {str(dtype).replace('torch.', '')} on {args.device}, "
+        f"eps {args.epsilon}, {args.rounds} rounds", rows, str(current >> 20),
+        unit="MiB per tile")
     print(f"in use: {current >> 20} MiB; best here: {best['value']} MiB")
     if best["value"] != str(current >> 20):
-        print(f"to use it: set TILE_BYTES = {best['value']} << 20 in "
+        print(f"to use it: set {name} = {best['value']} << 20 in "
               "rag_fast/ops/linear_rag_nll.py (or pass tile= to linear_rag_nll)")
-    _dump(args, {"setting": "TILE_BYTES", "current": current, "rows": rows})
+    _dump(args, {"setting": name, "current": current, "rows": rows})
     return 0
 
 
@@ -348,8 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=_positive_int, default=151936, help="vocabulary (default 151936)")
     p.add_argument("--mode", choices=["token", "sequence"], default="token")
     p.add_argument("--epsilon", type=float, default=0.0, help="label smoothing (default 0)")
-    p.add_argument("--candidates", type=_int_list, default=[2, 4, 8, 16, 32],
-                   help="comma-separated MiB per tile (the one in use is always added)")
+    p.add_argument("--candidates", type=_int_list, default=None,
+                   help="comma-separated MiB per tile (default 2,4,8,16,32 on the CPU, "
+                        "16,32,64,128,256,512 on a GPU; the one in use is always added)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (fp32, tunes TILE_BYTES) or cuda (bf16, tunes TILE_BYTES_CUDA)")
     common(p, 3)
     p.set_defaults(func=cmd_lm_head_tile)
 

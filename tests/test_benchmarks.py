@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
@@ -31,6 +32,20 @@ def test_measure_table_and_json(tmp_path):
     payload = json.loads(out.read_text())
     assert payload["rows"][1]["extra"]["GB/s"] == 3.5 and "cpu" in payload["machine"]
     assert [p.name for p in out.parent.iterdir()] == ["x.json"]  # no temp file left behind
+
+
+def test_capped_instruction_sets_are_recorded_and_named(monkeypatch):
+    for name in harness.ISA_CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    plain = harness.machine_description("cpu")
+    assert "isa_caps" not in plain and "capped" not in harness.machine_words(plain)
+    assert plain["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    monkeypatch.setenv("RAG_FAST_SIMD", "avx2")
+    capped = harness.machine_description("cpu")
+    assert capped["isa_caps"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "RAG_FAST_SIMD": "avx2"}
+    assert harness.machine_words(capped).endswith(
+        "(instruction sets capped: `MKL_ENABLE_INSTRUCTIONS=AVX2`, `RAG_FAST_SIMD=avx2`)")
 
 
 def test_every_bench_is_discovered_and_unknown_names_are_refused(capsys):
@@ -90,6 +105,29 @@ def test_readme_tables_are_what_the_committed_results_render_to(tmp_path, capsys
     assert edited.read_text(encoding="utf-8") == changed  # --check writes nothing
     assert render.main(["--readme", str(edited)]) == 0 and edited.read_text(encoding="utf-8") == text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]  # no temp file left
+
+
+def test_docs_tables_of_other_machines_are_what_their_results_render_to(tmp_path, capsys):
+    """docs/benchmarks.md's generated sections (runs on other CPUs) are rendered and checked
+    like the README's; the run with capped instruction sets says so in its caption."""
+    import render
+
+    docs = BENCH_DIR.parent / render.DOCS_FILE
+    text = docs.read_text(encoding="utf-8")
+    assert render.DOCS_SECTIONS and not set(render.DOCS_SECTIONS) & set(render.SECTIONS)
+    for name in render.DOCS_SECTIONS:
+        assert render.readme_section(text, name) == render.rendered(name), name
+    capped = render.readme_section(text, "decoding-epyc-avx2")
+    assert "`MKL_ENABLE_INSTRUCTIONS=AVX2`" in capped and "`RAG_FAST_SIMD=avx2`" in capped
+    assert "instruction sets capped" not in render.readme_section(text, "decoding-epyc")
+    edited = tmp_path / "benchmarks.md"
+    edited.write_text(text.replace(capped, capped.replace("AMD EPYC", "AMD Opteron", 1)),
+                      encoding="utf-8")
+    capsys.readouterr()
+    assert render.main(["--check", "--docs", str(edited)]) == 1
+    err = capsys.readouterr().err
+    assert "'decoding-epyc-avx2'" in err and "'decoding-epyc'" not in err
+    assert render.main(["--docs", str(edited)]) == 0 and edited.read_text(encoding="utf-8") == text
 
 
 def test_a_section_missing_from_the_readme_is_an_error_naming_it(tmp_path, capsys):

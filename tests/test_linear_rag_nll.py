@@ -178,6 +178,13 @@ def test_tile_width_rule():
     # a tile of the shape (B4 K5 T64 fp32) is at most 2% of the logits
     rows, V = 4 * 5 * 64, 151936
     assert rows * lin.tile_width(rows, V, 4) <= 0.02 * rows * V
+    # on a GPU the tiles are TILE_BYTES_CUDA wide: the GPU benchmark's shape (B8 K5 T128, bf16)
+    # in a dozen tiles, each under 10% of the logits
+    rows = 8 * 5 * 128
+    width = lin.tile_width(rows, V, 2, device_type="cuda")
+    assert width == (lin.TILE_BYTES_CUDA // (rows * 2)) // 64 * 64
+    assert 10 <= -(-V // width) <= 16 and width <= 0.1 * V
+    assert lin.tile_width(rows, V, 2, 4 << 20, device_type="cuda") == (4 << 20) // (rows * 2) // 64 * 64
 
 
 @requires_ext

@@ -118,6 +118,23 @@ def test_tune_lm_head_chunk_times_every_candidate_and_the_value_in_use(tune, tmp
     assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in result["rows"])
 
 
+def test_tune_lm_head_tile_times_every_tile_size_and_the_one_in_use(tune, tmp_path, capsys):
+    lin = importlib.import_module("rag_fast.ops.linear_rag_nll")  # the module, not the function
+
+    result = _tune(tune, tmp_path, capsys, "lm-head-tile", "--batch", "1", "--docs", "2",
+                   "--tokens", "3", "--dim", "8", "--vocab", "700", "--candidates", "1,2",
+                   "--rounds", "1")
+    assert result["setting"] == "TILE_BYTES" and result["current"] == lin.TILE_BYTES
+    assert [r["value"] for r in result["rows"]] == [
+        str(v) for v in sorted({1, 2, lin.TILE_BYTES >> 20})]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_tune_lm_head_tile_on_cuda_without_a_gpu_says_so(tune, capsys):
+    assert tune.main(["lm-head-tile", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
 @requires_ext
 def test_tune_cpp_threads_times_each_kernel_and_restores_the_count(tune, tmp_path, capsys):
     from rag_fast import _ext

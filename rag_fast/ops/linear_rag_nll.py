@@ -47,13 +47,23 @@ MODES = ("token", "sequence")
 # 1 280 x 896 x 151 936 product ran within 7% of each other). Re-measure with
 # ``python benchmarks/tune.py lm-head-tile``.
 TILE_BYTES = 8 << 20
+# The same on a GPU. There a tile's GEMM takes tens of microseconds, as long as launching the
+# handful of kernels and small ops that follow it, so tiles must be far wider than a CPU's
+# cache-sized ones for the launches not to dominate: 128 MiB is 8.6% of the bf16 logits of
+# 5 120 rows x V 151 936 (the GPU benchmark's shape: 12 tiles of 13 056 columns), and 2.6% of
+# those of 8 questions x 10 passages x 256 tokens x V 128 256 (4.9 GiB). Not yet measured on a
+# GPU: re-measure with ``python benchmarks/tune.py lm-head-tile --device cuda``.
+TILE_BYTES_CUDA = 128 << 20
 MIN_TILE = 256
 
 
-def tile_width(rows: int, V: int, element_size: int, tile_bytes: int | None = None) -> int:
-    """Vocabulary columns per tile: ``tile_bytes`` (default: :data:`TILE_BYTES`, read at each
-    call) of logits, a multiple of 64, at least ``MIN_TILE`` and at most V."""
-    tile_bytes = TILE_BYTES if tile_bytes is None else tile_bytes
+def tile_width(rows: int, V: int, element_size: int, tile_bytes: int | None = None,
+               device_type: str = "cpu") -> int:
+    """Vocabulary columns per tile: ``tile_bytes`` of logits (default, read at each call:
+    :data:`TILE_BYTES`, or :data:`TILE_BYTES_CUDA` for ``device_type="cuda"``), a multiple of
+    64, at least ``MIN_TILE`` and at most V."""
+    if tile_bytes is None:
+        tile_bytes = TILE_BYTES_CUDA if device_type == "cuda" else TILE_BYTES
     width = tile_bytes // max(1, rows * element_size)
     width = max(MIN_TILE, width - width % 64)
     return max(1, min(V, width))
@@ -304,7 +314,8 @@ def linear_rag_nll(
         n_docs, epsilon, ignore_index, exclude_bos, reduction: as in ``rag_token_nll``.
         impl: ``"auto"`` | ``"cpp"`` | ``"triton"`` for the per-tile kernels, ``"torch"`` for
             the materialised reference.
-        tile: vocabulary columns per tile (default: ``TILE_BYTES`` of logits per tile).
+        tile: vocabulary columns per tile (default: ``TILE_BYTES`` of logits per tile on the
+            CPU, ``TILE_BYTES_CUDA`` on a GPU).
         deferred_weight_grad: a ``rag_fast.models._seq2seq.DeferredHeadGrad`` of a tied LM
             head (what ``RagModel`` passes): the weight's gradient is then computed when that
             object's ``take()`` is called, at the end of the backward pass (once the
@@ -346,7 +357,8 @@ def linear_rag_nll(
         h2 = h2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     a = torch.log_softmax(p.doc_scores.float(), dim=1)
-    width = tile if tile is not None else tile_width(h2.shape[0], V, h2.element_size())
+    width = tile if tile is not None else tile_width(h2.shape[0], V, h2.element_size(),
+                                                     device_type=h2.device.type)
     with torch.autocast(device_type, enabled=False):
         return _LinearRagLoss.apply(h2, w, bias, a, p.targets, p.mask, p.nll_mask, (B, K, T),
                                     mode, float(epsilon), ignore_index, reduction, p.impl,
