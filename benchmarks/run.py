@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from rag_fast import _quiet
+
+    # no "Loading weights" bars between the tables, unless RAG_FAST_VERBOSE=1 asks for them
+    _quiet.set_verbose(_quiet._VERBOSE)
+
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     benches = available_benches()

@@ -333,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="docs/tuning.md lists every tuned constant and how it was chosen.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # the metavar lists the public commands only (the internal _kernel-times stays unlisted)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{lm-head-chunk,lm-head-tile,cpp-threads,cpp-simd}")
 
     def common(p, rounds: int):
         p.add_argument("--rounds", type=_positive_int, default=rounds, help=f"timed rounds (default {rounds})")
@@ -350,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_lm_head_chunk)
 
     p = sub.add_parser("lm-head-tile",
-                       help="TILE_BYTES: logits per tile of the fused LM-head + RAG loss")
+                       help="TILE_BYTES (TILE_BYTES_CUDA): logits per tile of the fused LM-head + RAG loss")
     p.add_argument("--batch", type=_positive_int, default=4, help="questions B (default 4)")
     p.add_argument("--docs", type=_positive_int, default=5, help="passages K (default 5)")
     p.add_argument("--tokens", type=_positive_int, default=64, help="target tokens T (default 64)")
@@ -388,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, 5)
     p.set_defaults(func=cmd_cpp_simd)
 
-    p = sub.add_parser("_kernel-times", help=argparse.SUPPRESS)
+    p = sub.add_parser("_kernel-times")  # internal: cpp-simd's child process; no help line
     kernel_shape(p)
     common(p, 5)
     p.set_defaults(func=cmd_kernel_times)

@@ -48,7 +48,8 @@ def read_objects(path: str | Path, error: type[Exception] = ValueError) -> Itera
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise error(f"{where}: malformed JSON line ({e.msg} at column {e.colno})") from None
+            msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg  # json's own "... at" messages
+            raise error(f"{where}: malformed JSON line ({msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise error(f"{where}: expected a JSON object, got {json_type(obj)}")
         yield number, where, obj

@@ -66,7 +66,8 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
                        help="quality the stored search settings must reach against exact search: "
                             "recall@10, and the fraction of queries with exact search's top 5 "
                             "(default 0.95); measured on --queries, else on one sentence from each "
-                            "of 1000 sampled passages encoded as a question")
+                            "of 1000 sampled passages encoded as a question (an exact index, which "
+                            "small corpora get, is checked on its own stored vectors instead)")
     build.add_argument("--queries", default=None, metavar="FILE",
                        help="real questions to measure and tune the index on: .txt (one per line) "
                             "or .jsonl (objects with 'question')")
@@ -74,9 +75,14 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
                        help="only encode shard i of n (0-based) into DIR.staging/")
     build.add_argument("--split", type=int, default=None, metavar="WORDS",
                        help="split passages into WORDS-word chunks (raw .txt documents: 100)")
-    build.add_argument("--pooling", default="auto", choices=["auto", "cls", "mean", "pooler"])
-    build.add_argument("--max-length", type=int, default=256, help="encoder tokens per passage")
-    build.add_argument("--batch-size", type=int, default=64, help="passages per encoder batch")
+    build.add_argument("--pooling", default="auto", choices=["auto", "cls", "mean", "pooler"],
+                       help="how token states become one vector (default auto: the "
+                            "sentence-transformers setting of the encoder folder, DPR's pooler, "
+                            "else the first token's state)")
+    build.add_argument("--max-length", type=int, default=256,
+                       help="encoder tokens per passage (default 256; longer ones are truncated)")
+    build.add_argument("--batch-size", type=int, default=64,
+                       help="passages per encoder batch (default 64)")
     build.add_argument("--device", default=None, help="encoder device (default: cuda if available)")
     build.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     build.add_argument("--dedupe", action="store_true",
@@ -234,12 +240,22 @@ def _complete_shards(staging: Path, count: int) -> list[Path] | None:
     return None
 
 
+def _encoder(flag: str, name: str, **kwargs):
+    """``Encoder(name, **kwargs)``, its errors prefixed with the option that named it."""
+    from rag_fast.retrieval.encoders import Encoder
+
+    try:
+        return Encoder(name, **kwargs)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def _index_build(args) -> int:
     import numpy as np
 
     from rag_fast.retrieval._files import atomic_directory, describe_files, write_json
-    from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard
-    from rag_fast.retrieval.index import DenseIndex, plan_factory
+    from rag_fast.retrieval.encoders import encode_passages, parse_shard
+    from rag_fast.retrieval.index import SMALL_CORPUS, DenseIndex, plan_factory
     from rag_fast.retrieval.passages import stand_in_questions
 
     out = Path(args.out)
@@ -251,15 +267,22 @@ def _index_build(args) -> int:
         raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
     shard = parse_shard(args.shard) if args.shard is not None else None
     questions = _tuning_questions(args.queries) if args.queries is not None else None
+    # the encoders first: a wrong name fails before the passages are read
+    encoder = _encoder("--encoder", args.encoder, pooling=args.pooling,
+                       max_length=args.max_length, device=args.device)
+    query_encoder = _encoder("--query-encoder", args.query_encoder, pooling=args.pooling,
+                             max_length=args.max_length,
+                             device="cpu") if args.query_encoder else encoder
     staging = _staging(out)
     key = _staging_key(args)
     _claim_staging(staging, key, sharded=shard is not None)
     store = _staged_store(args, staging, progress)
-    encoder = Encoder(args.encoder, pooling=args.pooling, max_length=args.max_length, device=args.device)
     # every check on sizes and settings before the (long) encoding
     factory = plan_factory(args.preset, len(store), encoder.dim, on_disk=on_disk)
-    query_encoder = Encoder(args.query_encoder, pooling=args.pooling, max_length=args.max_length,
-                            device="cpu") if args.query_encoder else encoder
+    if args.preset in ("ivfpq", "hnsw") and factory == "Flat":
+        print(f"preset {args.preset}: {len(store)} passages are fewer than {SMALL_CORPUS}, where "
+              "exact search takes well under a millisecond and a quantiser has too little to "
+              "train on, so the index is exact search (Flat)")
     if query_encoder.dim != encoder.dim:
         raise ValueError(f"--query-encoder has dimension {query_encoder.dim}, --encoder {encoder.dim}")
     if shard is not None:

@@ -153,6 +153,14 @@ def test_tune_cpp_simd_runs_the_variant_asked_for(tune, tmp_path, capsys):
     assert set(result["totals_ms"]) == {"generic"}  # the child ran the variant it was given
 
 
+def test_tune_help_lists_only_the_public_commands(tune, capsys):
+    with pytest.raises(SystemExit):
+        tune.main(["--help"])
+    out = capsys.readouterr().out
+    assert "lm-head-tile" in out and "cpp-simd" in out
+    assert "SUPPRESS" not in out and "_kernel-times" not in out
+
+
 @pytest.mark.parametrize(("args", "name"), [
     (["lm-head-chunk", "--candidates", "0,512"], "--candidates"),
     (["cpp-simd", "--candidates", "sse"], "--candidates"),

@@ -57,6 +57,7 @@ def test_index_and_starting_model(ran):
     assert manifest["kind"] == "rag_fast.index_bundle"
     quality = DenseIndex.load(root / "work/kb/index").describe()["search_quality"]
     assert quality["recall"] == 1.0 and quality["k"] == 10  # 300 passages: the default is exact
+    assert "preset ivfpq: 300 passages are fewer than 624" in out  # and the build says why
     side = json.loads((root / "work/model0/rag_fast.json").read_text())
     assert side["index"] == str((root / "work/kb").resolve())
     assert side["options"]["question_pooling"] == "mean" and side["options"]["normalize_questions"]

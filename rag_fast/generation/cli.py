@@ -128,8 +128,10 @@ def _batch_from_rows(model, rows: list[dict]):
 def run(args) -> int:
     from rag_fast.models.rag_model import passage_fields
 
-    if args.batch_size < 1 or args.num_beams < 1 or args.max_new_tokens < 1:
-        raise ValueError("--batch-size, --num-beams and --max-new-tokens must be >= 1")
+    for flag, value in (("--batch-size", args.batch_size), ("--num-beams", args.num_beams),
+                        ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     rows = read_questions(args)
     model = _load(args)
     settings = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)

@@ -85,10 +85,16 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
                          "(a transformers config, e.g. \"bart\")")
     values = dict(values)
     model_type = values.pop("model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ValueError(f"generator config {path}: model_type {model_type!r} is not a model type "
+                         f"transformers {transformers.__version__} knows (e.g. 'bart', 't5', "
+                         "'qwen2', 'llama', 'gpt2')")
     try:
         config = transformers.AutoConfig.for_model(model_type, **values)
-    except ValueError as e:
-        raise ValueError(f"generator config {path}: {e}") from None
+    except Exception as e:  # transformers' and huggingface_hub's own field checks
+        raise ValueError(f"generator config {path}: {_brief(e)}") from None
     ids = _special_ids(tokenizer)
     for key, value in ids.items():
         if key not in values:
@@ -110,10 +116,19 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise ValueError(f"generator config {path}: model_type {model_type!r} is neither "
                              "an encoder-decoder model nor a causal LM transformers can build")
-        torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(config)
     torch.manual_seed(seed)
-    return transformers.AutoModelForSeq2SeqLM.from_config(config)
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModelForSeq2SeqLM
+    try:
+        return auto.from_config(config)
+    except Exception as e:  # sizes the model cannot be built with (e.g. heads not dividing d)
+        raise ValueError(f"generator config {path}: transformers cannot build a "
+                         f"{model_type!r} model from it: {_brief(e)}") from None
+
+
+def _brief(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (whitespace collapsed), at most ``limit`` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:

@@ -64,6 +64,35 @@ def _sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
     return pooling, normalize
 
 
+def _looks_like_path(name: str) -> bool:
+    """A name that can only be a folder: a model name is "name" or "org/name"."""
+    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or "\\" in name
+
+
+def _encoder_config(name: str):
+    """The encoder's ``transformers`` config, or a ValueError that says what ``name`` was taken
+    for (a folder, a model name) and why it did not load."""
+    import transformers
+
+    path = Path(name).expanduser()
+    if not path.exists() and _looks_like_path(name):
+        raise ValueError(f"encoder {name!r}: no such folder (expected a folder holding a "
+                         "transformers model, e.g. config.json and its weights, or a model name)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"encoder {name!r}: the folder has no config.json (expected a folder "
+                         "holding a transformers model)")
+    try:
+        return transformers.AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:  # not on the hub, offline and not cached, a bad name
+        offline = os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes")
+        hint = (" (HF_HUB_OFFLINE is set: only models already in the local cache load by name)"
+                if offline else "")
+        brief = " ".join(str(e).split())
+        brief = brief if len(brief) <= 300 else brief[:297] + "..."
+        raise ValueError(f"encoder {name!r}: not a model folder, and no model of that name "
+                         f"could be loaded{hint}: {brief}") from None
+
+
 class Encoder:
     """A Hugging Face encoder with pooling: texts -> ``[N, d]`` embeddings.
 
@@ -78,7 +107,9 @@ class Encoder:
             CPU always runs fp32.
 
     Raises:
-        ValueError: an unknown ``pooling`` or a bad ``max_length``.
+        ValueError: an unknown ``pooling`` or a bad ``max_length``; a name that is neither a
+            model folder nor a model name ``transformers`` can load (offline: not in the local
+            cache), saying which.
     """
 
     def __init__(
@@ -102,7 +133,7 @@ class Encoder:
             dtype = torch.float32
         elif dtype is None:
             dtype = torch.float16
-        config = transformers.AutoConfig.from_pretrained(name_or_path)
+        config = _encoder_config(self.name)
         self.is_dpr = config.model_type == "dpr"
         if self.is_dpr:  # AutoModel maps every DPR checkpoint to the question encoder.
             arch = (config.architectures or ["DPRQuestionEncoder"])[0]

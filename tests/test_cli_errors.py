@@ -1,0 +1,87 @@
+"""Bad input on the command line gets one clear `rag-fast: error:` line that names the option
+or file and what was expected, not a traceback from a library underneath."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "examples" / "workflow" / "generator-tokenizer"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+@pytest.mark.parametrize("config,words", [
+    ({"model_type": "bart", "d_model": "big"}, ["field 'd_model'", "expected int, got str"]),
+    ({"model_type": "bartt"}, ["model_type 'bartt' is not a model type transformers"]),
+    ({"model_type": "bart", "d_model": 10, "encoder_attention_heads": 3, "encoder_layers": 1,
+      "decoder_layers": 1}, ["cannot build a 'bart' model", "divisible"]),
+])
+def test_a_generator_config_transformers_refuses_names_the_file(tmp_path, tokenizer, config,
+                                                                 words):
+    from rag_fast.models.build import _generator_from_config
+
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError) as exc:
+        _generator_from_config(str(path), tokenizer, seed=0)
+    message = str(exc.value)
+    assert message.startswith(f"generator config {path}: ") and "\n" not in message, message
+    assert all(w in message for w in words), message
+    assert len(message) < 500  # not transformers' list of every model type
+
+
+def test_init_reports_a_bad_generator_config_as_an_error_line(tmp_path, capsys):
+    from rag_fast import cli
+
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"model_type": "bart", "d_model": "big"}))
+    # the index is checked after the generator config: a missing one must not be reached
+    code = cli.main(["init", "--index", str(tmp_path / "no-index"), "--generator", str(path),
+                     "--generator-tokenizer", str(TOKENIZER), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("rag-fast: error: "), err
+    assert "Traceback" not in err
+
+
+def test_an_encoder_that_is_not_there_is_named_before_the_passages_are_read(tmp_path, capsys):
+    from rag_fast import cli
+
+    args = ["index", "build", "--passages", str(tmp_path / "missing.jsonl"), "--out",
+            str(tmp_path / "kb")]
+    assert cli.main([*args, "--encoder", str(tmp_path / "no-such-encoder")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rag-fast: error: --encoder: encoder ") and "no such folder" in err, err
+    (tmp_path / "empty").mkdir()
+    assert cli.main([*args, "--encoder", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "--encoder" in err and "has no config.json" in err, err
+    assert not (tmp_path / "kb").exists() and not (tmp_path / "kb.staging").exists()
+
+
+def test_a_malformed_jsonl_line_is_described_once(tmp_path):
+    from rag_fast.retrieval.passages import read_passages
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "line\tbreak\x01"}\n')  # a raw control character
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: malformed JSON line") as exc:
+        list(read_passages(path))
+    assert " at at " not in str(exc.value), exc.value
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--num-beams", "--max-new-tokens"])
+def test_generate_names_the_option_below_one(tmp_path, flag):
+    from rag_fast.generation import cli as generation_cli
+    from rag_fast.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--model", str(tmp_path), "--question", "q",
+                                      flag, "0"])
+    with pytest.raises(ValueError, match=f"^{flag} must be >= 1, got 0$"):
+        generation_cli.run(args)
