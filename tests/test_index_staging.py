@@ -9,10 +9,10 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from rag_fast import cli
 from rag_fast.retrieval import DenseIndex, Encoder
+from utils import save_tiny_bert
 
 WORDS = "paris france tower iron river water mountain nepal chess board game planet gas red".split()
 PASSAGES = [("d0", "Paris", "paris france tower iron"), ("d1", "River", "river water gas planet"),
@@ -21,18 +21,7 @@ PASSAGES = [("d0", "Paris", "paris france tower iron"), ("d1", "River", "river w
 
 @pytest.fixture(scope="module")
 def encoder_dir(tmp_path_factory):
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    root = tmp_path_factory.mktemp("tiny_bert")
-    vocab = root / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", *WORDS]) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(vocab))
-    torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1,
-                                 num_attention_heads=2, intermediate_size=32))
-    model.save_pretrained(str(root))
-    tok.save_pretrained(str(root))
-    return str(root)
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"), WORDS)
 
 
 def _write_corpus(path, passages):

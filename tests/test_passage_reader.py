@@ -10,6 +10,7 @@ import pytest
 from rag_fast import cli
 from rag_fast.retrieval import Passage, read_passages
 from rag_fast.retrieval.passages import PassageFormatError, read_dpr_tsv, read_jsonl
+from utils import save_tiny_bert
 
 BOM = "\ufeff"
 
@@ -121,7 +122,10 @@ def test_jsonl_null_title_is_empty_and_int_id_is_text(tmp_path):
 
 def test_cli_reports_reader_errors_in_one_line_and_dedupes(tmp_path, capsys):
     tsv = _write(tmp_path / "p.tsv", "id\ttext\ttitle\n1\tone\tT\n1\tagain\tT\n")
-    code = cli.main(["index", "build", "--passages", str(tsv), "--encoder", "unused",
+    (tmp_path / "enc").mkdir()
+    encoder = save_tiny_bert(tmp_path / "enc", ["one", "again"])  # loaded before the passages
+    capsys.readouterr()  # the saving's own progress output
+    code = cli.main(["index", "build", "--passages", str(tsv), "--encoder", encoder,
                      "--out", str(tmp_path / "idx"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "duplicate passage id '1'" in err and len(err.strip().splitlines()) == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,20 @@ def run_python(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     the source checkout (which has no compiled extension after a non-editable install)."""
     return subprocess.run([sys.executable, *args], cwd=os.path.dirname(os.path.abspath(__file__)),
                           capture_output=True, text=True, **kwargs)
+
+
+def save_tiny_bert(root, words=()) -> str:
+    """A tiny random BERT encoder and its word-level tokenizer saved in the folder ``root``
+    (what ``--encoder`` takes), knowing ``words``; returns the folder as a string."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = Path(root) / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", *words]) + "\n")
+    tok = BertTokenizerFast(vocab_file=str(vocab))
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32))
+    model.save_pretrained(str(root))
+    tok.save_pretrained(str(root))
+    return str(root)
+
