@@ -109,6 +109,20 @@ def _losses(hf, providers, target: int, device: str) -> dict:
         return hf(context_input_ids=contexts, context_attention_mask=mask, doc_scores=s,
                   labels=labels).loss.mean()
 
+    def ours(lm_head_loss: str):
+        from rag_fast.models import RagModel
+
+        # the same generator module: identical weights
+        m = RagModel.from_transformers(hf, lm_head_loss=lm_head_loss)
+        return lambda s: m(labels, context_input_ids=contexts, context_attention_mask=mask,
+                           doc_scores=s).loss
+
+    return _provider_losses(providers, eager, ours)
+
+
+def _provider_losses(providers, eager, ours) -> dict:
+    """provider -> loss function: ``eager`` (the baseline), ``torch.compile(eager)``, or
+    ``ours(lm_head_loss)`` for rag_fast's fused and materialised LM-head paths."""
     out = {}
     for p in providers:
         if p == EAGER:
@@ -116,13 +130,7 @@ def _losses(hf, providers, target: int, device: str) -> dict:
         elif p == COMPILED:
             out[p] = torch.compile(eager)
         elif p in (OURS, OURS_MATERIALISED):
-            from rag_fast.models import RagModel
-
-            # the same generator module: identical weights
-            ours = RagModel.from_transformers(
-                hf, lm_head_loss="fused" if p == OURS else "materialized")
-            out[p] = lambda s, m=ours: m(labels, context_input_ids=contexts,
-                                         context_attention_mask=mask, doc_scores=s).loss
+            out[p] = ours("fused" if p == OURS else "materialized")
         else:
             raise ValueError(f"provider must be one of {PROVIDERS}, got {p!r}")
     return out
@@ -189,22 +197,14 @@ def _causal_losses(gen, mode: str, providers, target: int, device: str) -> dict:
                      use_cache=False, logits_to_keep=T).logits
         return materialised_rag_loss(logits, s, answers, mode, pad=1)
 
-    out = {}
-    for p in providers:
-        if p == EAGER:
-            out[p] = eager
-        elif p == COMPILED:
-            out[p] = torch.compile(eager)
-        elif p in (OURS, OURS_MATERIALISED):
-            from rag_fast.models import RagModel
+    def ours(lm_head_loss: str):
+        from rag_fast.models import RagModel
 
-            ours = RagModel(gen, mode=mode, n_docs=K,
-                            lm_head_loss="fused" if p == OURS else "materialized")
-            out[p] = lambda s, m=ours: m(answers, context_input_ids=prompts,
-                                         context_attention_mask=mask, doc_scores=s).loss
-        else:
-            raise ValueError(f"provider must be one of {PROVIDERS}, got {p!r}")
-    return out
+        m = RagModel(gen, mode=mode, n_docs=K, lm_head_loss=lm_head_loss)
+        return lambda s: m(answers, context_input_ids=prompts, context_attention_mask=mask,
+                           doc_scores=s).loss
+
+    return _provider_losses(providers, eager, ours)
 
 
 def _check_same_loss(losses: dict, params, size_name: str, mode: str, device: str) -> None:

@@ -165,3 +165,11 @@ def check_decoding_scores(doc_scores: torch.Tensor, questions=None) -> None:
             what = ("a NaN or +inf passage score" if bool(bad_nan[b].any())
                     else "no passage with a finite score (all -inf: nothing retrieved)")
             raise ValueError(f"doc_scores: {name} has {what}: {row}")
+
+
+def brief_error(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (whitespace collapsed), at most ``limit`` characters:
+    a library's multi-line or very long message inside one of ours."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+

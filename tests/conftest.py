@@ -15,6 +15,17 @@ if not torch.cuda.is_available():
 from utils import IN_CI, ext_available, triton_cpu_available  # noqa: E402
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    tiny models gain nothing from a second thread, and on shared cores spinning threads cost a
+    lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     have = {
         "requires_ext": ext_available(),

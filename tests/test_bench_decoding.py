@@ -7,7 +7,6 @@ import pathlib
 import sys
 
 import pytest
-import torch
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
@@ -18,13 +17,7 @@ import harness  # noqa: E402
 CTX = harness.Context(device="cpu", quick=True, repeats=5, warmup=1)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Small shapes gain little from a second thread; on shared cores it costs a lot.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("label", list(bd.GENERATORS))

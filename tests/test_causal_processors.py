@@ -18,12 +18,7 @@ from rag_fast.models import RagModel
 from test_causal import EOS, LENGTHS, PAD, _generator, _ids, _prompts, _scores
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 SETTINGS = [

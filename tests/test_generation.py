@@ -19,13 +19,7 @@ from rag_fast.testing import tiny_hf_rag
 V, K, B, S = 60, 3, 3, 9
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from threads, and on shared cores spinning threads cost a lot.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _model(mode: str, seed: int):

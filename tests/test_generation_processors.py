@@ -16,12 +16,7 @@ from rag_fast.generation._search import apply_processors, settings_from
 from test_generation_seq2seq import hf_generate, tiny_inputs, tiny_rag
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 GENERATE = {"token": rag_token_generate, "sequence": rag_sequence_generate}

@@ -19,12 +19,7 @@ from rag_fast.generation._generic_decoder import GenericDecoder
 V, K, B, S = 60, 3, 3, 9
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def generator_config(kind: str):

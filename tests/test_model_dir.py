@@ -11,10 +11,10 @@ import torch
 
 from rag_fast.models import CheckpointError, RagModel, Retrieved
 from rag_fast.testing import tiny_hf_rag
-from test_generation import _one_thread  # noqa: F401  (autouse: one thread for tiny models)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one thread for tiny models
 
 V, K, B, S, T = 60, 3, 2, 9, 6
-
 
 
 def _spread(model: torch.nn.Module, seed: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rag_fast._quiet import quiet_transformers
+from rag_fast._validation import brief_error
 from rag_fast.models.rag_model import RagModel
 
 
@@ -94,7 +95,7 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
     try:
         config = transformers.AutoConfig.for_model(model_type, **values)
     except Exception as e:  # transformers' and huggingface_hub's own field checks
-        raise ValueError(f"generator config {path}: {_brief(e)}") from None
+        raise ValueError(f"generator config {path}: {brief_error(e)}") from None
     ids = _special_ids(tokenizer)
     for key, value in ids.items():
         if key not in values:
@@ -122,13 +123,7 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
         return auto.from_config(config)
     except Exception as e:  # sizes the model cannot be built with (e.g. heads not dividing d)
         raise ValueError(f"generator config {path}: transformers cannot build a "
-                         f"{model_type!r} model from it: {_brief(e)}") from None
-
-
-def _brief(exc: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line (whitespace collapsed), at most ``limit`` characters."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+                         f"{model_type!r} model from it: {brief_error(e)}") from None
 
 
 def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:

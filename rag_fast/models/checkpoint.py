@@ -192,6 +192,15 @@ def _save_causal_models(model: RagModel, root: str) -> None:
         model.generation_config.save_pretrained(root)
 
 
+def _read_side_json(side_path: str) -> Any:
+    """The parsed ``rag_fast.json`` at ``side_path`` (which exists)."""
+    try:
+        with open(side_path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{side_path} is not valid JSON: {e}") from None
+
+
 def read_side_file(path: str) -> dict | None:
     """``rag_fast.json`` of a model directory, checked against the files (None if absent).
 
@@ -202,11 +211,7 @@ def read_side_file(path: str) -> dict | None:
     side_path = os.path.join(path, SIDE_FILE)
     if not os.path.isfile(side_path):
         return None
-    try:
-        with open(side_path, encoding="utf-8") as f:
-            side = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{side_path} is not valid JSON: {e}") from None
+    side = _read_side_json(side_path)
     if not isinstance(side, dict) or side.get("kind") != KIND:
         raise CheckpointError(f"{side_path}: not a rag_fast model side file (kind "
                               f"{side.get('kind') if isinstance(side, dict) else None!r})")
@@ -258,11 +263,7 @@ def _side_layout(path: str) -> str:
     side_path = os.path.join(path, SIDE_FILE)
     if not os.path.isfile(side_path):
         return LAYOUT_RAG
-    try:
-        with open(side_path, encoding="utf-8") as f:
-            side = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{side_path} is not valid JSON: {e}") from None
+    side = _read_side_json(side_path)
     layout = side.get("layout", LAYOUT_RAG) if isinstance(side, dict) else LAYOUT_RAG
     return layout if isinstance(layout, str) else repr(layout)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rag_fast._validation import brief_error
 from rag_fast.retrieval.passages import PassageStore
 
 POOLINGS = ("auto", "cls", "mean", "pooler")
@@ -87,10 +88,8 @@ def _encoder_config(name: str):
         offline = os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes")
         hint = (" (HF_HUB_OFFLINE is set: only models already in the local cache load by name)"
                 if offline else "")
-        brief = " ".join(str(e).split())
-        brief = brief if len(brief) <= 300 else brief[:297] + "..."
         raise ValueError(f"encoder {name!r}: not a model folder, and no model of that name "
-                         f"could be loaded{hint}: {brief}") from None
+                         f"could be loaded{hint}: {brief_error(e)}") from None
 
 
 class Encoder:
