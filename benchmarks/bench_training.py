@@ -13,8 +13,9 @@ of rag_fast's); only the loss path differs. Providers:
   its step time (inductor's on-disk cache left as a user would have it: a repeated run
   compiles faster). ``--quick`` leaves it out (compiling takes minutes on 2 cores), and the fresh-process memory
   measurement too;
-- ``rag_fast``: ``RagModel(lm_head_loss="fused")`` over the same generator: the LM head and
-  the RAG loss as one op that computes the logits a vocabulary tile at a time and never holds
+- ``rag_fast``: ``RagModel(lm_head_loss="fused")`` over the same generator (with its default
+  ``lean_activations=True``, see ``rag_fast/models/_lean.py``): the LM head and the RAG loss
+  as one op that computes the logits a vocabulary tile at a time and never holds
   them (``rag_fast.linear_rag_nll``);
 - ``rag_fast materialised``: ``RagModel(lm_head_loss="materialized")``: the logits of the
   positions that have a target, once, into a buffer it reuses from step to step (in L2-sized
@@ -396,7 +397,9 @@ def render(results: dict, source: str) -> str:
         "(eager, and its loss step under `torch.compile`, default mode, whose compile time is "
         "the last column and is not in its step time; inductor's on-disk cache as a user's "
         "machine keeps it) vs `RagModel` driving the same generator, "
-        "contexts, passage scores and labels, both with the fused LM-head + RAG loss that "
+        "contexts, passage scores and labels (with its default `lean_activations=True`: "
+        "activation outputs, norm outputs and dropout masks kept for the backward by recipe, "
+        "the same gradients bit for bit), both with the fused LM-head + RAG loss that "
         "never holds the logits (`lm_head_loss=\"fused\"`) and with the logits in a reused "
         "buffer (`\"materialized\"`); the row shows the path `RagModel`'s default "
         "(`\"auto\"`) takes at that shape (fused once the logits would reach 1 GiB), the "

@@ -30,6 +30,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("num_threads", &num_threads, "Threads the kernels use (OpenMP).");
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def(
+      "bits_mask",
+      [](uintptr_t src, int elem_bytes, int64_t n, uint64_t one, uintptr_t out) {
+        py::gil_scoped_release release;
+        return bits_mask(ptr<const void>(src), elem_bytes, n, one, ptr<uint8_t>(out));
+      },
+      "out[i] = (src[i] == one) over n elements of elem_bytes bytes compared as bits; False if "
+      "any element is neither 0 nor one (see csrc/kernels.h).");
+  m.def(
       "row_stats",
       [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
          int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t lse,

@@ -82,4 +82,44 @@ void set_num_threads(int n) {
 #endif
 }
 
+namespace {
+
+// out[i] = (src[i] == one); false if any element is neither 0 nor one. Branch-free so that the
+// compiler vectorises it; one pass over src, one over out.
+template <typename U>
+bool bits_mask_impl(const U* src, int64_t n, U one, uint8_t* out) {
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  int bad = 0;
+#ifdef RAG_FAST_WITH_OPENMP
+#pragma omp parallel for schedule(static) reduction(| : bad) if (chunks > 1)
+#endif
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t end = (c + 1) * kChunk < n ? (c + 1) * kChunk : n;
+    int local = 0;
+    for (int64_t i = c * kChunk; i < end; ++i) {
+      const U v = src[i];
+      out[i] = static_cast<uint8_t>(v == one);
+      local |= static_cast<int>((v != 0) & (v != one));
+    }
+    bad |= local;
+  }
+  return bad == 0;
+}
+
+}  // namespace
+
+bool bits_mask(const void* src, int elem_bytes, int64_t n, uint64_t one, uint8_t* out) {
+  switch (elem_bytes) {
+    case 2:
+      return bits_mask_impl(static_cast<const uint16_t*>(src), n, static_cast<uint16_t>(one), out);
+    case 4:
+      return bits_mask_impl(static_cast<const uint32_t*>(src), n, static_cast<uint32_t>(one), out);
+    case 8:
+      return bits_mask_impl(static_cast<const uint64_t*>(src), n, one, out);
+    default:
+      return false;
+  }
+}
+
 }  // namespace rag_fast

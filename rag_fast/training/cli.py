@@ -47,7 +47,7 @@ TOP_LEVEL = {
 }
 MODEL_OPTIONS = ("n_docs", "epsilon", "mode", "exclude_bos", "max_context_length",
                  "max_question_length", "loss_impl", "lm_head_loss", "question_pooling",
-                 "normalize_questions")
+                 "normalize_questions", "lean_activations")
 
 
 def _fail(path: str, key: str, expected: str, got=None) -> ValueError:

@@ -1,0 +1,413 @@
+"""Lean activations: the same gradients from fewer saved tensors.
+
+A training step's memory peak is where the backward pass starts: every tensor the forward pass
+saved for it is alive at once. Some of them are cheap, exact functions of tensors that are
+saved anyway, and this module stores the recipe instead of the tensor while the generator runs
+(``torch.autograd.graph.saved_tensors_hooks``):
+
+- **activation outputs** ``g = act(u)`` (GELU, SiLU, Mish and their ``transformers`` variants):
+  the next linear layer saves ``g`` for its weight gradient, while the activation's own backward
+  already saves ``u``. Stored: a reference to ``u``; the backward recomputes ``act(u)``.
+- **gated products** ``p = act(u) * v`` (the SwiGLU / GeGLU feed-forward of Llama, Qwen2,
+  Mistral and their kin), when an ``nn.Linear`` takes ``p``: the product's own backward keeps
+  ``u``'s activation by recipe and ``v`` as it is. Stored: references to ``u`` and ``v``; the
+  backward recomputes ``act(u) * v``.
+- **normalisation outputs** ``y = norm(x)`` (``nn.LayerNorm``, ``nn.RMSNorm`` and the RMSNorm /
+  T5 layer-norm modules of ``transformers``): the next linear layers save ``y``, the norm's
+  backward saves ``x``. Stored: a reference to ``x``; recomputed from it.
+- **dropout masks on the CPU**: torch's CPU dropout saves its scaled mask as a float tensor of
+  the activation's size (values ``0`` and ``1 / (1 - p)``); stored as one byte per element and
+  the scale. Any saved constant tensor whose values are exactly ``0`` and one positive number
+  qualifies; the check is exact, so a tensor that does not match is saved as it was.
+
+The recomputation runs the very module (``module.forward``) on the very input, so values and
+gradients are bit-identical to a run without this module (``tests/test_lean_activations.py``
+checks every gradient with ``torch.equal``). The cost is a few elementwise passes in the
+backward. The memory saved is the size of those tensors: for a BART-base-sized generator, a
+third of the activations (docs/design.md, "Lean activations").
+
+A tensor is stored by recipe only when it is provably what the recipe gives back: it is the
+module's output itself (or a view of it), unmodified since (its version counter is unchanged),
+and the input it is recomputed from is alive and unmodified when the backward needs it (else a
+``RuntimeError`` names the module). Inside another ``saved_tensors_hooks`` context (e.g.
+``torch.autograd.graph.save_on_cpu``) and under ``torch.compile`` nothing is changed.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from rag_fast import _ext
+
+# Activation modules whose output is recomputed: elementwise functions whose backward keeps the
+# input. ReLU, sigmoid and tanh keep their output instead, so a recipe would save nothing.
+_ACTIVATION_NAMES = ("GELUActivation", "NewGELUActivation", "FastGELUActivation",
+                     "QuickGELUActivation", "GELUTanh", "PytorchGELUTanh", "AccurateGELUActivation",
+                     "ClippedGELUActivation", "SiLUActivation", "MishActivation",
+                     "LaplaceActivation")
+_NORM_NAME_SUFFIXES = ("RMSNorm", "T5LayerNorm")
+# Saved constant tensors smaller than this are left alone (the check would cost more than the
+# memory it saves).
+MIN_MASK_ELEMENTS = 4096
+
+_state = threading.local()
+
+
+@functools.lru_cache(maxsize=None)
+def _activation_classes() -> tuple[type, ...]:
+    classes = [nn.GELU, nn.SiLU, nn.Mish]
+    try:
+        from transformers import activations
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        activations = None
+    for name in _ACTIVATION_NAMES:
+        cls = getattr(activations, name, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            classes.append(cls)
+    return tuple(classes)
+
+
+def recomputable(module: nn.Module) -> bool:
+    """Whether :func:`prepare` registers ``module`` (an activation or normalisation module whose
+    output is recomputed from its input)."""
+    if isinstance(module, _activation_classes()):
+        return not getattr(module, "inplace", False)
+    if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
+        return True
+    return type(module).__name__.endswith(_NORM_NAME_SUFFIXES) and hasattr(module, "weight")
+
+
+def prepare(model: nn.Module) -> int:
+    """Register the forward hook that records recomputable outputs on every module of ``model``
+    for which :func:`recomputable` holds (once per module); returns how many modules have it.
+    The hook does nothing outside :func:`lean_activations`."""
+    count = 0
+    for module in model.modules():
+        if not recomputable(module):
+            continue
+        if not getattr(module, "_rag_fast_lean", False):
+            module.register_forward_hook(_record_output)
+            module._rag_fast_lean = True
+        count += 1
+    for module in model.modules():  # the linear layers that may take a gated product
+        if isinstance(module, nn.Linear) and not getattr(module, "_rag_fast_lean", False):
+            module.register_forward_pre_hook(_record_product)
+            module._rag_fast_lean = True
+    return count
+
+
+def _record_output(module: nn.Module, args: tuple, output) -> None:
+    """Forward hook: remember ``output`` as ``module.forward(args[0])``."""
+    if torch.compiler.is_compiling():
+        return
+    registry = getattr(_state, "registry", None)
+    if registry is None or not isinstance(output, torch.Tensor) or len(args) != 1:
+        return
+    (x,) = args
+    if not isinstance(x, torch.Tensor) or not output.requires_grad:
+        return
+    registry.record(module, x, output)
+
+
+def _record_product(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a linear layer: remember its input if it is ``act(u) * v`` with
+    ``act(u)`` a recorded activation output."""
+    if torch.compiler.is_compiling():
+        return
+    registry = getattr(_state, "registry", None)
+    if registry is None or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return
+    p = args[0]
+    node = p.grad_fn
+    if node is None or type(node).__name__ != "MulBackward0":
+        return
+    registry.record_product(p, node)
+
+
+def _autocast_state(device_type: str) -> tuple:
+    """What autocast does now on ``device_type``, for :func:`_autocast`."""
+    try:
+        return (device_type, torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type))
+    except (RuntimeError, ValueError):  # a device without autocast
+        return (device_type, False, None)
+
+
+def _autocast(state: tuple):
+    """A context that sets autocast as ``state`` recorded it (the forward pass's setting, also
+    when the backward runs inside or outside another autocast context)."""
+    device_type, enabled, dtype = state
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+class _Source:
+    """A recorded output, recomputed on demand: ``module.forward(x)`` under the forward pass's
+    autocast setting, or (``act`` given) the product ``act() * other`` / ``other * act()``.
+
+    Every saved view of it shares this object; the value recomputed for the first of them is
+    kept until the last has taken it (``pending``), so that, e.g., a norm output saved by the
+    three projections of an attention block is recomputed once.
+    """
+
+    __slots__ = ("module", "x", "x_version", "autocast", "size", "stride", "act", "act_first",
+                 "pending", "cached")
+
+    def __init__(self, module, x, autocast, size, stride, act=None, act_first=True):
+        self.module, self.x, self.x_version = module, x, x._version
+        self.autocast, self.size, self.stride = autocast, size, stride
+        self.act, self.act_first = act, act_first
+        self.pending, self.cached = 0, None
+
+    def _compute(self) -> torch.Tensor:
+        if self.x._version != self.x_version:
+            what = (f"the input of {type(self.module).__name__}" if self.act is None else
+                    f"a factor of the product after {type(self.act.module).__name__}")
+            raise RuntimeError(
+                f"rag_fast lean activations: {what} was modified in place after the forward "
+                "pass, so a tensor saved for the backward cannot be recomputed; build the model "
+                "with lean_activations=False")
+        if self.act is not None:
+            a = self.act.take()
+            with torch.no_grad():
+                return torch.mul(a, self.x) if self.act_first else torch.mul(self.x, a)
+        with torch.no_grad(), _autocast(self.autocast):
+            out = self.module.forward(self.x)
+        return out.as_strided(self.size, self.stride, 0)
+
+    def take(self) -> torch.Tensor:
+        out = self.cached if self.cached is not None else self._compute()
+        self.pending -= 1
+        self.cached = out if self.pending > 0 else None
+        return out
+
+
+class _Saved:
+    """What is saved instead of a view of a :class:`_Source`'s output."""
+
+    __slots__ = ("source", "size", "stride", "offset")
+
+    def __init__(self, source, t):
+        self.source, self.size, self.stride = source, t.size(), t.stride()
+        self.offset = t.storage_offset()
+        source.pending += 1
+
+    def __call__(self) -> torch.Tensor:
+        return self.source.take().as_strided(self.size, self.stride, self.offset)
+
+
+class _Mask:
+    """A tensor whose elements all have the bits of ``0.0`` or of one positive value: one byte
+    per element."""
+
+    __slots__ = ("nonzero", "scale", "zero")
+
+    def __init__(self, nonzero, scale, zero):
+        self.nonzero, self.scale, self.zero = nonzero, scale, zero
+
+    def __call__(self) -> torch.Tensor:
+        return torch.where(self.nonzero, self.scale, self.zero)
+
+
+class _Kept:
+    """A saved tensor kept as it is. Autograd checks that a saved tensor was not modified in
+    place before the backward only for tensors it stores itself, not for what a hook returns:
+    the check is repeated here, with autograd's words."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+    def __call__(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a tensor of shape {list(self.tensor.shape)} is at version "
+                f"{self.tensor._version}; expected version {self.version} instead (rag_fast "
+                "lean activations: it was saved for the backward and changed since)")
+        return self.tensor
+
+
+class _Entry:
+    """A recorded output: weak references to it and its input, and its recomputation once a
+    saved tensor needs it (``source``)."""
+
+    __slots__ = ("out", "version", "module", "x", "autocast", "size", "stride", "source")
+
+    def __init__(self, module, x, output):
+        self.out, self.version = weakref.ref(output), output._version
+        self.module, self.x = module, weakref.ref(x)
+        self.autocast = _autocast_state(x.device.type)
+        self.size, self.stride = output.size(), output.stride()
+        self.source = None
+
+    def get_source(self) -> _Source | None:
+        if self.source is None:
+            x = self.x()
+            if x is None:
+                return None
+            self.source = _Source(self.module, x, self.autocast, self.size, self.stride)
+        return self.source
+
+
+class _Registry:
+    """The outputs recorded in one :func:`lean_activations` context, by storage address."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[int, _Entry] = {}
+        # id(grad_fn of a recorded output) -> (grad_fn, entry); the grad_fn is kept (until the
+        # context ends) so that its Python object, and with it id(), stays the one a later
+        # product's next_functions return
+        self._by_node: dict[int, tuple] = {}
+        self._products: dict[int, tuple] = {}  # address -> (product, version, source)
+        # what was stored by recipe, and the bytes those tensors would have taken
+        self.recipes = self.masks = self.bytes_saved = 0
+
+    def record(self, module, x, output) -> None:
+        if not _owns_storage(output):
+            return
+        entry = _Entry(module, x, output)
+        self._outputs[output.untyped_storage().data_ptr()] = entry
+        if output.grad_fn is not None:
+            self._by_node[id(output.grad_fn)] = (output.grad_fn, entry)
+
+    def record_product(self, p: torch.Tensor, node) -> None:
+        if not _owns_storage(p):
+            return
+        operands = [operand for operand, _ in node.next_functions[:2]]
+        if len(operands) != 2 or any(operand is None for operand in operands):
+            return  # a factor without gradient (a dropout mask): nothing to gain
+        for side, operand in enumerate(operands):
+            found = self._by_node.get(id(operand))
+            if found is None or found[0] is not operand:
+                continue
+            # the factor is the recorded output as it was (an in-place change would have given
+            # it another grad_fn), which may be gone by now: its recomputation, from its input
+            act = found[1].get_source()
+            if act is None:
+                return
+            # the other factor, as the product's backward saved it
+            other = node._saved_other if side == 0 else node._saved_self
+            if not isinstance(other, torch.Tensor) or other.dtype != p.dtype:
+                return
+            source = _Source(found[1].module, other, None, p.size(), p.stride(), act=act,
+                             act_first=side == 0)
+            act.pending += 1  # the product's recomputation takes the factor once
+            self._products[p.untyped_storage().data_ptr()] = (weakref.ref(p), p._version,
+                                                              source)
+            return
+
+    def close(self) -> None:
+        """Forget the recorded outputs (the counters stay)."""
+        self._outputs.clear()
+        self._by_node.clear()
+        self._products.clear()
+
+    def _source(self, t: torch.Tensor) -> _Source | None:
+        """The recomputation of ``t``'s storage, if ``t`` is a recorded output (or a view of
+        it) unmodified since it was recorded."""
+        ptr = t.untyped_storage().data_ptr()
+        entry = self._outputs.get(ptr)
+        if entry is not None:
+            out = entry.out()
+            if (out is not None and t.dtype == out.dtype and t._version == entry.version
+                    and out._version == entry.version
+                    and out.untyped_storage().data_ptr() == ptr):
+                return entry.get_source()
+        product = self._products.get(ptr)
+        if product is not None:
+            p_ref, version, source = product
+            p = p_ref()
+            if (p is not None and t.dtype == p.dtype and t._version == version
+                    and p._version == version and p.untyped_storage().data_ptr() == ptr):
+                return source
+        return None
+
+    def pack(self, t: torch.Tensor):
+        if t.layout != torch.strided or t.is_nested:
+            return _Kept(t)
+        source = self._source(t)
+        if source is not None:
+            self.recipes += 1
+            self.bytes_saved += t.untyped_storage().nbytes()
+            return _Saved(source, t)
+        if (t.device.type == "cpu" and t.grad_fn is None and not t.requires_grad
+                and t.dtype in _BITS and t.numel() >= MIN_MASK_ELEMENTS
+                and t.is_contiguous() and not t._is_view() and not isinstance(t, nn.Parameter)):
+            mask = _as_mask(t)
+            if mask is not None:
+                self.masks += 1
+                self.bytes_saved += t.numel() * (t.element_size() - 1)
+                return mask
+        return _Kept(t)
+
+    @staticmethod
+    def unpack(packed):
+        return packed()
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous and spans its whole storage from its start."""
+    storage = t.untyped_storage()
+    return (storage.nbytes() > 0 and t.storage_offset() == 0 and t.is_contiguous()
+            and storage.nbytes() == t.numel() * t.element_size())
+
+
+# the integer type of each floating type's bits
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}
+
+
+def _as_mask(t: torch.Tensor) -> _Mask | None:
+    """``t`` as a :class:`_Mask` if the bits of every element are those of ``+0.0`` or of one
+    positive finite value (compared as integers: exact, ``-0.0`` and NaN excluded). One pass in
+    the C++ extension (``bits_mask``); torch ops without it."""
+    head = t.reshape(-1)[:256]
+    scale = head.amax()  # the positive value, if the first elements hold it
+    if not bool(torch.isfinite(scale)) or not bool(scale > 0):
+        return None
+    bits = t.view(_BITS[t.dtype]).reshape(-1)
+    scale_bits = scale.view(bits.dtype)
+    if not bool(((bits[:256] == 0) | (bits[:256] == scale_bits)).all()):
+        return None  # most tensors that are no mask fail here, cheaply
+    if _ext.available():
+        nonzero = torch.empty(t.shape, dtype=torch.bool)
+        one = int(scale_bits) & ((1 << (8 * t.element_size())) - 1)  # the bits, unsigned
+        if not _ext.get().bits_mask(t.data_ptr(), t.element_size(), t.numel(), one,
+                                    nonzero.data_ptr()):
+            return None
+    else:
+        nonzero = bits == scale_bits
+        if int(nonzero.sum()) + int((bits == 0).sum()) != bits.numel():
+            return None
+        nonzero = nonzero.view(t.shape)
+    return _Mask(nonzero, scale, torch.zeros((), dtype=t.dtype))
+
+
+@contextlib.contextmanager
+def lean_activations(enabled: bool = True):
+    """While active, tensors saved for the backward are stored by recipe where the module
+    docstring allows it; yields the registry (its ``recipes``, ``masks`` and ``bytes_saved``
+    count what was stored that way), or None when nothing is changed: ``enabled`` False,
+    gradients off, under ``torch.compile``, inside another ``saved_tensors_hooks`` context, or
+    already active. Only modules :func:`prepare` registered are recomputed."""
+    if (not enabled or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or getattr(_state, "registry", None) is not None
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
+        yield None
+        return
+    registry = _Registry()
+    _state.registry = registry
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(registry.pack, registry.unpack):
+            yield registry
+    finally:
+        _state.registry = None
+        registry.close()

@@ -1,0 +1,253 @@
+"""Lean activations (rag_fast/models/_lean.py): tensors saved for the backward stored by recipe
+give bit-identical losses and gradients, for every generator family RagModel drives."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rag_fast.models import RagModel, _lean
+from rag_fast.testing import tiny_hf_rag
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PAD = 1
+
+
+def _bart():
+    return tiny_hf_rag("token", n_docs=3, vocab_size=60, layers=2).rag.generator
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    # gated GELU (Flan-T5) with dropout: activation, T5LayerNorm and dropout recipes
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=60, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+        feed_forward_proj="gated-gelu", dropout_rate=0.1, pad_token_id=PAD, eos_token_id=2,
+        decoder_start_token_id=PAD))
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=PAD, bos_token_id=0, eos_token_id=2))
+
+
+GENERATORS = {"bart": _bart, "t5": _t5, "qwen2": _qwen2}
+
+
+def _batch(B=2, K=3, L=7, T=5, V=60):
+    g = torch.Generator().manual_seed(3)
+    contexts = torch.randint(3, V, (B * K, L), generator=g)
+    mask = torch.ones_like(contexts)
+    mask[1, :2] = 0  # one shorter context
+    labels = torch.randint(3, V, (B, T), generator=g)
+    labels[0, -1] = PAD
+    scores = torch.randn(B, K, generator=g)
+    return contexts, mask, labels, scores
+
+
+def _run(model, batch, lean_context: bool, autocast: bool = False):
+    """Loss, doc-score gradient and every generator gradient of one training step; dropout
+    masks from one fixed seed (``autocast``: the forward under bf16 autocast, the backward
+    outside it)."""
+    contexts, mask, labels, scores = batch
+    model.train()
+    model.generator.zero_grad(set_to_none=True)
+    s = scores.clone().requires_grad_()
+    torch.manual_seed(1234)
+    registry = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if lean_context:
+            with _lean.lean_activations() as registry:
+                loss = model.loss_from_contexts(contexts, mask, s, labels)
+        else:
+            loss = model.loss_from_contexts(contexts, mask, s, labels)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.generator.named_parameters()
+             if p.grad is not None}
+    return loss.detach(), s.grad.clone(), grads, registry
+
+
+def _assert_identical(a, b):
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    assert torch.equal(a[1], b[1])
+    assert a[2].keys() == b[2].keys() and a[2]
+    for name in a[2]:
+        assert torch.equal(a[2][name], b[2][name]), name
+
+
+@pytest.mark.parametrize("family", sorted(GENERATORS))
+@pytest.mark.parametrize("mode,path", [("token", "materialized"), ("sequence", "fused")])
+def test_bit_identical_gradients(family, mode, path, monkeypatch):
+    monkeypatch.setattr(_lean, "MIN_MASK_ELEMENTS", 64)  # tiny models have tiny masks
+    gen = GENERATORS[family]()
+    plain = RagModel(gen, mode=mode, n_docs=3, lm_head_loss=path, lean_activations=False)
+    batch = _batch()
+    reference = _run(plain, batch, lean_context=False)
+    _lean.prepare(gen)
+    lean = _run(plain, batch, lean_context=True)
+    _assert_identical(reference, lean)
+    registry = lean[3]
+    assert registry.recipes > 0 and registry.bytes_saved > 0
+    # BART and T5 train with dropout: its CPU masks are stored one byte per element
+    assert (registry.masks > 0) == (family != "qwen2")
+    # and through RagModel's own switch (the default)
+    default = RagModel(gen, mode=mode, n_docs=3, lm_head_loss=path)
+    assert default.lean_activations is True
+    _assert_identical(reference, _run(default, batch, lean_context=False))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.5),
+                         nn.Linear(16, 8))
+
+
+def test_what_is_stored_by_recipe(monkeypatch):
+    monkeypatch.setattr(_lean, "MIN_MASK_ELEMENTS", 64)
+    model = _mlp().train()
+    assert _lean.prepare(model) == 2  # the LayerNorm and the GELU
+    x = torch.randn(64, 8, requires_grad=True)
+    torch.manual_seed(0)
+    ref = model(x * 1.0)
+    ref.sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    torch.manual_seed(0)
+    with _lean.lean_activations() as registry:
+        out = model(x * 1.0)
+    # the LayerNorm's output (saved by the first Linear) and the dropout mask; the GELU's output
+    # is not saved (the second Linear saves the dropout's output, the product keeps the mask)
+    assert registry.recipes == 1 and registry.masks == 1
+    out.sum().backward()
+    assert torch.equal(out, ref)
+    got = [p.grad for p in model.parameters()] + [x.grad]
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+def test_input_modified_in_place_is_an_error():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    _lean.prepare(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    with _lean.lean_activations() as registry:
+        h = model[0](x)
+        y = model[2](model[1](h))
+    assert registry.recipes == 1  # the GELU output, saved by the last Linear
+    with torch.no_grad():
+        h.add_(1.0)  # the GELU's input, after the forward pass
+    with pytest.raises(RuntimeError, match="modified"):
+        y.sum().backward()
+
+
+def test_inactive_where_it_must_not_change_anything():
+    with torch.no_grad(), _lean.lean_activations() as registry:
+        assert registry is None
+    with _lean.lean_activations(enabled=False) as registry:
+        assert registry is None
+    # another saved-tensor hook context (e.g. offloading to the CPU) keeps its tensors
+    with torch.autograd.graph.save_on_cpu(), _lean.lean_activations() as registry:
+        assert registry is None
+    with _lean.lean_activations() as outer, _lean.lean_activations() as inner:
+        assert outer is not None and inner is None
+
+
+@pytest.mark.parametrize("extension", [True, False])
+def test_masks_are_exact_or_left_alone(extension, monkeypatch):
+    """One pass in the C++ extension, torch ops without it: the same decisions."""
+    from rag_fast import _ext
+
+    assert _ext.available()  # the test machine has the extension built
+    if not extension:
+        monkeypatch.setattr(_ext, "available", lambda: False)
+    g = torch.Generator().manual_seed(0)
+    noise = torch.empty(100, 64).bernoulli_(0.9, generator=g).div_(0.9)
+    mask = _lean._as_mask(noise)
+    assert mask is not None and mask.nonzero.dtype == torch.bool
+    assert torch.equal(mask(), noise)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        other = noise.to(dtype)
+        assert torch.equal(_lean._as_mask(other)(), other)
+    assert _lean._as_mask(torch.zeros(100, 64)) is None  # no positive value
+    three = noise.clone()
+    three[-1, -1] = 0.5  # a third value, after the cheap first check
+    assert _lean._as_mask(three) is None
+    negative_zero = noise.clone()
+    negative_zero[-1, -1] = -0.0
+    assert _lean._as_mask(negative_zero) is None
+    infinite = noise.clone()
+    infinite.fill_(float("inf"))
+    assert _lean._as_mask(infinite) is None
+
+
+def test_bad_option():
+    with pytest.raises(ValueError, match="lean_activations"):
+        RagModel(_bart(), n_docs=3, lean_activations="yes")
+
+
+def test_with_gradient_checkpointing():
+    """The checkpointed layers keep their own saved-tensor mechanism; the result is unchanged."""
+    gen = _bart()
+    gen.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain = RagModel(gen, n_docs=3, lm_head_loss="materialized", lean_activations=False)
+    lean = RagModel(gen, n_docs=3, lm_head_loss="materialized")
+    batch = _batch()
+    _assert_identical(_run(plain, batch, lean_context=False), _run(lean, batch, lean_context=False))
+
+
+def test_gated_product_is_recomputed():
+    """A SwiGLU feed-forward (Llama, Qwen2): the linear layer after ``act(gate) * up`` saves
+    the product by recipe, and the gradients stay identical."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    mlp = _qwen2().model.layers[0].mlp
+    assert isinstance(mlp, Qwen2MLP)
+    _lean.prepare(mlp)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    ref = mlp(x)
+    ref.sum().backward()
+    expected = [p.grad.clone() for p in mlp.parameters()] + [x.grad.clone()]
+    mlp.zero_grad()
+    x.grad = None
+    with _lean.lean_activations() as registry:
+        out = mlp(x)
+    # SiLU's output (saved by the product) and the product (saved by down_proj)
+    assert registry.recipes == 2
+    assert registry.bytes_saved == 2 * 3 * 5 * 64 * 4
+    out.sum().backward()
+    assert torch.equal(out, ref)
+    for a, b in zip(expected, [p.grad for p in mlp.parameters()] + [x.grad]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["bart", "qwen2"])
+def test_under_bf16_autocast(family):
+    """Recomputed in the backward under the forward's autocast setting (bf16 training), with
+    the backward itself outside autocast as usual."""
+    gen = GENERATORS[family]()
+    plain = RagModel(gen, n_docs=3, lm_head_loss="materialized", lean_activations=False)
+    lean = RagModel(gen, n_docs=3, lm_head_loss="materialized")
+    batch = _batch()
+    _assert_identical(_run(plain, batch, False, autocast=True),
+                      _run(lean, batch, False, autocast=True))
+
+
+def test_tensors_kept_as_they_are_keep_autograd_version_check():
+    """A tensor saved as it is and then modified in place still fails the backward, as it does
+    without the hooks (autograd leaves that check to whoever packs saved tensors)."""
+    w = torch.randn(5, requires_grad=True)
+    with _lean.lean_activations():
+        a = torch.randn(5, requires_grad=True) * 1.0
+        y = (a * w).sum()  # saves a and w
+    with torch.no_grad():
+        a.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
