@@ -91,7 +91,9 @@ def prepare(model: nn.Module) -> int:
         if not recomputable(module):
             continue
         if not getattr(module, "_rag_fast_lean", False):
-            module.register_forward_hook(_record_output)
+            # first of the module's hooks: a later hook that changes the output in place fails
+            # the version check, one that replaces it leaves the recorded output unused
+            module.register_forward_hook(_record_output, prepend=True)
             module._rag_fast_lean = True
         count += 1
     for module in model.modules():  # the linear layers that may take a gated product
@@ -107,6 +109,8 @@ def _record_output(module: nn.Module, args: tuple, output) -> None:
         return
     registry = getattr(_state, "registry", None)
     if registry is None or not isinstance(output, torch.Tensor) or len(args) != 1:
+        return
+    if nn.modules.module._global_forward_hooks:  # they run before ours and may change it
         return
     (x,) = args
     if not isinstance(x, torch.Tensor) or not output.requires_grad:
@@ -125,6 +129,12 @@ def _record_product(module: nn.Module, args: tuple) -> None:
     p = args[0]
     node = p.grad_fn
     if node is None or type(node).__name__ != "MulBackward0":
+        return
+    # Only while this registry packs what is saved: inside another hook context (a
+    # checkpointed layer's) reading the product's saved factors would run that context's
+    # unpack, e.g. recompute the layer during the forward.
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None or getattr(top[0], "__self__", None) is not registry:
         return
     registry.record_product(p, node)
 
@@ -189,16 +199,23 @@ class _Source:
 
 
 class _Saved:
-    """What is saved instead of a view of a :class:`_Source`'s output."""
+    """What is saved instead of a view of a :class:`_Source`'s output. If the saved tensor is
+    still alive and was modified in place since, the backward fails as autograd's own check
+    would make it fail."""
 
-    __slots__ = ("source", "size", "stride", "offset")
+    __slots__ = ("source", "size", "stride", "offset", "tensor", "version")
 
     def __init__(self, source, t):
         self.source, self.size, self.stride = source, t.size(), t.stride()
         self.offset = t.storage_offset()
+        self.tensor, self.version = weakref.ref(t), t._version
         source.pending += 1
 
     def __call__(self) -> torch.Tensor:
+        t = self.tensor()
+        if t is not None and t._version != self.version:
+            self.source.pending -= 1
+            _Kept.modified(t, self.version)
         return self.source.take().as_strided(self.size, self.stride, self.offset)
 
 
@@ -227,31 +244,38 @@ class _Kept:
 
     def __call__(self) -> torch.Tensor:
         if self.tensor._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a tensor of shape {list(self.tensor.shape)} is at version "
-                f"{self.tensor._version}; expected version {self.version} instead (rag_fast "
-                "lean activations: it was saved for the backward and changed since)")
+            self.modified(self.tensor, self.version)
         return self.tensor
+
+    @staticmethod
+    def modified(t: torch.Tensor, version: int):
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a tensor of shape {list(t.shape)} is at version {t._version}; "
+            f"expected version {version} instead (rag_fast lean activations: it was saved for "
+            "the backward and changed since)")
 
 
 class _Entry:
     """A recorded output: weak references to it and its input, and its recomputation once a
     saved tensor needs it (``source``)."""
 
-    __slots__ = ("out", "version", "module", "x", "autocast", "size", "stride", "source")
+    __slots__ = ("out", "version", "module", "x", "x_version", "autocast", "size", "stride",
+                 "source", "stale")
 
     def __init__(self, module, x, output):
         self.out, self.version = weakref.ref(output), output._version
-        self.module, self.x = module, weakref.ref(x)
+        self.module, self.x, self.x_version = module, weakref.ref(x), x._version
         self.autocast = _autocast_state(x.device.type)
         self.size, self.stride = output.size(), output.stride()
         self.source = None
+        self.stale = False  # the output was seen modified: never recompute it
 
     def get_source(self) -> _Source | None:
+        """The recomputation, if the input is alive and as it was when the module ran."""
         if self.source is None:
             x = self.x()
-            if x is None:
+            if self.stale or x is None or x._version != self.x_version:
                 return None
             self.source = _Source(self.module, x, self.autocast, self.size, self.stride)
         return self.source
@@ -267,11 +291,12 @@ class _Registry:
         # product's next_functions return
         self._by_node: dict[int, tuple] = {}
         self._products: dict[int, tuple] = {}  # address -> (product, version, source)
+        self._counted: set[int] = set()  # sources whose bytes are in bytes_saved
         # what was stored by recipe, and the bytes those tensors would have taken
         self.recipes = self.masks = self.bytes_saved = 0
 
     def record(self, module, x, output) -> None:
-        if not _owns_storage(output):
+        if not (_plain(output) and _plain(x) and _owns_storage(output)):
             return
         entry = _Entry(module, x, output)
         self._outputs[output.untyped_storage().data_ptr()] = entry
@@ -279,7 +304,7 @@ class _Registry:
             self._by_node[id(output.grad_fn)] = (output.grad_fn, entry)
 
     def record_product(self, p: torch.Tensor, node) -> None:
-        if not _owns_storage(p):
+        if not (_plain(p) and _owns_storage(p)):
             return
         operands = [operand for operand, _ in node.next_functions[:2]]
         if len(operands) != 2 or any(operand is None for operand in operands):
@@ -288,18 +313,23 @@ class _Registry:
             found = self._by_node.get(id(operand))
             if found is None or found[0] is not operand:
                 continue
-            # the factor is the recorded output as it was (an in-place change would have given
-            # it another grad_fn), which may be gone by now: its recomputation, from its input
-            act = found[1].get_source()
-            if act is None:
+            entry = found[1]
+            # The product's backward saved the factor through pack, which checked it against
+            # the recorded output's version and made its recomputation (entry.source); a factor
+            # modified in place before the product made the entry stale there instead. The
+            # factor itself may be gone by now.
+            if entry.stale or entry.source is None:
                 return
-            # the other factor, as the product's backward saved it
+            # the other factor, as the product's backward saved it, if pack kept it as it was:
+            # read only then (reading a factor stored otherwise would recompute it now)
+            other_node = operands[1 - side]
+            if id(other_node) in self._by_node:
+                return
             other = node._saved_other if side == 0 else node._saved_self
             if not isinstance(other, torch.Tensor) or other.dtype != p.dtype:
                 return
-            source = _Source(found[1].module, other, None, p.size(), p.stride(), act=act,
+            source = _Source(entry.module, other, None, p.size(), p.stride(), act=entry.source,
                              act_first=side == 0)
-            act.pending += 1  # the product's recomputation takes the factor once
             self._products[p.untyped_storage().data_ptr()] = (weakref.ref(p), p._version,
                                                               source)
             return
@@ -309,6 +339,7 @@ class _Registry:
         self._outputs.clear()
         self._by_node.clear()
         self._products.clear()
+        self._counted.clear()
 
     def _source(self, t: torch.Tensor) -> _Source | None:
         """The recomputation of ``t``'s storage, if ``t`` is a recorded output (or a view of
@@ -317,26 +348,31 @@ class _Registry:
         entry = self._outputs.get(ptr)
         if entry is not None:
             out = entry.out()
-            if (out is not None and t.dtype == out.dtype and t._version == entry.version
-                    and out._version == entry.version
-                    and out.untyped_storage().data_ptr() == ptr):
-                return entry.get_source()
+            if out is not None and out.untyped_storage().data_ptr() == ptr:
+                if t._version != entry.version or out._version != entry.version:
+                    entry.stale = True
+                elif t.dtype == out.dtype:
+                    return entry.get_source()
         product = self._products.get(ptr)
         if product is not None:
             p_ref, version, source = product
             p = p_ref()
             if (p is not None and t.dtype == p.dtype and t._version == version
                     and p._version == version and p.untyped_storage().data_ptr() == ptr):
+                if source.pending == 0 and source.cached is None:
+                    source.act.pending += 1  # its recomputation takes the factor once
                 return source
         return None
 
     def pack(self, t: torch.Tensor):
-        if t.layout != torch.strided or t.is_nested:
+        if not _plain(t):
             return _Kept(t)
         source = self._source(t)
         if source is not None:
             self.recipes += 1
-            self.bytes_saved += t.untyped_storage().nbytes()
+            if id(source) not in self._counted:
+                self._counted.add(id(source))
+                self.bytes_saved += t.untyped_storage().nbytes()
             return _Saved(source, t)
         if (t.device.type == "cpu" and t.grad_fn is None and not t.requires_grad
                 and t.dtype in _BITS and t.numel() >= MIN_MASK_ELEMENTS
@@ -351,6 +387,14 @@ class _Registry:
     @staticmethod
     def unpack(packed):
         return packed()
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor with real memory of its own: not a tensor subclass (wrapper subclasses
+    such as DTensor have no storage of their own), not nested, not on the meta device (whose
+    storages all share address 0)."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
+            and not t.is_nested and t.device.type != "meta")
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -396,9 +440,10 @@ def lean_activations(enabled: bool = True):
     """While active, tensors saved for the backward are stored by recipe where the module
     docstring allows it; yields the registry (its ``recipes``, ``masks`` and ``bytes_saved``
     count what was stored that way), or None when nothing is changed: ``enabled`` False,
-    gradients off, under ``torch.compile``, inside another ``saved_tensors_hooks`` context, or
-    already active. Only modules :func:`prepare` registered are recomputed."""
+    gradients off, under ``torch.compile`` or a ``torch.func`` transform, inside another
+    ``saved_tensors_hooks`` context, or already active. Only modules :func:`prepare` registered are recomputed."""
     if (not enabled or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or not torch._C._autograd._saved_tensors_hooks_is_enabled()  # torch.func
             or getattr(_state, "registry", None) is not None
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
         yield None
