@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from rag_fast import _ext
+from rag_fast.ops import _custom_ops
 
 # Activation modules whose output is recomputed: elementwise functions whose backward keeps the
 # input. ReLU, sigmoid and tanh keep their output instead, so a recipe would save nothing.
@@ -412,7 +413,7 @@ _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16:
 def _as_mask(t: torch.Tensor) -> _Mask | None:
     """``t`` as a :class:`_Mask` if the bits of every element are those of ``+0.0`` or of one
     positive finite value (compared as integers: exact, ``-0.0`` and NaN excluded). One pass in
-    the C++ extension (``bits_mask``); torch ops without it."""
+    the C++ extension (``rag_fast.ops._custom_ops.bits_mask``); torch ops without it."""
     head = t.reshape(-1)[:256]
     scale = head.amax()  # the positive value, if the first elements hold it
     if not bool(torch.isfinite(scale)) or not bool(scale > 0):
@@ -422,10 +423,9 @@ def _as_mask(t: torch.Tensor) -> _Mask | None:
     if not bool(((bits[:256] == 0) | (bits[:256] == scale_bits)).all()):
         return None  # most tensors that are no mask fail here, cheaply
     if _ext.available():
-        nonzero = torch.empty(t.shape, dtype=torch.bool)
         one = int(scale_bits) & ((1 << (8 * t.element_size())) - 1)  # the bits, unsigned
-        if not _ext.get().bits_mask(t.data_ptr(), t.element_size(), t.numel(), one,
-                                    nonzero.data_ptr()):
+        nonzero = _custom_ops.bits_mask(t, one)
+        if nonzero is None:
             return None
     else:
         nonzero = bits == scale_bits

@@ -213,3 +213,13 @@ def beam_step(
         scores.data_ptr(), beams.data_ptr(), tokens.data_ptr(),
     )
     return scores, beams, tokens
+
+
+def bits_mask(t: torch.Tensor, one: int) -> torch.Tensor | None:
+    """The bool mask ``t == one`` (elements compared as bits) if every element of ``t`` is 0 or
+    ``one``, else None. ``t``: contiguous, on the CPU, 2, 4 or 8 bytes per element; ``one``:
+    the unsigned bits."""
+    out = torch.empty(t.shape, dtype=torch.bool)
+    if not _ext.get().bits_mask(t.data_ptr(), t.element_size(), t.numel(), one, out.data_ptr()):
+        return None
+    return out

@@ -546,3 +546,22 @@ def _(logits, log_prior, beam_scores, bias, num_candidates, impl="auto"):
     return (logits.new_empty((B, n), dtype=torch.float32),
             logits.new_empty((B, n), dtype=torch.int64),
             logits.new_empty((B, n), dtype=torch.int64))
+
+
+# ---- bits_mask (a plain function: no autograd, no compiled graphs; lean activations) ----------
+
+
+def bits_mask(t: Tensor, one: int) -> Tensor | None:
+    """The bool mask of a CPU tensor whose elements all have the bits of 0 or of ``one`` (an
+    unsigned integer of the element's width), or None if some element has other bits; one pass
+    in the C++ extension. Raises ValueError for a tensor the kernel cannot read, and
+    ExtensionUnavailableError without the extension."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.element_size() not in (2, 4, 8):
+        raise ValueError(f"rag_fast bits_mask: needs a contiguous CPU tensor of 2, 4 or 8-byte "
+                         f"elements, got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}")
+    if not 0 <= one < 1 << (8 * t.element_size()):
+        raise ValueError(f"rag_fast bits_mask: one={one} does not fit {t.element_size()} bytes")
+    _ext.get()  # ExtensionUnavailableError, with the fix, if the extension is missing
+    from rag_fast.ops import _cpp
+
+    return _cpp.bits_mask(t, one)
