@@ -441,7 +441,8 @@ def lean_activations(enabled: bool = True):
     docstring allows it; yields the registry (its ``recipes``, ``masks`` and ``bytes_saved``
     count what was stored that way), or None when nothing is changed: ``enabled`` False,
     gradients off, under ``torch.compile`` or a ``torch.func`` transform, inside another
-    ``saved_tensors_hooks`` context, or already active. Only modules :func:`prepare` registered are recomputed."""
+    ``saved_tensors_hooks`` context, or already active. Only modules :func:`prepare`
+    registered are recomputed."""
     if (not enabled or not torch.is_grad_enabled() or torch.compiler.is_compiling()
             or not torch._C._autograd._saved_tensors_hooks_is_enabled()  # torch.func
             or getattr(_state, "registry", None) is not None

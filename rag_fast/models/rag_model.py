@@ -157,11 +157,11 @@ class RagModel(nn.Module):
             logits would take at least :data:`FUSED_LOGITS_BYTES` (1 GiB), else materialised.
             Under ``torch.compile`` the materialised path runs (traced without a graph break).
         lean_activations: store the generator's activation outputs, gated products (SwiGLU),
-            normalisation outputs and (on the CPU) dropout masks for the backward by recipe (recomputed from tensors the
-            backward keeps anyway, or one byte per mask element) instead of as tensors: the same
-            gradients bit for bit, about a third less activation memory for BART-family
-            generators, a few elementwise passes more in the backward (see
-            ``rag_fast/models/_lean.py``). Default True.
+            normalisation outputs and (on the CPU) dropout masks for the backward by recipe
+            (recomputed from tensors the backward keeps anyway, or one byte per mask element)
+            instead of as tensors: the same gradients bit for bit, about a third less
+            activation memory for BART-family generators, a few elementwise passes more in the
+            backward (see ``rag_fast/models/_lean.py``). Default True.
 
     Raises:
         ValueError: bad mode or n_docs, a generator RagModel cannot drive, or a generator
