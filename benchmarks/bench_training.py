@@ -22,7 +22,10 @@ of rag_fast's); only the loss path differs. Providers:
   vocabulary chunks), the fused loss writing their gradient in place.
   Both add the gradients of tied input embeddings into the LM head's ``[V, d]`` gradient in
   place, at the end of the backward pass. :func:`render` shows, per case, the path
-  ``RagModel``'s default (``"auto"``) takes there (:func:`default_path`) and the other one.
+  ``RagModel``'s default (``"auto"``) takes there (:func:`default_path`) and the other one;
+  in the rows (the table ``run.py`` prints) their ``LM-head path`` column names the path each
+  ran and marks the default's (materialised at every ``--quick`` shape: plain ``rag_fast`` is
+  the fused path, not what ``RagModel()`` runs there).
 
 Time: the providers' steps alternate (:func:`harness.measure_interleaved`), one warm-up step
 each, then at least 5 timed steps each; ratios ``speedup vs eager`` / ``speedup vs compiled``
@@ -292,12 +295,28 @@ def run(ctx: Context) -> list[Row]:
     return rows
 
 
+# the LM-head path each rag_fast provider runs (its ``lm_head_loss``)
+PATHS = {OURS: "fused", OURS_MATERIALISED: "materialized"}
+
+
+def path_label(case: str, provider: str) -> str | None:
+    """The ``LM-head path`` cell of a rag_fast row: the ``lm_head_loss`` it ran, marked when
+    it is the one ``RagModel``'s default (``"auto"``) takes at ``case``; None for a baseline."""
+    path = PATHS.get(provider)
+    if path is None:
+        return None
+    return path + (" (RagModel default)" if path == default_path(case) else "")
+
+
 def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: float | None,
           batch: int = B) -> list[Row]:
     rows = []
     base = measured[EAGER]
     for provider, m in measured.items():
         row = Row.of(NAME, case, provider, m, {"examples/s": batch / (m.median_ms / 1e3)})
+        label = path_label(case, provider)
+        if label is not None:
+            row.extra["LM-head path"] = label
         add_ratio(row, "speedup vs eager", base, m)
         if COMPILED in measured:
             add_ratio(row, "speedup vs compiled", measured[COMPILED], m)

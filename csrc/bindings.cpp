@@ -43,7 +43,7 @@ PYBIND11_MODULE(_C, m) {
          int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t lse,
          uintptr_t x_tgt, uintptr_t x_sum) {
         RowStatsArgs a{logits_view(x, dtype, B, K, T, V, sb, sk, st), ptr<const int64_t>(targets),
-                       ignore_index, ptr<float>(lse), ptr<float>(x_tgt), ptr<float>(x_sum)};
+                       ignore_index, ptr<double>(lse), ptr<float>(x_tgt), ptr<float>(x_sum)};
         py::gil_scoped_release release;
         kernels().row_stats(a);
       },
@@ -57,7 +57,7 @@ PYBIND11_MODULE(_C, m) {
         RowGradArgs a{logits_view(x, dtype, B, K, T, V, sb, sk, st),
                       ptr<const int64_t>(targets),
                       ignore_index,
-                      ptr<const float>(lse),
+                      ptr<const double>(lse),
                       ptr<const float>(c_p),
                       ptr<const float>(c_y),
                       ptr<const float>(c_1),
@@ -78,7 +78,7 @@ PYBIND11_MODULE(_C, m) {
                                     ptr<const int64_t>(targets),
                                     ignore_index,
                                     ptr<const float>(a),
-                                    ptr<float>(lse),
+                                    ptr<double>(lse),
                                     ptr<float>(x_tgt),
                                     ptr<float>(x_sum),
                                     ptr<float>(sum_m),
@@ -92,7 +92,7 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
          int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t sum_m, uintptr_t rho) {
         TokenSmoothStatsArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
-                                  ptr<const float>(a), ptr<const float>(lse), ptr<float>(sum_m),
+                                  ptr<const float>(a), ptr<const double>(lse), ptr<float>(sum_m),
                                   ptr<float>(rho)};
         py::gil_scoped_release release;
         kernels().token_smooth_stats(args);
@@ -108,7 +108,7 @@ PYBIND11_MODULE(_C, m) {
                                  ptr<const int64_t>(targets),
                                  ignore_index,
                                  ptr<const float>(a),
-                                 ptr<const float>(lse),
+                                 ptr<const double>(lse),
                                  ptr<const float>(c_p),
                                  ptr<const float>(c_y),
                                  ptr<const float>(c_1),
@@ -126,7 +126,7 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
          int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t marginal) {
         TokenMarginalArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
-                               ptr<const float>(a), ptr<const float>(lse),
+                               ptr<const float>(a), ptr<const double>(lse),
                                ptr<float>(marginal)};
         py::gil_scoped_release release;
         kernels().token_marginal(args);
@@ -140,7 +140,7 @@ PYBIND11_MODULE(_C, m) {
          int64_t ot) {
         TokenMarginalGradArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
                                    ptr<const float>(a),
-                                   ptr<const float>(lse),
+                                   ptr<const double>(lse),
                                    ptr<const float>(marginal),
                                    ptr<const float>(grad_marginal),
                                    ptr<float>(c),

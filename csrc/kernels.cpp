@@ -48,8 +48,34 @@ inline void prepare_out(const LogitsView& x, void* out, int64_t ob, int64_t ok, 
 // takes one for a while; chunks of at least ~16K elements keep its overhead negligible.
 inline int64_t row_chunk(int64_t V) { return V >= 16384 ? 1 : 16384 / (V > 0 ? V : 1); }
 
+// A row's log-sum-exp is kept in double (csrc/kernels.h): max + log(sum) with the log in double,
+// never rounded to fp32 at the size of the logits. The kernels that read it split it into two
+// floats, hi + lo: x - lse = (x - hi) - lo, whose first step is exact for the entries near the
+// top of the row (Sterbenz), so P = exp(x - lse) and 1 - P near P = 1 keep fp32's relative
+// precision instead of an error of up to 2^-24 |lse|.
+struct SplitLse {
+  float hi, lo;
+};
+// A row whose lse is not finite (all -inf, NaN) gets hi = 0 and lo = lse: the formulas then
+// give what they give with x - lse itself (P = 0 or NaN; a missing passage stays -inf).
+inline SplitLse split_lse(double lse) {
+  const float hi = static_cast<float>(lse);
+  if (!std::isfinite(hi)) return {0.f, hi};
+  return {hi, static_cast<float>(lse - static_cast<double>(hi))};
+}
+// a - lse for the posterior's exponent a + x - lse = (x - hi) + (a - lo): its second term as
+// one float (-inf for a missing passage).
+inline float shift_lo(float a, const SplitLse& l) {
+  return static_cast<float>(static_cast<double>(a) - static_cast<double>(l.lo));
+}
+// log(sum) for a row whose largest entry is m and whose sum of exp(x - m) is s, in double.
+inline double lse_of(float m, float s) {
+  return static_cast<double>(m) + std::log(static_cast<double>(s));
+}
+
 struct RowStat {
-  float lse, sum;
+  double lse;
+  float sum;
 };
 
 // One pass over a row: running (max, sum of exp) per lane, rescaled once per block.
@@ -90,15 +116,15 @@ RowStat row_lse_sum(const Elem* row, int64_t V) {
   }
   // Combine lanes and tail. A NaN anywhere makes the sum NaN, and then the lse too.
   const float tot = static_cast<float>(total + ts);
-  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
   float gm = ms;
   for (int i = 0; i < kLanes; ++i) gm = m[i] > gm ? m[i] : gm;
-  if (gm == kNegInf) return {tot != tot ? nan : kNegInf, tot};
+  if (gm == kNegInf) return {tot != tot ? nan : -std::numeric_limits<double>::infinity(), tot};
   float acc = ms == kNegInf ? 0.f : ss * std::exp(ms - gm);
   for (int i = 0; i < kLanes; ++i) {
     if (m[i] != kNegInf) acc += s[i] * std::exp(m[i] - gm);
   }
-  return {tot != tot ? nan : gm + std::log(acc), tot};
+  return {tot != tot ? nan : lse_of(gm, acc), tot};
 }
 
 template <typename Elem>
@@ -142,6 +168,16 @@ inline void store1(Elem* p, float v) {
   }
 }
 
+// Mask of lanes [0, n).
+inline vint lanes_below(int64_t n) {
+  vint idx;
+  for (int i = 0; i < kLanes; ++i) idx[i] = i;
+  return idx < static_cast<int32_t>(n);
+}
+
+// Lanes [0, n) of v; the others 0.
+inline vfloat first_lanes(vfloat v, int64_t n) { return lanes_below(n) ? v : vfloat{}; }
+
 template <typename Elem>
 void row_grad_impl(const RowGradArgs& a) {
   const LogitsView& x = a.x;
@@ -152,18 +188,21 @@ void row_grad_impl(const RowGradArgs& a) {
     const int64_t t = r % x.T, bk = r / x.T, k = bk % x.K, b = bk / x.K;
     const Elem* in = reinterpret_cast<const Elem*>(row_ptr(x, b, k, t));
     Elem* out = static_cast<Elem*>(a.out) + b * a.ob + k * a.ok + t * a.ot;
-    const float lse = a.lse[r], cp = a.c_p[r], c1 = a.c_1[r];
+    const SplitLse l = split_lse(a.lse[r]);
+    const float cp = a.c_p[r], c1 = a.c_1[r];
     const int64_t y = a.targets ? a.targets[b * x.T + t] : a.ignore_index;
     // The one-hot entry is read before the vector loop may overwrite it (out may alias x).
     const float x_y = y == a.ignore_index ? 0.f : load1(in + y);
-    const vfloat vlse = vsplat(lse), vcp = vsplat(cp), vc1 = vsplat(c1);
+    const vfloat vhi = vsplat(l.hi), vlo = vsplat(l.lo), vcp = vsplat(cp), vc1 = vsplat(c1);
     const int64_t vec_end = x.V - x.V % kLanes;
     for (int64_t i = 0; i < vec_end; i += kLanes) {
-      store(out + i, vcp * vexp_nonpos(load(in + i) - vlse) + vc1);
+      store(out + i, vcp * vexp_nonpos(load(in + i) - vhi - vlo) + vc1);
     }
-    for (int64_t i = vec_end; i < x.V; ++i) store1(out + i, cp * std::exp(load1(in + i) - lse) + c1);
+    for (int64_t i = vec_end; i < x.V; ++i) {
+      store1(out + i, cp * std::exp(load1(in + i) - l.hi - l.lo) + c1);
+    }
     if (y != a.ignore_index) {
-      store1(out + y, cp * std::exp(x_y - lse) + a.c_y[r] + c1);
+      store1(out + y, cp * std::exp(x_y - l.hi - l.lo) + a.c_y[r] + c1);
     }
   }
 }
@@ -198,37 +237,31 @@ inline void store_part(Elem* p, vfloat v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store1(p + i, v[i]);
 }
 
-// Mask of lanes [0, n).
-inline vint lanes_below(int64_t n) {
-  vint idx;
-  for (int i = 0; i < kLanes; ++i) idx[i] = i;
-  return idx < static_cast<int32_t>(n);
-}
-
-// Lanes [0, n) of v; the others 0.
-inline vfloat first_lanes(vfloat v, int64_t n) { return lanes_below(n) ? v : vfloat{}; }
 
 // One (b, t) pair: the K rows, their constants, and the scratch of one tile. For entries
 // v = start + j*kLanes + lane of the current tile:
 //   P[k][j] = exp(x_k - lse_k),  e[k][j] = R_k / inv[j],  M[j] = logsumexp_k (a_k + x_k - lse_k)
-// Lanes past the row's end read x = -inf: P = e = inv = 0 and M = -inf there.
+// Lanes past the row's end read x = -inf: P = e = inv = 0 and M = -inf there. x - lse is
+// (x - hi) - lo and a + x - lse is (x - hi) + shift (SplitLse, shift_lo).
 template <typename Elem>
 struct PairTile {
   int64_t K;
   std::vector<const Elem*> row;
-  std::vector<float> lse, shift, prior;  // shift = a - lse, prior = exp(a) (0: missing passage)
-  std::vector<vfloat> P, e;              // [K, kTileVecs]
-  std::vector<vfloat> s, inv, M;         // [kTileVecs]
+  std::vector<float> hi, lo, shift, prior;  // lse = hi + lo, shift = a - lo, prior = exp(a)
+  std::vector<vfloat> P, e;                 // [K, kTileVecs]
+  std::vector<vfloat> s, inv, M;            // [kTileVecs]
 
   explicit PairTile(int64_t K_)
-      : K(K_), row(K_), lse(K_), shift(K_), prior(K_), P(K_ * kTileVecs), e(K_ * kTileVecs),
-        s(kTileVecs), inv(kTileVecs), M(kTileVecs) {}
+      : K(K_), row(K_), hi(K_), lo(K_), shift(K_), prior(K_), P(K_ * kTileVecs),
+        e(K_ * kTileVecs), s(kTileVecs), inv(kTileVecs), M(kTileVecs) {}
 
-  void bind(const LogitsView& x, const float* a, const float* lse_all, int64_t b, int64_t t) {
+  void bind(const LogitsView& x, const float* a, const double* lse_all, int64_t b, int64_t t) {
     for (int64_t k = 0; k < K; ++k) {
       row[k] = reinterpret_cast<const Elem*>(row_ptr(x, b, k, t));
-      lse[k] = lse_all[(b * K + k) * x.T + t];
-      shift[k] = a[b * K + k] - lse[k];
+      const SplitLse l = split_lse(lse_all[(b * K + k) * x.T + t]);
+      hi[k] = l.hi;
+      lo[k] = l.lo;
+      shift[k] = shift_lo(a[b * K + k], l);
       prior[k] = std::exp(a[b * K + k]);
     }
   }
@@ -243,15 +276,15 @@ struct PairTile {
       const Elem* xr = row[k] + start;
       vfloat* Pk = &P[k * kTileVecs];
       vfloat* ek = &e[k * kTileVecs];
-      const vfloat l = vsplat(lse[k]), pr = vsplat(prior[k]);
+      const vfloat h = vsplat(hi[k]), l = vsplat(lo[k]), pr = vsplat(prior[k]);
       for (int64_t j = 0; j < full; ++j) {
         __builtin_prefetch(xr + j * kLanes + kTile);
-        Pk[j] = vexp_nonpos(load(xr + j * kLanes) - l);
+        Pk[j] = vexp_nonpos(load(xr + j * kLanes) - h - l);
         ek[j] = Pk[j] * pr;
         s[j] += ek[j];
       }
       if (rem) {
-        Pk[full] = vexp_nonpos(load_part(xr + full * kLanes, rem, kNegInf) - l);
+        Pk[full] = vexp_nonpos(load_part(xr + full * kLanes, rem, kNegInf) - h - l);
         ek[full] = Pk[full] * pr;
         s[full] += ek[full];
       }
@@ -266,13 +299,14 @@ struct PairTile {
     }
   }
 
-  // Vector j with e_k = exp(z_k - max_k z_k), z_k = x_k + shift_k (z = -inf for a missing
-  // passage, so e = 0 exactly); inv = 0 and M = -inf where every z is -inf.
+  // Vector j with e_k = exp(z_k - max_k z_k), z_k = (x_k - hi_k) + shift_k (z = -inf for a
+  // missing passage, so e = 0 exactly); inv = 0 and M = -inf where every z is -inf.
   void shifted(int64_t start, int64_t j, int64_t n) {
     vfloat mx = vsplat(kNegInf);
     for (int64_t k = 0; k < K; ++k) {
       const Elem* xv = row[k] + start + j * kLanes;
-      vfloat z = (n == kLanes ? load(xv) : load_part(xv, n, kNegInf)) + vsplat(shift[k]);
+      vfloat z = (n == kLanes ? load(xv) : load_part(xv, n, kNegInf)) - vsplat(hi[k]) +
+                 vsplat(shift[k]);
       e[k * kTileVecs + j] = z;
       mx = vmax(mx, z);
     }
@@ -289,12 +323,12 @@ struct PairTile {
 };
 
 // Scalar marginal at one vocabulary entry from its K logits xs[k]: returns M, fills r[k] = R.
-inline float marginal_at(const std::vector<float>& xs, const std::vector<float>& shift,
-                         std::vector<float>& r) {
+inline float marginal_at(const std::vector<float>& xs, const std::vector<float>& hi,
+                         const std::vector<float>& shift, std::vector<float>& r) {
   const int64_t K = static_cast<int64_t>(xs.size());
   float mx = kNegInf;
   for (int64_t k = 0; k < K; ++k) {
-    r[k] = xs[k] + shift[k];
+    r[k] = (xs[k] - hi[k]) + shift[k];
     mx = r[k] > mx ? r[k] : mx;
   }
   const float safe = mx == kNegInf ? 0.f : mx;
@@ -366,20 +400,22 @@ struct TokenForwardArgs {
   const int64_t* targets;
   int64_t ignore_index;
   const float* a;
-  float *lse, *x_tgt, *x_sum, *sum_m, *rho;
+  double* lse;
+  float *x_tgt, *x_sum, *sum_m, *rho;
 };
 
 // Vector j of the block at `start` from the K rows: e_k = exp(z_k - max_k z_k) with
-// z_k = x_k + shift_k (lanes past n read x = -inf). Returns M; inv = 1 / sum_k e_k (0 where
-// every z is -inf, M = -inf there). e must hold K vectors.
+// z_k = (x_k - hi_k) + shift_k (lanes past n read x = -inf). Returns M; inv = 1 / sum_k e_k (0
+// where every z is -inf, M = -inf there). e must hold K vectors.
 template <typename Elem>
-inline vfloat max_shifted_at(const std::vector<const Elem*>& rows, const float* shift,
-                             int64_t at, int64_t n, vfloat* e, vfloat& inv) {
+inline vfloat max_shifted_at(const std::vector<const Elem*>& rows, const float* hi,
+                             const float* shift, int64_t at, int64_t n, vfloat* e, vfloat& inv) {
   const int64_t K = static_cast<int64_t>(rows.size());
   vfloat mx = vsplat(kNegInf);
   for (int64_t k = 0; k < K; ++k) {
     const Elem* xv = rows[k] + at;
-    e[k] = (n == kLanes ? load(xv) : load_part(xv, n, kNegInf)) + vsplat(shift[k]);
+    e[k] = (n == kLanes ? load(xv) : load_part(xv, n, kNegInf)) - vsplat(hi[k]) +
+           vsplat(shift[k]);
     mx = vmax(mx, e[k]);
   }
   const vfloat safe = mx == vsplat(kNegInf) ? vfloat{} : mx;
@@ -454,8 +490,8 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
     auto block_max_of = [&](int64_t blk, int64_t k) -> float& {
       return buffer ? buffer[blocks * K * kBlock + k * blocks + blk] : block_max[k];
     };
-    std::vector<float> shift(K), w(K);
-    std::vector<double> rho(K);
+    std::vector<float> hi(K), shift(K), w(K);  // lse = hi + lo, shift = a - lo (SplitLse)
+    std::vector<double> rho(K), prior_shift(K), wd(K);  // a - lse, and + block max, in double
     std::vector<const Elem*> rows(K);
     std::vector<vfloat> slow(K), slow_rho(K), racc(K), wv(K);
     const bool want_rho = a.rho != nullptr;
@@ -486,10 +522,16 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
         // A NaN anywhere makes the sum NaN, and then lse (and everything after) too.
         const float tot = static_cast<float>(total);
         const int64_t r = (b * K + k) * T + t;
-        a.lse[r] = tot != tot ? tot : (m == kNegInf ? kNegInf : m + std::log(sum));
+        const double lse = tot != tot ? static_cast<double>(tot)
+                           : (m == kNegInf ? -std::numeric_limits<double>::infinity()
+                                           : lse_of(m, sum));
+        a.lse[r] = lse;
         a.x_sum[r] = tot;
         a.x_tgt[r] = y == a.ignore_index ? 0.f : load1(row + y);
-        shift[k] = a.a[b * K + k] - a.lse[r];
+        const SplitLse l = split_lse(lse);
+        hi[k] = l.hi;
+        shift[k] = shift_lo(a.a[b * K + k], l);
+        prior_shift[k] = static_cast<double>(a.a[b * K + k]) - lse;
         rho[k] = 0.0;
       }
       // Pass 2: the marginal from the buffer (or the block recomputed), block by block.
@@ -503,14 +545,15 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
             block_max[k] = exps_of_block(rows[k], blk, V, block_exps(blk, k), acc, vt);
           }
         }
-        // c_k = shift_k + block max; -inf (missing passage, empty block) gives weight 0.
-        float G = kNegInf;
+        // c_k = a_k - lse_k + block max, in double; -inf (missing passage, empty block) gives
+        // weight 0.
+        double G = -std::numeric_limits<double>::infinity();
         for (int64_t k = 0; k < K; ++k) {
-          w[k] = shift[k] + block_max_of(blk, k);
-          G = w[k] > G ? w[k] : G;
+          wd[k] = prior_shift[k] + static_cast<double>(block_max_of(blk, k));
+          G = wd[k] > G ? wd[k] : G;
         }
-        const float safe_g = G == kNegInf ? 0.f : G;
-        for (int64_t k = 0; k < K; ++k) w[k] = std::exp(w[k] - safe_g);
+        const double safe_g = std::isinf(G) && G < 0 ? 0.0 : G;
+        for (int64_t k = 0; k < K; ++k) w[k] = static_cast<float>(std::exp(wd[k] - safe_g));
         std::fill(slow_rho.begin(), slow_rho.end(), vfloat{});
         std::fill(racc.begin(), racc.end(), vfloat{});
         for (int64_t k = 0; k < K; ++k) wv[k] = vsplat(w[k]);
@@ -534,7 +577,8 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
           if (__builtin_expect(any_lane(sj < vsplat(0x1p-100f)), 0)) {
             vfloat inv;
             const vfloat Mj =
-                max_shifted_at(rows, shift.data(), start + j * kLanes, n, slow.data(), inv);
+                max_shifted_at(rows, hi.data(), shift.data(), start + j * kLanes, n, slow.data(),
+                               inv);
             slow_m += j < full ? Mj : first_lanes(Mj, rem);
             if (want_rho) {
               for (int64_t k = 0; k < K; ++k) slow_rho[k] += slow[k] * inv;
@@ -563,7 +607,7 @@ void token_smooth_forward_impl(const LogitsView& x, const TokenForwardArgs& a) {
         if (in_prod) log_acc += vlog(prod);
         int64_t ex_sum = 0;
         for (int i = 0; i < kLanes; ++i) ex_sum += ex_acc[i];
-        sum_m += static_cast<double>(safe_g) * static_cast<double>(fast_lanes) +
+        sum_m += safe_g * static_cast<double>(fast_lanes) +
                  0.69314718055994531 * static_cast<double>(ex_sum) + hsum(log_acc) +
                  hsum(slow_m) + hsum(nan_acc);
         if (!want_rho) continue;
@@ -627,11 +671,11 @@ void token_smooth_grad_impl(const TokenSmoothGradArgs& a) {
         }
       }
       if (y != a.ignore_index) {
-        marginal_at(x_y, p.shift, r_y);
+        marginal_at(x_y, p.hi, p.shift, r_y);
         for (int64_t k = 0; k < K; ++k) {
           const int64_t r = (b * K + k) * T + t;
           Elem* out = static_cast<Elem*>(a.out) + b * a.ob + k * a.ok + t * a.ot;
-          const float P = std::exp(x_y[k] - p.lse[k]);
+          const float P = std::exp(x_y[k] - p.hi[k] - p.lo[k]);
           store1(out + y, a.c_p[r] * P + a.c_y[r] + a.c_1[r] + cr * r_y[k]);
         }
       }
@@ -686,15 +730,15 @@ void token_marginal_grad_impl(const TokenMarginalGradArgs& a) {
         const int64_t full = len / kLanes, rem = len % kLanes;
         for (int64_t k = 0; k < K; ++k) {
           const Elem* xr = p.row[k] + start;
-          const vfloat sh = vsplat(p.shift[k]);
+          const vfloat h = vsplat(p.hi[k]), sh = vsplat(p.shift[k]);
           vfloat acc{};
           for (int64_t j = 0; j < full; ++j) {
             const int64_t i = start + j * kLanes;
-            acc += vexp_nonpos(load(xr + j * kLanes) + sh - vload(m + i)) * vload(g + i);
+            acc += vexp_nonpos(load(xr + j * kLanes) - h + sh - vload(m + i)) * vload(g + i);
           }
           if (rem) {
             const int64_t i = start + full * kLanes;
-            const vfloat z = load_part(xr + full * kLanes, rem, kNegInf) + sh;
+            const vfloat z = load_part(xr + full * kLanes, rem, kNegInf) - h + sh;
             acc += vexp_nonpos(z - load_part(m + i, rem, 0.f)) * load_part(g + i, rem, 0.f);
           }
           c[k] += hsum(acc);
@@ -705,17 +749,17 @@ void token_marginal_grad_impl(const TokenMarginalGradArgs& a) {
         a.c[(b * K + k) * T + t] = static_cast<float>(c[k]);
         Elem* out = static_cast<Elem*>(a.out) + b * a.ob + k * a.ok + t * a.ot;
         const vfloat ck = vsplat(static_cast<float>(c[k])), sh = vsplat(p.shift[k]);
-        const vfloat lse = vsplat(p.lse[k]);
+        const vfloat h = vsplat(p.hi[k]), l = vsplat(p.lo[k]);
         const int64_t vec_end = V - V % kLanes;
         for (int64_t i = 0; i < vec_end; i += kLanes) {
-          const vfloat xv = load(p.row[k] + i);
-          store(out + i, vexp_nonpos(xv + sh - vload(m + i)) * vload(g + i) - vexp_nonpos(xv - lse) * ck);
+          const vfloat xh = load(p.row[k] + i) - h;
+          store(out + i, vexp_nonpos(xh + sh - vload(m + i)) * vload(g + i) - vexp_nonpos(xh - l) * ck);
         }
         if (vec_end < V) {
           const int64_t n = V - vec_end;
-          const vfloat xv = load_part(p.row[k] + vec_end, n, kNegInf);
-          const vfloat R = vexp_nonpos(xv + sh - load_part(m + vec_end, n, 0.f));
-          store_part(out + vec_end, R * load_part(g + vec_end, n, 0.f) - vexp_nonpos(xv - lse) * ck, n);
+          const vfloat xh = load_part(p.row[k] + vec_end, n, kNegInf) - h;
+          const vfloat R = vexp_nonpos(xh + sh - load_part(m + vec_end, n, 0.f));
+          store_part(out + vec_end, R * load_part(g + vec_end, n, 0.f) - vexp_nonpos(xh - l) * ck, n);
         }
       }
     }

@@ -21,15 +21,18 @@ struct LogitsView {
 };
 
 // Per-row statistics, one read of the logits. Row r = (b*K + k)*T + t.
-//   lse[r]   = logsumexp_v x[b,k,t,v]
+//   lse[r]   = logsumexp_v x[b,k,t,v], in double: row max + log(sum of exp) without the fp32
+//              rounding of a number of the logits' size, so that x - lse (and softmax(x) near
+//              1, where the gradient is 1 - P) keeps fp32's relative precision
 //   x_tgt[r] = x[b,k,t,y[b,t]]   (0 where y[b,t] == ignore_index)
 //   x_sum[r] = sum_v x[b,k,t,v]
-// targets: int64 [B, T] contiguous, or null (then x_tgt is all 0). Outputs: float32 [B*K*T].
+// targets: int64 [B, T] contiguous, or null (then x_tgt is all 0). Outputs: [B*K*T], lse
+// float64, the others float32. Every kernel that takes lse takes it as float64 [B, K, T].
 struct RowStatsArgs {
   LogitsView x;
   const int64_t* targets;
   int64_t ignore_index;
-  float* lse;
+  double* lse;
   float* x_tgt;
   float* x_sum;
 };
@@ -41,7 +44,7 @@ struct RowGradArgs {
   LogitsView x;
   const int64_t* targets;  // may be null: no one-hot term
   int64_t ignore_index;
-  const float* lse;
+  const double* lse;
   const float* c_p;
   const float* c_y;
   const float* c_1;
@@ -51,7 +54,7 @@ struct RowGradArgs {
 
 // RAG-Token kernels hold the K rows of one (b, t) together, tile by tile over v. With the
 // passage log-prior a (float32 [B, K] contiguous, -inf for a missing passage) and lse from
-// row_stats (float32 [B, K, T] contiguous):
+// row_stats (float64 [B, K, T] contiguous):
 //   M[b,t,v]   = logsumexp_k (a[b,k] + x[b,k,t,v] - lse[b,k,t])     marginal log-probs
 //   R[b,k,t,v] = exp(a + x - lse - M)                               passage posterior
 //   P[b,k,t,v] = exp(x - lse)                                       token distribution
@@ -62,7 +65,7 @@ struct RowGradArgs {
 struct TokenSmoothStatsArgs {
   LogitsView x;
   const float* a;
-  const float* lse;
+  const double* lse;
   float* sum_m;
   float* rho;
 };
@@ -79,7 +82,7 @@ struct TokenSmoothForwardArgs {
   const int64_t* targets;
   int64_t ignore_index;
   const float* a;
-  float* lse;
+  double* lse;
   float* x_tgt;
   float* x_sum;
   float* sum_m;
@@ -92,7 +95,7 @@ struct TokenSmoothGradArgs {
   const int64_t* targets;  // int64 [B, T] contiguous, or null: no one-hot term
   int64_t ignore_index;
   const float* a;
-  const float* lse;
+  const double* lse;
   const float* c_p;
   const float* c_y;
   const float* c_1;
@@ -105,7 +108,7 @@ struct TokenSmoothGradArgs {
 struct TokenMarginalArgs {
   LogitsView x;
   const float* a;
-  const float* lse;
+  const double* lse;
   float* m;
 };
 
@@ -114,7 +117,7 @@ struct TokenMarginalArgs {
 struct TokenMarginalGradArgs {
   LogitsView x;
   const float* a;
-  const float* lse;
+  const double* lse;
   const float* m;
   const float* g;
   float* c;

@@ -170,3 +170,25 @@ def test_default_path_follows_the_logits_size(monkeypatch):
     assert bench_training.default_path(case) == "materialized"
     monkeypatch.setattr(rag_model, "FUSED_LOGITS_BYTES", 194 * 10**6)
     assert bench_training.default_path(case) == "fused"
+
+
+def test_quick_rows_name_the_lm_head_path_each_ran():
+    """Plain ``rag_fast`` runs the fused path; at the quick shapes ``RagModel``'s default takes
+    the materialised one: the rows (the table run.py prints) say which path is which."""
+    measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
+                "rag_fast": _m([500, 505, 495, 502, 498]),
+                "rag_fast materialised": _m([450, 455, 445, 452, 448])}
+    for case in ("small token B=4 K=5 L=64 T=16", "causal-small sequence B=2 K=5 L=64 T=16"):
+        assert bench_training.default_path(case) == "materialized"
+        rows = {r.provider: r for r in bench_training._rows(case, measured, {}, None)}
+        assert "LM-head path" not in rows["transformers"].extra
+        assert rows["rag_fast"].extra["LM-head path"] == "fused"
+        assert (rows["rag_fast materialised"].extra["LM-head path"]
+                == "materialized (RagModel default)")
+        table = harness.markdown_table(list(rows.values()))
+        assert "| LM-head path |" in table.splitlines()[0]
+        assert "| rag_fast | 500.000 |" in table and "| fused |" in table
+    # where the logits reach FUSED_LOGITS_BYTES the default is the fused path
+    case = "qwen2-0.5b-2l token B=2 K=5 L=64 T=1000"
+    assert bench_training.path_label(case, "rag_fast") == "fused (RagModel default)"
+    assert bench_training.path_label(case, "rag_fast materialised") == "materialized"

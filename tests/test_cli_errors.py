@@ -85,3 +85,47 @@ def test_generate_names_the_option_below_one(tmp_path, flag):
                                       flag, "0"])
     with pytest.raises(ValueError, match=f"^{flag} must be >= 1, got 0$"):
         generation_cli.run(args)
+
+
+def _train_config(tmp_path, model, index="kb") -> Path:
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"model": model, "index": index, "data": {"train": "qa.jsonl"},
+                                "train": {"output_dir": "run"}}))
+    return path
+
+
+@pytest.mark.parametrize("section,flag", [("model", "--model"), ("index", "--index")])
+def test_a_section_without_path_names_the_flag_that_gives_it(tmp_path, capsys, section, flag):
+    model, index = {"n_docs": 3}, "kb"
+    if section == "index":
+        model, index = "m", {"verify": False}
+    path = _train_config(tmp_path, model, index)
+    from rag_fast import cli
+
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rag-fast: error: {path}: {section}: ") and "Traceback" not in err, err
+    assert '"path"' in err and f"{flag} DIR" in err, err
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("lean_activations", "yes", "true or false"),
+    ("normalize_questions", 1, "true or false"),
+    ("n_docs", "3", "a positive integer"),
+    ("n_docs", True, "a positive integer"),
+    ("max_context_length", 0, "a positive integer"),
+    ("epsilon", "0.1", "a number"),
+    ("mode", "tokens", "one of token, sequence"),
+    ("lm_head_loss", "fast", "one of auto, fused, materialized"),
+    ("loss_impl", "cuda", "one of auto, cpp, triton, torch"),
+    ("question_pooling", "max", "one of auto, cls, mean"),
+])
+def test_a_wrongly_typed_model_option_names_the_file_and_key(tmp_path, capsys, key, value,
+                                                             expected):
+    from rag_fast import cli
+
+    path = _train_config(tmp_path, {"path": "no-model", key: value})
+    # refused when the config is read: the model directory (missing here) is never opened
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"rag-fast: error: {path}: model.{key}: expected {expected}, got {value!r}", err

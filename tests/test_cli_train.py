@@ -143,3 +143,20 @@ def test_train_under_torchrun_with_two_gloo_processes(setup, tmp_path):
     trained = RagModel.load(str(out))  # the output directory resolves to its model/
     before = RagModel.load(str(root / "model0"))
     assert not torch.equal(trained.generator.lm_head.weight, before.generator.lm_head.weight)
+
+
+def test_model_options_of_the_file_apply_when_model_comes_from_the_command_line(setup, tmp_path):
+    """A "model" section without "path" is valid with --model DIR: its options still apply
+    (the trained model records them); likewise an "index" section without "path" and --index."""
+    root, index_dir, data = setup
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({
+        "model": {"n_docs": 1, "lean_activations": False}, "index": {"verify": False},
+        "data": {"train": str(data)},
+        "train": {"max_steps": 1, "micro_batch_size": 2, "progress": False, "plot_file": None},
+    }))
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", str(config), "--model", str(root / "model0"),
+                     "--index", str(index_dir), "--output-dir", str(out), "--device", "cpu"]) == 0
+    options = RagModel.load(str(out / "model")).options()
+    assert options["n_docs"] == 1 and options["lean_activations"] is False

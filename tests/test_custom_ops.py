@@ -48,14 +48,14 @@ def _args(op: str, device: str = "cpu", requires_grad: bool = False) -> tuple:
 def _expected(op: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of the outputs (the docstring of rag_fast/ops/_custom_ops.py)."""
     f32, i64 = torch.float32, torch.int64
-    stats = ((B, K, T), f32)
+    stats, lse = ((B, K, T), f32), ((B, K, T), torch.float64)
     return {
-        "row_stats": [stats] * 3,
+        "row_stats": [lse, stats, stats],
         "row_grad": [],
-        "token_smooth_forward": [stats] * 3 + [((B, T), f32), stats],
+        "token_smooth_forward": [lse, stats, stats, ((B, T), f32), stats],
         "token_smooth_stats": [((B, T), f32), stats],
         "token_smooth_grad": [],
-        "token_marginal": [((B, T, V), f32), stats],
+        "token_marginal": [((B, T, V), f32), lse],
         "token_marginal_grad": [((B, K, T, V), f32), stats],
         "beam_step": [((B, N), f32), ((B, N), i64), ((B, N), i64)],
     }[op]

@@ -182,7 +182,9 @@ def test_rag_sequence_rescoring_on_cuda_tensors_runs_triton(triton_route):
     dec = _Decoder(cuda_like(logits))
     _, lse, xsum = rag_sequence._lm_row_stats(dec, None, "auto")
     assert [name for name, _ in triton_route] == ["row_stats"]
-    torch.testing.assert_close(_values(lse), torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-6)
+    assert _values(lse).dtype == torch.float64  # the fused row statistics' lse
+    torch.testing.assert_close(_values(lse), torch.logsumexp(logits.double(), -1), rtol=1e-6,
+                               atol=1e-6)
     torch.testing.assert_close(_values(xsum), logits.sum(-1), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="impl='cpp' needs CPU tensors, got logits on cuda:0"):
         rag_sequence._lm_row_stats(dec, None, "cpp")

@@ -109,6 +109,9 @@ def test_train_subcommand_config_errors(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text('{"model": {}, "train": {}}')
     args = _parser().parse_args(["train", "--config", str(cfg)])
+    with pytest.raises(ValueError, match=r'c.json: model: no "path": .* or pass --model DIR'):
+        args.func(args)
+    cfg.write_text('{"model": 3, "train": {}}')
     with pytest.raises(ValueError, match=r"c.json: model: expected a model directory"):
         args.func(args)
     cfg.write_text('{"model": "m", "train": {}}')

@@ -313,7 +313,8 @@ def _lm_row_stats(dec, hidden: torch.Tensor, impl: str):
 
     fp32 logits go through the fused row statistics (``torch.ops.rag_fast.row_stats``: C++ for
     CPU tensors, Triton for CUDA ones, as ``impl`` resolves); other dtypes and impl="torch"
-    through plain PyTorch."""
+    through plain PyTorch. The fused ``lse`` is float64 (a difference ``x - lse`` keeps float32's
+    relative precision); callers cast the differences they store."""
     logits = dec.logits(hidden)
     resolved = resolve_impl(impl, logits)
     if resolved != "torch" and logits.dtype == torch.float32:
@@ -381,9 +382,9 @@ def _sequence_loss(dec, cross, uniq: torch.Tensor, valid: torch.Tensor,
         at = ((inverse >= u0) & (inverse < u1)).nonzero(as_tuple=True)[0]
         local = inverse[at] - u0
         tgt = logits[local, :, y[at]] if at.numel() else lse[:0]  # [p, K]
-        lp[at] = tgt - lse[local]
+        lp[at] = (tgt - lse[local]).to(lp.dtype)
         if sv is not None:
-            sv[at] = xsum[local] - V * lse[local]
+            sv[at] = (xsum[local] - V * lse[local]).to(sv.dtype)
         del logits
 
     # Sum over positions per (b, k, n); t = 0 dropped under use_bos; prior added at t = 1.
@@ -455,7 +456,7 @@ def _pruned_log_likelihood(dec, hidden: torch.Tensor, b_idx: torch.Tensor,
             logits, lse, _ = _lm_row_stats(dec, h[r0:r0 + rows_per_chunk, None], impl)
             here = ((row >= r0) & (row < r0 + rows_per_chunk)).nonzero(as_tuple=True)[0]
             local = row[here] - r0
-            lp[here] = logits[local, 0, y[sel[p_at[here]]]] - lse[local, 0]
+            lp[here] = (logits[local, 0, y[sel[p_at[here]]]] - lse[local, 0]).to(lp.dtype)
             del logits
         slot = (pb[p_at] * N + pn[p_at]) * K + k_at
         S.view(-1).index_add_(0, slot, lp * weight[sel[p_at]])

@@ -10,6 +10,10 @@
 #   token_marginal       M = logsumexp_k (a + x - L)                 programs: (b, t) x splits
 #   token_marginal_grad  c = sum_v R g, then R g - P c               programs: (b, t) x splits
 # with P = exp(x - L) and R = exp(a + x - L - M) (token_marginal_grad: M from the forward).
+# L is float64 between the kernels (the row max plus the log of a sum, never rounded at the
+# logits' size); a kernel gets it as two float32 per row, L = hi + lo (_split_lse), and forms
+# x - L as (x - hi) - lo and a + x - L as (x - hi) + (a - lo), whose first step is exact near
+# the row's top: P near 1 keeps float32's relative precision in 1 - P.
 #
 # Trade-off: a program streams one vocabulary chunk of its row (or of the K rows of its (b, t))
 # through BLOCK_V-wide tiles with an online max/sum-of-exp, so the forward statistics cost one
@@ -78,20 +82,22 @@ def _load_target(y_ptr, b, t, T, V, ignore_index):
 
 
 @triton.jit
-def _tile_marginal(x_row0, sx_k, shift_row0, shift_sk, K, v_off, in_row,
+def _tile_marginal(x_row0, sx_k, hi_row0, shift_row0, shift_sk, K, v_off, in_row,
                    BLOCK_V: tl.constexpr):
-    """M [BLOCK_V] = logsumexp_k (shift_k + x_k) at the tile's columns, an online logsumexp over
-    the K passages. x_row0: the passage-0 row of the tile's (b, t); row k is at + k * sx_k, its
-    shift (a - L, -inf for a missing passage) at shift_row0 + k * shift_sk; v_off: the columns'
-    element offsets. M = -inf where every term is -inf; NaN in gives NaN out."""
+    """M [BLOCK_V] = logsumexp_k ((x_k - hi_k) + shift_k) at the tile's columns, an online
+    logsumexp over the K passages. x_row0: the passage-0 row of the tile's (b, t); row k is at
+    + k * sx_k, its hi and shift (a - lo, -inf for a missing passage: _hi_shift) at
+    hi_row0 / shift_row0 + k * shift_sk; v_off: the columns' element offsets. M = -inf where
+    every term is -inf; NaN in gives NaN out."""
     run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     run_sum = tl.zeros([BLOCK_V], tl.float32)
     x_row = x_row0  # advanced by a pointer increment, never by an int32 product k * sx_k
     for k in range(0, K):
         shift = tl.load(shift_row0 + k * shift_sk)
+        hi = tl.load(hi_row0 + k * shift_sk)
         x = tl.load(x_row + v_off, mask=in_row, other=float("-inf")).to(tl.float32)
         x_row += sx_k
-        z = shift + x
+        z = (x - hi) + shift
         new_max = tl.maximum(run_max, z)
         # All -inf so far: shift by 0 instead of -inf so that exp gives 0, not NaN.
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -146,8 +152,10 @@ def _row_stats_kernel(
         run_max = new_max
         x_acc += tl.where(in_row, x, 0.0)
     shift = tl.where(run_max == float("-inf"), 0.0, run_max)
-    # Partial results of this chunk, [rows, n_split]; the launcher combines the chunks.
-    tl.store(lse_ptr + row * n_split + split, shift + tl.log(run_sum))
+    # Partial results of this chunk, [rows, n_split]; the launcher combines the chunks. The
+    # lse in float64: the max plus the log of the sum, not rounded at the logits' size.
+    tl.store(lse_ptr + row * n_split + split,
+             shift.to(tl.float64) + tl.log(run_sum.to(tl.float64)))
     tl.store(sum_ptr + row * n_split + split, tl.sum(x_acc, axis=0))
     if split == 0:
         x_tgt = 0.0
@@ -161,7 +169,7 @@ def _row_stats_kernel(
 @_tuned("out_ptr")
 @triton.jit
 def _row_grad_kernel(
-    x_ptr, y_ptr, lse_ptr, cp_ptr, cy_ptr, c1_ptr, out_ptr,
+    x_ptr, y_ptr, hi_ptr, lo_ptr, cp_ptr, cy_ptr, c1_ptr, out_ptr,
     K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v, so_b, so_k, so_t, so_v, ignore_index,
     HAS_Y: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -172,7 +180,8 @@ def _row_grad_kernel(
     k = row // T % K
     x_row = x_ptr + b * sx_b + k * sx_k + t * sx_t
     out_row = out_ptr + b * so_b + k * so_k + t * so_t
-    lse = tl.load(lse_ptr + row)
+    l_hi = tl.load(hi_ptr + row)
+    l_lo = tl.load(lo_ptr + row)
     c_p = tl.load(cp_ptr + row)
     c_y = tl.load(cy_ptr + row)
     c_1 = tl.load(c1_ptr + row)
@@ -186,7 +195,7 @@ def _row_grad_kernel(
         in_row = v < hi
         # Read before write, tile by tile: `out` may be the logits' own storage.
         x = tl.load(x_row + v * sx_v, mask=in_row, other=0.0).to(tl.float32)
-        g = c_p * tl.exp(x - lse) + c_1
+        g = c_p * tl.exp((x - l_hi) - l_lo) + c_1
         g = tl.where(v == y, g + c_y, g)
         tl.store(out_row + v * so_v, g.to(out_ptr.dtype.element_ty), mask=in_row)
 
@@ -194,7 +203,7 @@ def _row_grad_kernel(
 @_tuned()
 @triton.jit
 def _token_smooth_stats_kernel(
-    x_ptr, shift_ptr, sum_m_ptr, rho_ptr,
+    x_ptr, hi_ptr, shift_ptr, sum_m_ptr, rho_ptr,
     K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -205,6 +214,7 @@ def _token_smooth_stats_kernel(
     b = pid // T
     x_row0 = x_ptr + b * sx_b + t * sx_t
     shift_row0 = shift_ptr + b * K * T + t  # shift [B, K, T]: row k at + k * T
+    hi_row0 = hi_ptr + b * K * T + t  # hi likewise
     ks = tl.arange(0, BLOCK_K)  # only indexes the K per-passage sums, never a tile
     lo, hi = _chunk(split, CHUNK, V)
     cols = tl.arange(0, BLOCK_V)
@@ -213,12 +223,13 @@ def _token_smooth_stats_kernel(
     for start in range(lo, hi, BLOCK_V):
         v = start + cols
         in_row = v < hi
-        m = _tile_marginal(x_row0, sx_k, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
+        m = _tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
         m_acc += tl.where(in_row, m, 0.0)
         x_row = x_row0
         for k in range(0, K):  # the tile's K rows again, from cache
-            x = tl.load(x_row + v * sx_v, mask=in_row, other=float("-inf"))
-            r = _posterior(tl.load(shift_row0 + k * T) + x.to(tl.float32), m)
+            x = tl.load(x_row + v * sx_v, mask=in_row, other=float("-inf")).to(tl.float32)
+            z = (x - tl.load(hi_row0 + k * T)) + tl.load(shift_row0 + k * T)
+            r = _posterior(z, m)
             rho = tl.where(ks == k, rho + tl.sum(r, axis=0), rho)
             x_row += sx_k
     # Partial results of this chunk: sum_m [B*T, n_split], rho [B*K*T, n_split].
@@ -230,7 +241,7 @@ def _token_smooth_stats_kernel(
 @_tuned("out_ptr")
 @triton.jit
 def _token_smooth_grad_kernel(
-    x_ptr, y_ptr, shift_ptr, lse_ptr, cp_ptr, cy_ptr, c1_ptr, cr_ptr, out_ptr,
+    x_ptr, y_ptr, hi_ptr, lo_ptr, shift_ptr, cp_ptr, cy_ptr, c1_ptr, cr_ptr, out_ptr,
     K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v, so_b, so_k, so_t, so_v, ignore_index,
     BLOCK_V: tl.constexpr,
 ):
@@ -241,6 +252,7 @@ def _token_smooth_grad_kernel(
     x_row0 = x_ptr + b * sx_b + t * sx_t
     out_row0 = out_ptr + b * so_b + t * so_t
     shift_row0 = shift_ptr + b * K * T + t
+    hi_row0 = hi_ptr + b * K * T + t
     c_r = tl.load(cr_ptr + pid)
     y = _load_target(y_ptr, b, t, T, V, ignore_index)
     lo, hi = _chunk(split, CHUNK, V)
@@ -250,13 +262,14 @@ def _token_smooth_grad_kernel(
         in_row = v < hi
         # The tile's K rows are all read (for M) before any of them is written: `out` may be
         # the logits' own storage.
-        m = _tile_marginal(x_row0, sx_k, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
+        m = _tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
         x_row, out_row = x_row0, out_row0
         for k in range(0, K):
             row = (b * K + k) * T + t
             x = tl.load(x_row + v * sx_v, mask=in_row, other=0.0).to(tl.float32)
-            r = _posterior(tl.load(shift_row0 + k * T) + x, m)
-            g = (tl.load(cp_ptr + row) * tl.exp(x - tl.load(lse_ptr + row))
+            xh = x - tl.load(hi_ptr + row)
+            r = _posterior(xh + tl.load(shift_ptr + row), m)
+            g = (tl.load(cp_ptr + row) * tl.exp(xh - tl.load(lo_ptr + row))
                  + tl.load(c1_ptr + row) + c_r * r)
             g = tl.where(v == y, g + tl.load(cy_ptr + row), g)
             tl.store(out_row + v * so_v, g.to(out_ptr.dtype.element_ty), mask=in_row)
@@ -267,7 +280,7 @@ def _token_smooth_grad_kernel(
 @_tuned()
 @triton.jit
 def _token_marginal_kernel(
-    x_ptr, shift_ptr, m_ptr,
+    x_ptr, hi_ptr, shift_ptr, m_ptr,
     K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v,
     BLOCK_V: tl.constexpr,
 ):
@@ -277,20 +290,21 @@ def _token_marginal_kernel(
     b = pid // T
     x_row0 = x_ptr + b * sx_b + t * sx_t
     shift_row0 = shift_ptr + b * K * T + t
+    hi_row0 = hi_ptr + b * K * T + t
     m_row = m_ptr + pid * V  # M is a fresh contiguous [B, T, V]
     lo, hi = _chunk(split, CHUNK, V)
     cols = tl.arange(0, BLOCK_V)
     for start in range(lo, hi, BLOCK_V):
         v = start + cols
         in_row = v < hi
-        m = _tile_marginal(x_row0, sx_k, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
+        m = _tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
         tl.store(m_row + v, m, mask=in_row)
 
 
 @_tuned("out_ptr")
 @triton.jit
 def _token_marginal_grad_kernel(
-    x_ptr, shift_ptr, lse_ptr, m_ptr, g_ptr, c_ptr, out_ptr,
+    x_ptr, hi_ptr, lo_ptr, shift_ptr, m_ptr, g_ptr, c_ptr, out_ptr,
     K, T, V, CHUNK, sx_b, sx_k, sx_t, sx_v, sm_b, sm_t, sg_b, sg_t, so_b, so_k, so_t, so_v,
     WRITE_GRAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -319,9 +333,10 @@ def _token_marginal_grad_kernel(
         for k in range(0, K):
             row = (b * K + k) * T + t
             x = tl.load(x_row + v * sx_v, mask=in_row, other=float("-inf")).to(tl.float32)
-            rg = _posterior(tl.load(shift_ptr + row) + x, m) * g
+            xh = x - tl.load(hi_ptr + row)
+            rg = _posterior(xh + tl.load(shift_ptr + row), m) * g
             if WRITE_GRAD:
-                grad = rg - tl.exp(x - tl.load(lse_ptr + row)) * tl.load(c_ptr + row)
+                grad = rg - tl.exp(xh - tl.load(lo_ptr + row)) * tl.load(c_ptr + row)
                 tl.store(out_row + v * so_v, grad.to(out_ptr.dtype.element_ty), mask=in_row)
             else:
                 c_acc = tl.where(ks == k, c_acc + tl.sum(rg, axis=0), c_acc)
@@ -374,9 +389,9 @@ def _launch(kernel, grid, *args, **meta) -> None:
         kernel[grid](*args, **meta)
 
 
-def _stats(x: torch.Tensor, *extra: int) -> torch.Tensor:
+def _stats(x: torch.Tensor, *extra: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     B, K, T, _ = x.shape
-    return torch.empty((B, K, T, *extra), dtype=torch.float32, device=x.device)
+    return torch.empty((B, K, T, *extra), dtype=dtype, device=x.device)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -384,9 +399,25 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-def _shift(a: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``a - lse`` ``[B, K, T]`` float32 contiguous: the log-weight of passage k's row."""
-    return (_f32(a)[:, :, None] - _f32(lse)).contiguous()
+def _split_lse(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lse`` (float64) as ``hi + lo``, two float32 tensors of its shape, contiguous. A row
+    whose lse is not finite gets ``hi = 0, lo = lse``: the kernels' formulas then give what
+    they give with ``x - lse`` itself."""
+    lse = lse.to(torch.float64)
+    hi = lse.to(torch.float32)
+    finite = torch.isfinite(hi)
+    lo = torch.where(finite, lse - hi.to(torch.float64), lse).to(torch.float32)
+    return torch.where(finite, hi, 0.0).contiguous(), lo.contiguous()
+
+
+def _hi_shift(a: torch.Tensor, lse: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hi, lo`` of ``lse [B, K, T]`` and ``shift = a - lo`` ``[B, K, T]`` (float32,
+    contiguous): passage k's log-weight ``a + x - lse`` is ``(x - hi) + shift``; -inf for a
+    missing passage (a = -inf)."""
+    hi, lo = _split_lse(lse)
+    shift = (a.to(torch.float64)[:, :, None] - lo.to(torch.float64)).to(torch.float32)
+    return hi, lo, shift.contiguous()
 
 
 def _x_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -396,7 +427,7 @@ def _x_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
 def row_stats(
     x: torch.Tensor, y: torch.Tensor | None, ignore_index: int, *, num_splits: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row ``lse``, ``x_tgt``, ``x_sum``, each ``[B, K, T]`` float32.
+    """Per-row ``lse`` (float64), ``x_tgt``, ``x_sum`` (float32), each ``[B, K, T]``.
 
     x: ``[B, K, T, V]`` logits; y: ``[B, T]`` integer targets or None (then x_tgt = 0).
     num_splits: vocabulary chunks per row (default: enough to fill the device).
@@ -404,9 +435,10 @@ def row_stats(
     B, K, T, V = x.shape
     x_tgt = _stats(x)
     if x_tgt.numel() == 0 or V == 0:
-        return _stats(x).fill_(float("-inf")), x_tgt.zero_(), _stats(x).zero_()
+        lse = _stats(x, dtype=torch.float64).fill_(float("-inf"))
+        return lse, x_tgt.zero_(), _stats(x).zero_()
     grid, chunk = _grid(B * K * T, V, x.device, num_splits)
-    lse_part, sum_part = _stats(x, grid[1]), _stats(x, grid[1])
+    lse_part, sum_part = _stats(x, grid[1], dtype=torch.float64), _stats(x, grid[1])
     y_arg = x if y is None else y.contiguous()  # x: an unread placeholder when HAS_Y is off
     _launch(_row_stats_kernel, grid, x, y_arg, lse_part, x_tgt, sum_part,
             K, T, V, chunk, *_x_strides(x), ignore_index, HAS_Y=y is not None)
@@ -436,7 +468,8 @@ def row_grad(
         return out
     grid, chunk = _grid(B * K * T, V, x.device, num_splits)
     y_arg = x if y is None else y.contiguous()
-    _launch(_row_grad_kernel, grid, x, y_arg, _f32(lse), _f32(c_p), _f32(c_y), _f32(c_1), out,
+    hi, lo = _split_lse(lse)
+    _launch(_row_grad_kernel, grid, x, y_arg, hi, lo, _f32(c_p), _f32(c_y), _f32(c_1), out,
             K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index,
             HAS_Y=y is not None)
     return out
@@ -476,7 +509,8 @@ def token_smooth_stats(
     grid, chunk = _grid(B * T, V, x.device, num_splits)
     sum_m = torch.empty((B, T, grid[1]), dtype=torch.float32, device=x.device)
     rho = _stats(x, grid[1])
-    _launch(_token_smooth_stats_kernel, grid, x, _shift(a, lse), sum_m, rho,
+    hi, _, shift = _hi_shift(a, lse)
+    _launch(_token_smooth_stats_kernel, grid, x, hi, shift, sum_m, rho,
             K, T, V, chunk, *_x_strides(x), BLOCK_K=triton.next_power_of_2(K))
     return sum_m.sum(-1), rho.sum(-1)
 
@@ -504,8 +538,8 @@ def token_smooth_grad(
     if B * T == 0 or V == 0:
         return out
     grid, chunk = _grid(B * T, V, x.device, num_splits)
-    _launch(_token_smooth_grad_kernel, grid, x, y.contiguous(), _shift(a, lse), _f32(lse),
-            _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r), out,
+    hi, lo, shift = _hi_shift(a, lse)
+    _launch(_token_smooth_grad_kernel, grid, x, y.contiguous(), hi, lo, shift, _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r), out,
             K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index)
     return out
 
@@ -522,7 +556,8 @@ def token_marginal(
     if marginal.numel() == 0:
         return marginal
     grid, chunk = _grid(B * T, V, x.device, num_splits)
-    _launch(_token_marginal_kernel, grid, x, _shift(a, lse), marginal,
+    hi, _, shift = _hi_shift(a, lse)
+    _launch(_token_marginal_kernel, grid, x, hi, shift, marginal,
             K, T, V, chunk, *_x_strides(x))
     return marginal
 
@@ -549,13 +584,13 @@ def token_marginal_grad(
         return _stats(x).zero_()
     m, g = (t.float() if t.stride(-1) == 1 else t.float().contiguous() for t in (m, g_m))
     grid, chunk = _grid(B * T, V, x.device, num_splits)
-    shift, lse32 = _shift(a, lse), _f32(lse)
+    hi, lo, shift = _hi_shift(a, lse)
     c_part = _stats(x, grid[1])
     args = (K, T, V, chunk, *_x_strides(x), m.stride(0), m.stride(1), g.stride(0), g.stride(1))
     block_k = triton.next_power_of_2(K)
-    _launch(_token_marginal_grad_kernel, grid, x, shift, lse32, m, g, c_part, out, *args,
+    _launch(_token_marginal_grad_kernel, grid, x, hi, lo, shift, m, g, c_part, out, *args,
             *_x_strides(out), WRITE_GRAD=False, BLOCK_K=block_k)
     c = c_part.sum(-1)
-    _launch(_token_marginal_grad_kernel, grid, x, shift, lse32, m, g, c, out, *args,
+    _launch(_token_marginal_grad_kernel, grid, x, hi, lo, shift, m, g, c, out, *args,
             *_x_strides(out), WRITE_GRAD=True, BLOCK_K=block_k)
     return c

@@ -1,13 +1,15 @@
 """Launchers for the C++ CPU kernels (csrc/). Also the contract every backend follows.
 
 Every launcher takes logits ``x`` as a ``[B, K, T, V]`` view whose last dimension is contiguous
-(the op layer copies otherwise), validated by the op layer. Statistics are float32; gradients
+(the op layer copies otherwise), validated by the op layer. Statistics are float32 except
+``lse``, which is float64 wherever it goes in or out (see ``row_stats``); gradients
 are written once, in the logits' dtype, into ``out`` (which may be ``x`` itself for
 ``inplace_grad``). Nothing here allocates a ``[B, K, T, V]`` temporary.
 
     row_stats(x, y, ignore_index)        -> lse, x_tgt, x_sum       each [B, K, T]
-        lse = logsumexp_v x, x_tgt = x[..., y] (0 where y is ignored or y is None),
-        x_sum = sum_v x.
+        lse = logsumexp_v x (float64: the row max plus the log of the sum of exps, so that
+        x - lse keeps float32's relative precision where softmax(x) is near 1),
+        x_tgt = x[..., y] (0 where y is ignored or y is None), x_sum = sum_v x.
     row_grad(x, y, ignore_index, lse, c_p, c_y, c_1, out)
         out = c_p * exp(x - lse) + c_y * onehot(y) + c_1                (c_*: [B, K, T])
     token_smooth_forward(x, y, ignore_index, a, need_rho=True) -> lse, x_tgt, x_sum, sum_m, rho
@@ -47,14 +49,23 @@ def _view_args(x: torch.Tensor) -> tuple[int, ...]:
     return (x.data_ptr(), _DTYPE_CODE[x.dtype], B, K, T, V, x.stride(0), x.stride(1), x.stride(2))
 
 
+def _lse_like(x: torch.Tensor) -> torch.Tensor:
+    B, K, T, _ = x.shape
+    return torch.empty((B, K, T), dtype=torch.float64, device=x.device)
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64).contiguous()
 
 
 def row_stats(
     x: torch.Tensor, y: torch.Tensor | None, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lse, x_tgt, x_sum = _stats_like(x), _stats_like(x), _stats_like(x)
+    lse, x_tgt, x_sum = _lse_like(x), _stats_like(x), _stats_like(x)
     y_keep = None if y is None else y.contiguous()  # alive for the whole call
     y_ptr = 0 if y_keep is None else y_keep.data_ptr()
     _ext.get().row_stats(
@@ -74,7 +85,7 @@ def row_grad(
     out: torch.Tensor,
 ) -> torch.Tensor:
     y_keep = None if y is None else y.contiguous()
-    lse, c_p, c_y, c_1 = _f32(lse), _f32(c_p), _f32(c_y), _f32(c_1)
+    lse, c_p, c_y, c_1 = _f64(lse), _f32(c_p), _f32(c_y), _f32(c_1)
     _ext.get().row_grad(
         *_view_args(x),
         0 if y_keep is None else y_keep.data_ptr(),
@@ -103,7 +114,7 @@ def token_smooth_forward(
     a: torch.Tensor,
     need_rho: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    lse, x_tgt, x_sum = _stats_like(x), _stats_like(x), _stats_like(x)
+    lse, x_tgt, x_sum = _lse_like(x), _stats_like(x), _stats_like(x)
     rho = _stats_like(x) if need_rho else None
     sum_m = _pair_stats_like(x)
     y_keep = None if y is None else y.contiguous()
@@ -125,7 +136,7 @@ def token_smooth_forward(
 def token_smooth_stats(
     x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    a, lse = _f32(a), _f32(lse)
+    a, lse = _f32(a), _f64(lse)
     sum_m, rho = _pair_stats_like(x), _stats_like(x)
     _ext.get().token_smooth_stats(
         *_view_args(x), a.data_ptr(), lse.data_ptr(), sum_m.data_ptr(), rho.data_ptr()
@@ -146,7 +157,7 @@ def token_smooth_grad(
     out: torch.Tensor,
 ) -> torch.Tensor:
     y_keep = None if y is None else y.contiguous()
-    a, lse, c_p, c_y, c_1, c_r = _f32(a), _f32(lse), _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r)
+    a, lse, c_p, c_y, c_1, c_r = _f32(a), _f64(lse), _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r)
     _ext.get().token_smooth_grad(
         *_view_args(x),
         0 if y_keep is None else y_keep.data_ptr(),
@@ -167,7 +178,7 @@ def token_smooth_grad(
 
 def token_marginal(x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     B, _, T, V = x.shape
-    a, lse = _f32(a), _f32(lse)
+    a, lse = _f32(a), _f64(lse)
     marginal = torch.empty((B, T, V), dtype=torch.float32, device=x.device)
     _ext.get().token_marginal(*_view_args(x), a.data_ptr(), lse.data_ptr(), marginal.data_ptr())
     return marginal
@@ -181,7 +192,7 @@ def token_marginal_grad(
     g_m: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    a, lse, m, g_m = _f32(a), _f32(lse), _f32(m), _f32(g_m)
+    a, lse, m, g_m = _f32(a), _f64(lse), _f32(m), _f32(g_m)
     c = _stats_like(x)
     _ext.get().token_marginal_grad(
         *_view_args(x),

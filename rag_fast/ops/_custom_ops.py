@@ -19,7 +19,9 @@
 
 What each computes is the launcher contract of ``rag_fast/ops/_cpp.py`` (logits
 ``[B, K, T, V]``; beam_step: ``[B, W, K, V]``, see ``rag_token_beam_step.py``); statistics are
-float32, gradients have the logits' dtype.
+float32 except the rows' log-sum-exp ``lse``, float64 (so that ``x - lse`` keeps float32's
+relative precision where a softmax entry is near 1: docs/design.md, "Precision"); gradients
+have the logits' dtype.
 
 Which implementation runs is decided by the dispatcher from the tensors' device, then by
 ``impl``: CPU tensors run the C++ extension (``impl="auto"`` or ``"cpp"``) or the Triton
@@ -181,6 +183,11 @@ def _stats(logits: Tensor) -> Tensor:
     return logits.new_empty((B, K, T), dtype=torch.float32)
 
 
+def _lse(logits: Tensor) -> Tensor:
+    B, K, T, _ = logits.shape
+    return logits.new_empty((B, K, T), dtype=torch.float64)
+
+
 def _pair(logits: Tensor) -> Tensor:
     B, _, T, _ = logits.shape
     return logits.new_empty((B, T), dtype=torch.float32)
@@ -254,7 +261,7 @@ def row_stats(logits: Tensor, targets: Tensor | None, ignore_index: int, impl: s
 @row_stats.register_fake
 def _(logits, targets, ignore_index, impl="auto", inplace_grad=False):
     _check_row_stats(logits, targets, impl, inplace_grad)
-    return _stats(logits), _stats(logits), _stats(logits)
+    return _lse(logits), _stats(logits), _stats(logits)
 
 
 def _row_stats_setup(ctx, inputs, output) -> None:
@@ -337,7 +344,7 @@ def token_smooth_forward(logits: Tensor, targets: Tensor, ignore_index: int, log
 def _(logits, targets, ignore_index, log_prior, need_rho, impl="auto", inplace_grad=False):
     _check_token_smooth_forward(logits, targets, log_prior, impl, inplace_grad)
     rho = _stats(logits) if need_rho else logits.new_empty(0, dtype=torch.float32)
-    return _stats(logits), _stats(logits), _stats(logits), _pair(logits), rho
+    return _lse(logits), _stats(logits), _stats(logits), _pair(logits), rho
 
 
 def _token_smooth_setup(ctx, inputs, output) -> None:
@@ -454,7 +461,7 @@ def token_marginal(logits: Tensor, log_prior: Tensor, impl: str = "auto") -> tup
 def _(logits, log_prior, impl="auto"):
     _check_token_marginal(logits, log_prior, impl)
     B, _, T, V = logits.shape
-    return logits.new_empty((B, T, V), dtype=torch.float32), _stats(logits)
+    return logits.new_empty((B, T, V), dtype=torch.float32), _lse(logits)
 
 
 def _token_marginal_setup(ctx, inputs, output) -> None:

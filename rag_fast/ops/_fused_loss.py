@@ -46,4 +46,6 @@ def fused_rag_loss(
     else:
         lse, x_tgt, x_sum = torch.ops.rag_fast.row_stats(x, y, ignore, p.impl, inplace_grad)
         sum_m = None
-    return small_graph(lse, x_tgt, x_sum, sum_m, a)
+    # lse is float64 (the row max plus the log of a sum, never rounded at the logits' size):
+    # the small graph runs in float64 on its O(B*K*T) scalars; the loss is float32.
+    return small_graph(lse, x_tgt, x_sum, sum_m, a).to(torch.float32)

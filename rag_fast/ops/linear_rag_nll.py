@@ -146,7 +146,8 @@ class _LinearRagLoss(torch.autograd.Function):
         smooth_token = mode == "token" and epsilon > 0
         need_sum = mode == "sequence" and epsilon > 0
         y_rows = targets[:, None, :].expand(B, K, T).reshape(N)
-        lse = torch.full((N,), float("-inf"), dtype=torch.float32, device=h2.device)
+        # float64, as row_stats gives each tile's (see rag_fast/ops/_custom_ops.py)
+        lse = torch.full((N,), float("-inf"), dtype=torch.float64, device=h2.device)
         x_tgt = torch.zeros(N, dtype=torch.float32, device=h2.device)
         x_sum = torch.zeros(N, dtype=torch.float32, device=h2.device) if need_sum else None
         tiles = _Tiles(h2, weight, bias, width)
@@ -173,7 +174,7 @@ class _LinearRagLoss(torch.autograd.Function):
                 rho += part_rho
         graph = _small_graph(mode, mask, nll_mask, epsilon, V, reduction)
         loss = graph(lse3, x_tgt.view(B, K, T), None if x_sum is None else x_sum.view(B, K, T),
-                     sum_m, a)
+                     sum_m, a).to(torch.float32)
         if needs_grad:
             ctx.save_for_backward(h2, weight, bias, a, targets, mask, nll_mask, lse3,
                                   x_tgt.view(B, K, T),
@@ -196,6 +197,7 @@ class _LinearRagLoss(torch.autograd.Function):
                  for t in (lse, x_tgt, x_sum, sum_m, a)]
         with torch.enable_grad():
             loss = _small_graph(mode, mask, nll_mask, epsilon, V, reduction)(*stats)
+            loss = loss.to(torch.float32)
             wanted = [t for t in stats if t is not None]
             grads = torch.autograd.grad(loss, wanted, g_loss, allow_unused=True,
                                         materialize_grads=True)

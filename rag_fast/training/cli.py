@@ -5,8 +5,10 @@ The config file (paths in it are relative to the file's own folder)::
     {
       "model": "model0",                    a model directory (`rag-fast init`), or
                                             {"path": DIR, <RagModel option>: value, ...}
+                                            ("path" may be left out when --model gives it)
       "index": "kb",                        an index directory (default: the model's own), or
-                                            {"path": DIR, "verify": bool}, or a sharded index:
+                                            {"path": DIR, "verify": bool} ("path" may be left
+                                            out when --index gives it), or a sharded index:
                                             {"path": "kb.staging", "sharded": true,
                                              "preset": "exact", "cache": false} (the staging
                                             directory that `rag-fast index build --shard i/n`
@@ -20,7 +22,8 @@ The config file (paths in it are relative to the file's own folder)::
     }
 
 ``--model``, ``--index``, ``--output-dir`` and ``--device`` on the command line replace the
-config's (relative to the current folder). The run writes into ``output_dir``: the resumable
+config's (relative to the current folder); the other options of the file's ``model`` and
+``index`` sections still apply. The run writes into ``output_dir``: the resumable
 ``checkpoint-last.pt`` (verified on resume), ``metrics.jsonl`` (loss, learning rate and speed
 per logged step, eval metrics), ``training.png`` (their plot) and, at the end, the trained
 model directory ``model/`` (which ``rag-fast eval`` and ``generate`` take). With
@@ -38,9 +41,10 @@ import os
 import time
 
 TOP_LEVEL = {
-    "model": "model directory (str) or {'path': DIR, RagModel options...}",
+    "model": "model directory (str) or {'path': DIR, RagModel options...} ('path' optional "
+             "with --model)",
     "index": "index directory (str) or {'path': DIR, 'verify': bool, 'sharded': bool, "
-             "'preset': str, 'cache': bool}",
+             "'preset': str, 'cache': bool} ('path' optional with --index)",
     "data": "{'train': FILE, 'eval': FILE}",
     "train": "TrainConfig fields (object)",
     "resume": "true / false",
@@ -48,6 +52,8 @@ TOP_LEVEL = {
 MODEL_OPTIONS = ("n_docs", "epsilon", "mode", "exclude_bos", "max_context_length",
                  "max_question_length", "loss_impl", "lm_head_loss", "question_pooling",
                  "normalize_questions", "lean_activations")
+# where a section's "path" can come from instead
+_FLAGS = {"model": "--model", "index": "--index"}
 
 
 def _fail(path: str, key: str, expected: str, got=None) -> ValueError:
@@ -59,29 +65,85 @@ def _relative(base: str, value: str) -> str:
     return value if os.path.isabs(value) else os.path.normpath(os.path.join(base, value))
 
 
-def _directory_section(value, key: str, allowed: tuple, expected: str, path: str, base: str):
+def _directory_section(value, key: str, allowed: tuple, expected: str, path: str, base: str,
+                       given: str | None = None):
     """``"DIR"`` or ``{"path": DIR, option: value}`` -> the dict form with ``path`` made relative
-    to the config's folder; None stays None."""
+    to the config's folder; None stays None.
+
+    ``given``: the directory the command line names (``--model`` / ``--index``, relative to the
+    current folder). It replaces the file's ``path``, which the section may then leave out; the
+    section's other options still apply.
+    """
     if isinstance(value, str):
         value = {"path": value}
     if value is None:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("path"), str):
+        return None if given is None else {"path": given}
+    if not isinstance(value, dict):
         raise _fail(path, key, expected, value)
     bad = sorted(set(value) - set(allowed))
     if bad:
         raise ValueError(f"{path}: {key}.{bad[0]}: unknown option (expected one of "
                          f"{', '.join(allowed)})")
+    if given is not None:
+        return {**value, "path": given}
+    if "path" not in value:
+        raise ValueError(f"{path}: {key}: no \"path\": set it in the file (the {key} directory) "
+                         f"or pass {_FLAGS[key]} DIR")
+    if not isinstance(value["path"], str):
+        raise _fail(path, f"{key}.path", f"a {key} directory (a string)", value["path"])
     return {**value, "path": _relative(base, value["path"])}
 
 
-def load_config(path: str) -> dict:
+def _model_option_checks() -> dict:
+    """RagModel option -> (check, what is expected), for the config's ``model`` section."""
+    from rag_fast._validation import IMPLS
+    from rag_fast.models.rag_model import LM_HEAD_LOSSES, MODES, POOLINGS
+
+    def flag(v):
+        return isinstance(v, bool)
+
+    def positive(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def choice(values):
+        return (lambda v: isinstance(v, str) and v in values), "one of " + ", ".join(values)
+
+    return {
+        "n_docs": (positive, "a positive integer"), "epsilon": (number, "a number"),
+        "mode": choice(MODES), "exclude_bos": (flag, "true or false"),
+        "max_context_length": (positive, "a positive integer"),
+        "max_question_length": (positive, "a positive integer"), "loss_impl": choice(IMPLS),
+        "lm_head_loss": choice(LM_HEAD_LOSSES), "question_pooling": choice(POOLINGS),
+        "normalize_questions": (flag, "true or false"),
+        "lean_activations": (flag, "true or false"),
+    }
+
+
+def _check_model_options(model: dict | None, path: str) -> None:
+    """Every RagModel option of the ``model`` section has a value RagModel takes; else a
+    ValueError names the file and ``model.KEY`` (before any model is loaded)."""
+    checks = _model_option_checks()
+    for key, value in (model or {}).items():
+        if key in checks:
+            ok, expected = checks[key]
+            if not ok(value):
+                raise _fail(path, f"model.{key}", expected, value)
+
+
+def load_config(path: str, model: str | None = None, index: str | None = None) -> dict:
     """Read and check a training config; paths become relative to the current folder.
+
+    ``model`` / ``index``: the directories ``--model`` / ``--index`` name (relative to the current
+    folder); they replace the file's ``path`` of that section, which may then leave it out.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: invalid JSON (with its line), an unknown key or a value of the wrong type
-            (named as ``FILE: section.key: expected ...``).
+        ValueError: invalid JSON (with its line), an unknown key, a value of the wrong type
+            (named as ``FILE: section.key: expected ...``; RagModel options included), or a
+            ``model`` / ``index`` section without ``"path"`` that the command line does not give.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
@@ -101,11 +163,14 @@ def load_config(path: str) -> dict:
         raise _fail(path, "resume", "true or false", out["resume"])
 
     out["model"] = _directory_section(config.get("model"), "model", ("path", *MODEL_OPTIONS),
-                                      "a model directory or {'path': DIR, ...}", path, base)
+                                      "a model directory or {'path': DIR, ...}", path, base,
+                                      given=model)
+    _check_model_options(out["model"], path)
     out["index"] = _directory_section(config.get("index"), "index",
                                       ("path", "verify", "sharded", "preset", "cache"),
                                       "an index directory or {'path': DIR, 'verify': bool, "
-                                      "'sharded': bool, 'preset': str, 'cache': bool}", path, base)
+                                      "'sharded': bool, 'preset': str, 'cache': bool}", path, base,
+                                      given=index)
     index = out["index"] or {}
     for key in ("verify", "sharded", "cache"):
         if key in index and not isinstance(index[key], bool):
@@ -180,11 +245,9 @@ def run(args: argparse.Namespace) -> int:
     from rag_fast.training.distributed import init_from_env
     from rag_fast.training.trainer import resolve_device
 
-    config = load_config(args.config)
-    if args.model is not None:
-        config["model"] = {**(config["model"] or {}), "path": args.model}
-    if args.index is not None:
-        config["index"] = {**(config["index"] or {}), "path": args.index}
+    # --model / --index replace the file's paths before the sections are checked: a section
+    # may then leave its "path" out, its other options still apply
+    config = load_config(args.config, model=args.model, index=args.index)
     if args.output_dir is not None:
         config["train"]["output_dir"] = args.output_dir
     if args.device is not None:
