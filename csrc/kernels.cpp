@@ -51,8 +51,8 @@ inline int64_t row_chunk(int64_t V) { return V >= 16384 ? 1 : 16384 / (V > 0 ? V
 // A row's log-sum-exp is kept in double (csrc/kernels.h): max + log(sum) with the log in double,
 // never rounded to fp32 at the size of the logits. The kernels that read it split it into two
 // floats, hi + lo: x - lse = (x - hi) - lo, whose first step is exact for the entries near the
-// top of the row (Sterbenz), so P = exp(x - lse) and 1 - P near P = 1 keep fp32's relative
-// precision instead of an error of up to 2^-24 |lse|.
+// top of the row (Sterbenz), so P = exp(x - lse) keeps fp32's relative precision instead of an
+// error of up to 2^-24 |lse| (1 - P near P = 1 then carries only the rounding of P itself).
 struct SplitLse {
   float hi, lo;
 };

@@ -22,8 +22,8 @@ struct LogitsView {
 
 // Per-row statistics, one read of the logits. Row r = (b*K + k)*T + t.
 //   lse[r]   = logsumexp_v x[b,k,t,v], in double: row max + log(sum of exp) without the fp32
-//              rounding of a number of the logits' size, so that x - lse (and softmax(x) near
-//              1, where the gradient is 1 - P) keeps fp32's relative precision
+//              rounding of a number of the logits' size, so that x - lse keeps fp32's
+//              precision (1 - P near P = 1 then carries only the rounding of P itself)
 //   x_tgt[r] = x[b,k,t,y[b,t]]   (0 where y[b,t] == ignore_index)
 //   x_sum[r] = sum_v x[b,k,t,v]
 // targets: int64 [B, T] contiguous, or null (then x_tgt is all 0). Outputs: [B*K*T], lse

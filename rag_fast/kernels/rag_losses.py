@@ -13,7 +13,8 @@
 # L is float64 between the kernels (the row max plus the log of a sum, never rounded at the
 # logits' size); a kernel gets it as two float32 per row, L = hi + lo (_split_lse), and forms
 # x - L as (x - hi) - lo and a + x - L as (x - hi) + (a - lo), whose first step is exact near
-# the row's top: P near 1 keeps float32's relative precision in 1 - P.
+# the row's top: P keeps float32's relative precision (1 - P near P = 1 then carries only the
+# rounding of P itself, as in plain PyTorch).
 #
 # Trade-off: a program streams one vocabulary chunk of its row (or of the K rows of its (b, t))
 # through BLOCK_V-wide tiles with an online max/sum-of-exp, so the forward statistics cost one
