@@ -19,13 +19,15 @@ gradient into the logits' own buffer, so a training step holds one logits-sized 
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
-from rag_fast._validation import check_context_length, check_decoding_scores
+from rag_fast._validation import IMPLS, check_context_length, check_decoding_scores
 from rag_fast.models import _causal, _lean, _seq2seq
 from rag_fast.ops import linear_rag_nll, rag_sequence_nll, rag_token_nll
 
@@ -123,6 +125,11 @@ def _tokenizer_size(tokenizer: Any) -> int:
     return len(tokenizer)
 
 
+def _is_int(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool, a float or a string of digits."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 class RagModel(nn.Module):
     """RAG-Token or RAG-Sequence over any Hugging Face seq2seq or decoder-only generator and
     question encoder.
@@ -164,8 +171,14 @@ class RagModel(nn.Module):
             backward (see ``rag_fast/models/_lean.py``). Default True.
 
     Raises:
-        ValueError: bad mode or n_docs, a generator RagModel cannot drive, or a generator
-            tokenizer with more tokens than the generator's vocabulary.
+        ValueError: naming the argument, before any model work: a mode, question_pooling,
+            lm_head_loss or loss_impl outside its choices; n_docs not an int >= 1;
+            max_context_length or max_question_length not an int >= 1 (bools, floats and
+            strings are refused, not converted); epsilon not a number (not a bool) in
+            ``[0, 1]``, the loss ops' rule; exclude_bos, normalize_questions or
+            lean_activations not a bool; bos_token_id neither None nor an int >= 0. Also a
+            generator RagModel cannot drive, or a generator tokenizer with more tokens than
+            the generator's vocabulary.
     """
 
     def __init__(
@@ -192,12 +205,30 @@ class RagModel(nn.Module):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not isinstance(n_docs, int) or n_docs < 1:
+        if not _is_int(n_docs) or n_docs < 1:
             raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
         if question_pooling not in POOLINGS:
             raise ValueError(f"question_pooling must be one of {POOLINGS}, got {question_pooling!r}")
         if lm_head_loss not in LM_HEAD_LOSSES:
             raise ValueError(f"lm_head_loss must be one of {LM_HEAD_LOSSES}, got {lm_head_loss!r}")
+        if not isinstance(loss_impl, str) or loss_impl not in IMPLS:
+            raise ValueError(f"loss_impl must be one of {IMPLS}, got {loss_impl!r}")
+        for name, value in (("max_context_length", max_context_length),
+                            ("max_question_length", max_question_length)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        # the loss ops' rule (rag_fast._validation.check_epsilon), checked here up front
+        if (not isinstance(epsilon, numbers.Real) or isinstance(epsilon, (bool, np.bool_))
+                or not 0.0 <= epsilon <= 1.0):
+            raise ValueError(f"epsilon must be a float in [0, 1], got {epsilon!r}")
+        for name, value in (("exclude_bos", exclude_bos),
+                            ("normalize_questions", normalize_questions),
+                            ("lean_activations", lean_activations)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if bos_token_id is not None and (not _is_int(bos_token_id) or bos_token_id < 0):
+            raise ValueError(f"bos_token_id must be None or a non-negative int, "
+                             f"got {bos_token_id!r}")
         # decoder-only generators (any *ForCausalLM): see _causal and docs/decoder_only.md
         self.is_causal = _causal.is_causal(generator)
         if self.is_causal:
@@ -218,22 +249,20 @@ class RagModel(nn.Module):
         self.question_encoder = question_encoder
         self.retriever = retriever
         self.mode = mode
-        self.n_docs = n_docs
+        self.n_docs = int(n_docs)
         self.generator_tokenizer = generator_tokenizer
         self.question_tokenizer = question_tokenizer
         self.epsilon = float(epsilon)
-        self.exclude_bos = bool(exclude_bos)
-        self.bos_token_id = (bos_token_id if bos_token_id is not None
+        self.exclude_bos = exclude_bos
+        self.bos_token_id = (int(bos_token_id) if bos_token_id is not None
                              else getattr(generator.config, "bos_token_id", None))  # T5: none
         self.pad_token_id = int(pad)
         self.question_pooling = question_pooling
-        self.normalize_questions = bool(normalize_questions)
-        self.max_context_length = int(max_context_length)
+        self.normalize_questions = normalize_questions
+        self.max_context_length = int(max_context_length)  # a numpy int as Python's
         self.max_question_length = int(max_question_length)
         self.loss_impl = loss_impl
         self.lm_head_loss = lm_head_loss
-        if not isinstance(lean_activations, bool):
-            raise ValueError(f"lean_activations must be True or False, got {lean_activations!r}")
         self.lean_activations = lean_activations
         if lean_activations:
             _lean.prepare(generator)

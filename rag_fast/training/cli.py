@@ -105,14 +105,14 @@ def _model_option_checks() -> dict:
     def positive(v):
         return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    def smoothing(v):  # RagModel's epsilon rule (the loss ops': a number in [0, 1])
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
 
     def choice(values):
         return (lambda v: isinstance(v, str) and v in values), "one of " + ", ".join(values)
 
     return {
-        "n_docs": (positive, "a positive integer"), "epsilon": (number, "a number"),
+        "n_docs": (positive, "a positive integer"), "epsilon": (smoothing, "a number in [0, 1]"),
         "mode": choice(MODES), "exclude_bos": (flag, "true or false"),
         "max_context_length": (positive, "a positive integer"),
         "max_question_length": (positive, "a positive integer"), "loss_impl": choice(IMPLS),
