@@ -123,6 +123,8 @@ def test_a_section_without_path_names_the_flag_that_gives_it(tmp_path, capsys, s
     ("lm_head_loss", "fast", "one of auto, fused, materialized"),
     ("loss_impl", "cuda", "one of auto, cpp, triton, torch"),
     ("question_pooling", "max", "one of auto, cls, mean"),
+    ("n_docs", None, "a positive integer"),  # JSON null: said as null
+    ("lean_activations", None, "true or false"),
 ])
 def test_a_wrongly_typed_model_option_names_the_file_and_key(tmp_path, capsys, key, value,
                                                              expected):
@@ -132,4 +134,5 @@ def test_a_wrongly_typed_model_option_names_the_file_and_key(tmp_path, capsys, k
     # refused when the config is read: the model directory (missing here) is never opened
     assert cli.main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"rag-fast: error: {path}: model.{key}: expected {expected}, got {value!r}", err
+    got = "null" if value is None else repr(value)
+    assert err == f"rag-fast: error: {path}: model.{key}: expected {expected}, got {got}", err

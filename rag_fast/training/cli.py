@@ -56,8 +56,12 @@ MODEL_OPTIONS = ("n_docs", "epsilon", "mode", "exclude_bos", "max_context_length
 _FLAGS = {"model": "--model", "index": "--index"}
 
 
-def _fail(path: str, key: str, expected: str, got=None) -> ValueError:
-    tail = "" if got is None else f", got {got!r}"
+_NOT_GIVEN = object()
+
+
+def _fail(path: str, key: str, expected: str, got=_NOT_GIVEN) -> ValueError:
+    """``FILE: KEY: expected WHAT, got VALUE`` (a JSON null as ``null``)."""
+    tail = ("" if got is _NOT_GIVEN else ", got null" if got is None else f", got {got!r}")
     return ValueError(f"{path}: {key}: expected {expected}{tail}")
 
 
