@@ -46,7 +46,8 @@ def read_objects(path: str | Path, error: type[Exception] = ValueError) -> Itera
             continue
         where = f"{path}:{number}"
         try:
-            obj = json.loads(line)
+            # without its terminator: an error at the end of the line is at its last column
+            obj = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as e:
             msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg  # json's own "... at" messages
             raise error(f"{where}: malformed JSON line ({msg} at column {e.colno})") from None

@@ -49,7 +49,8 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
 
     build = sub.add_parser("build", help="encode passages and build an index directory")
     build.add_argument("--passages", required=True, metavar="FILE",
-                       help="DPR .tsv (id, text, title), .jsonl, .txt or a directory of .txt documents")
+                       help="DPR .tsv (id, text, title; or id, text; header row optional), .jsonl, "
+                            ".txt or a directory of .txt documents")
     build.add_argument("--encoder", required=True, metavar="NAME",
                        help="Hugging Face passage encoder (name or local folder)")
     build.add_argument("--query-encoder", metavar="NAME", default=None,

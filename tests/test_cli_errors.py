@@ -136,3 +136,62 @@ def test_a_wrongly_typed_model_option_names_the_file_and_key(tmp_path, capsys, k
     err = capsys.readouterr().err.strip()
     got = "null" if value is None else repr(value)
     assert err == f"rag-fast: error: {path}: model.{key}: expected {expected}, got {got}", err
+
+
+@pytest.mark.parametrize("line,column", [
+    ('{"question": "who?", "answers": ["x"]', 38),  # truncated: the end of the line
+    ('{"text": "an unclosed string', 10),  # where the string starts
+])
+def test_a_malformed_jsonl_line_names_its_own_column(tmp_path, line, column):
+    from rag_fast.retrieval.passages import read_passages
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "a"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"p\.jsonl:2: malformed JSON line \(.* at column "
+                                         rf"{column}\)$"):
+        list(read_passages(path))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--n-docs", "0"], "--n-docs must be >= 1, got 0"),
+    (["--max-context-length", "0"], "--max-context-length must be >= 1, got 0"),
+    (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1], got 1.5"),
+])
+def test_init_names_the_flag_of_a_bad_value(tmp_path, capsys, argv, message):
+    from rag_fast import cli
+
+    code = cli.main(["init", "--generator", "facebook/bart-base", "--out", str(tmp_path / "m"),
+                     *argv])  # refused before any model is looked for
+    assert code == 2
+    assert capsys.readouterr().err.strip() == f"rag-fast: error: {message}"
+
+
+def test_init_with_a_generator_config_asks_for_the_tokenizer_flag(tmp_path, capsys):
+    from rag_fast import cli
+
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"model_type": "bart"}))
+    assert cli.main(["init", "--generator", str(path), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "give --generator-tokenizer" in err and str(path) in err, err
+
+
+def test_train_names_the_device_flag_not_the_config(tmp_path, capsys):
+    from rag_fast import cli
+
+    path = _train_config(tmp_path, "no-model")
+    assert cli.main(["train", "--config", str(path), "--device", "gpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "rag-fast: error: --device must be cpu, cuda or cuda:N, got 'gpu'", err
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_eval_and_generate_name_the_device_flag(tmp_path, capsys, command):
+    from rag_fast import cli
+
+    args = (["--data", str(tmp_path / "qa.jsonl"), "--out", str(tmp_path / "e")]
+            if command == "eval" else ["--question", "q"])
+    (tmp_path / "qa.jsonl").write_text('{"question": "q", "answers": ["a"]}\n')
+    assert cli.main([command, "--model", str(tmp_path), "--device", "gpu", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rag-fast: error: --device: device must be cpu"), err

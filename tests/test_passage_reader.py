@@ -49,6 +49,20 @@ def test_tsv_wrong_column_count_is_an_error(tmp_path):
         Passage("1", "", "one"), Passage("2", "", "two")]
 
 
+def test_tsv_of_text_and_title_without_ids_is_refused(tmp_path):
+    # 2 columns without a header are (id, text): a first column of prose is no id
+    tsv = _write(tmp_path / "p.tsv", "The Nile flows north.\tNile\nParis is in France.\tParis\n")
+    with pytest.raises(PassageFormatError, match=r"p\.tsv:1: 2 tab-separated columns without a "
+                                                 r"header are read as \(id, text\), but the "
+                                                 r"first column holds 'The Nile flows north\.'"):
+        list(read_dpr_tsv(tsv))
+    # with a header naming id and text, or ids without spaces, both read as they say
+    assert list(read_dpr_tsv(_write(tmp_path / "q.tsv", "text\tid\nThe Nile.\tn1\n"))) == [
+        Passage("n1", "", "The Nile.")]
+    assert list(read_dpr_tsv(_write(tmp_path / "r.tsv", "doc-7\tThe Nile.\n"))) == [
+        Passage("doc-7", "", "The Nile.")]
+
+
 def test_tsv_quoting_is_still_honoured(tmp_path):
     tsv = _write(tmp_path / "p.tsv", 'id\ttext\ttitle\n1\t"A ""quoted""\ttext"\tT\n\n2\tb\t"x"\n')
     assert list(read_dpr_tsv(tsv)) == [Passage("1", "T", 'A "quoted" text'), Passage("2", "x", "b")]

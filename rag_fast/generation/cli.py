@@ -40,8 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="generator tokenizer, when the model directory has none")
     p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough",
                    help="RAG-Sequence decoding (default thorough)")
-    p.add_argument("--num-beams", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--num-beams", type=int, default=4, help="beams (default 4; 1: greedy)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="longest answer in tokens (default 32)")
     p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
                    help="sample instead of searching; --no-do-sample searches (default: the "
                         "model's generation config)")

@@ -246,6 +246,17 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
+    # the flags' words for what build_rag_model would refuse in its arguments' names
+    for flag, value in (("--n-docs", args.n_docs), ("--max-context-length",
+                                                    args.max_context_length)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not 0.0 <= args.label_smoothing <= 1.0:
+        raise ValueError(f"--label-smoothing must be in [0, 1], got {args.label_smoothing}")
+    if (os.path.isfile(args.generator) and args.generator.endswith(".json")
+            and args.generator_tokenizer is None):
+        raise ValueError(f"--generator {args.generator!r} is a config file: give "
+                         "--generator-tokenizer (a tokenizer name or folder) for its vocabulary")
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")

@@ -167,6 +167,13 @@ def _tsv_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
             if len(row) not in (2, 3):
                 raise PassageFormatError(f"{path}:{start}: expected 3 tab-separated columns (id, "
                                          f"text, title) or 2 (id, text), got {len(row)}")
+            if len(row) == 2 and any(c.isspace() for c in row[0].strip()):
+                # (text, title) rows would be read as (id, text) without a word: refuse them
+                raise PassageFormatError(
+                    f"{path}:{start}: 2 tab-separated columns without a header are read as (id, "
+                    f"text), but the first column holds {_preview(row[0])}, which is no id (it "
+                    "has spaces); give every passage an id (id, text, title) or start the file "
+                    "with a header row naming its columns (e.g. id<TAB>text)")
             names = names[: len(row)]
             columns, expected = {c: j for j, c in enumerate(names)}, len(row)
         if len(row) != expected:
@@ -176,6 +183,11 @@ def _tsv_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
             )
         title = row[columns["title"]] if "title" in columns else ""
         yield start, Passage(row[columns["id"]].strip(), _clean(title), _clean(row[columns["text"]]))
+
+
+def _preview(value: str, limit: int = 40) -> str:
+    value = value.strip()
+    return repr(value if len(value) <= limit else value[:limit] + "...")
 
 
 def _spans(path: str | Path, start: int, end: int) -> None:
@@ -188,7 +200,8 @@ def _spans(path: str | Path, start: int, end: int) -> None:
 def read_dpr_tsv(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
     """Passages of a DPR-style TSV (``id<TAB>text<TAB>title``, header optional, csv quoting).
 
-    Without a header the first row fixes the columns: ``id, text, title`` or ``id, text``.
+    Without a header the first row fixes the columns: ``id, text, title`` or ``id, text`` (a
+    2-column first row whose id has spaces is refused: most likely ``text, title``).
     Blank lines are skipped; a UTF-8 BOM is dropped.
 
     Raises:

@@ -240,6 +240,7 @@ def load_retriever(spec: dict | None, n_docs: int = 5):
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     import torch.distributed as dist
 
     from rag_fast.evaluation import evaluate, load_qa
@@ -255,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         config["train"]["output_dir"] = args.output_dir
     if args.device is not None:
+        try:  # the flag's value, not the file's: named as the flag
+            torch.device(args.device)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
         config["train"]["device"] = args.device
     tc = train_config(config["train"], args.config)
     if config["model"] is None:
