@@ -46,7 +46,7 @@ def read_objects(path: str | Path, error: type[Exception] = ValueError) -> Itera
             continue
         where = f"{path}:{number}"
         try:
-            # without its terminator: an error at the end of the line is at its last column
+            # without its terminator: an error at the line's end is just past its last character
             obj = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as e:
             msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg  # json's own "... at" messages

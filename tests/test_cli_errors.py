@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "examples" / "workflow" / "generator-tokenizer"
@@ -194,4 +195,21 @@ def test_eval_and_generate_name_the_device_flag(tmp_path, capsys, command):
     (tmp_path / "qa.jsonl").write_text('{"question": "q", "answers": ["a"]}\n')
     assert cli.main([command, "--model", str(tmp_path), "--device", "gpu", *args]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("rag-fast: error: --device: device must be cpu"), err
+    assert err == "rag-fast: error: --device must be cpu, cuda or cuda:N, got 'gpu'", err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_device_cuda_without_cuda_names_the_flag(tmp_path, capsys, command):
+    from rag_fast import cli
+
+    if command == "train":
+        argv = ["train", "--config", str(_train_config(tmp_path, "no-model")), "--device", "cuda"]
+    else:
+        (tmp_path / "qa.jsonl").write_text('{"question": "q", "answers": ["a"]}\n')
+        argv = ["eval", "--model", str(tmp_path), "--data", str(tmp_path / "qa.jsonl"), "--out",
+                str(tmp_path / "e"), "--device", "cuda"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("rag-fast: error: --device is 'cuda' but CUDA is not available here; use "
+                   "--device cpu (or leave it out to choose)"), err

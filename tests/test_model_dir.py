@@ -129,6 +129,10 @@ def test_every_file_is_verified(tmp_path):
     fails("rag_fast.json: unknown format 99")
     (path / "rag_fast.json").write_text("{not json")
     fails("rag_fast.json is not valid JSON")
+    # a hand-edited option RagModel refuses: named with the file
+    (path / "rag_fast.json").write_text(json.dumps(
+        {**side, "options": {**side["options"], "epsilon": 1.5}}))
+    fails(r"rag_fast.json: options do not fit RagModel: epsilon must be a float in \[0, 1\]")
     (path / "rag_fast.json").write_text(json.dumps(side))
     os.remove(path / "generation_config.json")
     fails("incomplete: generation_config.json is missing")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import rag_fast
 from rag_fast import reference as ref
-from utils import assert_close_rule, requires_ext, requires_triton
+from utils import assert_close_rule, requires_ext, requires_triton, tolerance_violations
 
 IMPLS = [
     pytest.param("torch", id="torch"),
@@ -102,6 +102,30 @@ def _target_entry_floor(logits, targets, upstream, ignore_index) -> torch.Tensor
 # c_P P_y, c_y, the smoothing terms (each at most |g|) and P_y's own rounding: the worst seen
 # in 20,000 random draws of test_property_cpp's cases was 3.9 units, each time at a target entry
 TARGET_ROUNDINGS = 8
+
+
+def test_the_target_entry_floor_is_at_the_targets_only():
+    logits, _, targets = make_case(B=2, K=3, T=4, V=5, seed=9)
+    upstream = torch.tensor([0.5, -2.0])
+    floor = _target_entry_floor(logits, targets, upstream, -100)
+    unit = torch.finfo(torch.float32).eps / 2
+    want = torch.zeros(2, 3, 4, 5, dtype=torch.float64)
+    for b in range(2):
+        for t in range(4):
+            if targets[b, t] != -100:
+                want[b, :, t, targets[b, t]] = TARGET_ROUNDINGS * unit * abs(float(upstream[b]))
+    assert int((targets != -100).sum()) > 0 and torch.equal(floor, want)
+    # an oracle so small that only the floor separates right from wrong
+    oracle = torch.full((2, 3, 4, 5), 1e-11, dtype=torch.float64)
+    b, t = (targets != -100).nonzero()[0].tolist()
+    y = int(targets[b, t])
+    for planted, at_target, rejected in ((0.5, True, False), (2.0, True, True),
+                                         (0.5, False, True)):
+        actual = oracle.clone()
+        v = y if at_target else (y + 1) % 5
+        actual[b, 1, t, v] += planted * TARGET_ROUNDINGS * unit * abs(float(upstream[b]))
+        bad = tolerance_violations(actual, oracle, oracle, torch.float32, floor)
+        assert bool(bad.any()) == rejected, (planted, at_target)
 
 
 # Shapes and the branch each one is for.

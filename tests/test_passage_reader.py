@@ -56,9 +56,22 @@ def test_tsv_of_text_and_title_without_ids_is_refused(tmp_path):
                                                  r"header are read as \(id, text\), but the "
                                                  r"first column holds 'The Nile flows north\.'"):
         list(read_dpr_tsv(tsv))
-    # with a header naming id and text, or ids without spaces, both read as they say
+    # every row is checked, not only the first
+    tsv = _write(tmp_path / "s.tsv", "n1\tThe Nile.\nParis is in France.\tParis\n")
+    with pytest.raises(PassageFormatError, match=r"s\.tsv:2: .*'Paris is in France\.', which "
+                                                 r"looks like text, not an id; .*id<TAB>text"):
+        list(read_dpr_tsv(tsv))
+    # a header of known names without an id column is refused, not read as data
+    tsv = _write(tmp_path / "t.tsv", "text\ttitle\nThe Nile flows north.\tNile\n")
+    with pytest.raises(PassageFormatError, match=r"t\.tsv:1: the header row names text, title; "
+                                                 r"a passage TSV needs an id and a text column"):
+        list(read_dpr_tsv(tsv))
+    # a header naming id and text allows ids with spaces; ids without spaces need none
     assert list(read_dpr_tsv(_write(tmp_path / "q.tsv", "text\tid\nThe Nile.\tn1\n"))) == [
         Passage("n1", "", "The Nile.")]
+    assert list(read_dpr_tsv(_write(tmp_path / "u.tsv", "id\ttext\nAlbert Einstein\tA "
+                                                        "physicist.\n"))) == [
+        Passage("Albert Einstein", "", "A physicist.")]
     assert list(read_dpr_tsv(_write(tmp_path / "r.tsv", "doc-7\tThe Nile.\n"))) == [
         Passage("doc-7", "", "The Nile.")]
 

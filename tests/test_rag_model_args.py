@@ -105,3 +105,27 @@ def test_a_checked_argument_fails_before_the_generator_is_inspected():
     # a module RagModel cannot drive: the argument's error comes first
     with pytest.raises(ValueError, match="^max_context_length must be a positive int"):
         RagModel(torch.nn.Linear(2, 2), max_context_length="64")
+
+
+def test_build_rag_model_checks_the_options_before_loading_anything(tmp_path):
+    from rag_fast.models.build import build_rag_model
+
+    # no such generator or encoder: the option's error comes first
+    with pytest.raises(ValueError, match=r"^epsilon must be a float in \[0, 1\], got 1.5$"):
+        build_rag_model(generator=str(tmp_path / "none"), question_encoder="none", epsilon=1.5)
+    with pytest.raises(ValueError, match="^n_docs must be a positive int, got 0$"):
+        build_rag_model(generator=str(tmp_path / "none"), question_encoder="none", n_docs=0)
+
+
+def test_a_generator_config_bos_that_is_no_id_is_not_kept(hf):
+    config = hf.rag.generator.config
+    saved = config.bos_token_id
+    try:
+        config.bos_token_id = -1  # e.g. a config that marks "none" so
+        model = _build(hf)
+        assert model.bos_token_id is None
+        json.dumps(model.options())
+        again = _build(hf, **model.options())  # what is saved loads again
+        assert again.options() == model.options()
+    finally:
+        config.bos_token_id = saved

@@ -49,10 +49,7 @@ def load_model_for_cli(model_dir: str, index: str | None, device: str | None,
     from rag_fast.models.retriever_io import load_retriever
     from rag_fast.training.trainer import resolve_device
 
-    try:  # a bad --device fails before the model loads, named as the flag
-        device = resolve_device(device)
-    except ValueError as e:
-        raise ValueError(f"--device: {e}") from None
+    device = resolve_device(device, "--device")  # a bad --device fails before the model loads
     model = RagModel.load(model_dir)
     index = index or model.index_path
     if index is None:

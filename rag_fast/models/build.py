@@ -28,7 +28,7 @@ import torch
 
 from rag_fast._quiet import quiet_transformers
 from rag_fast._validation import brief_error
-from rag_fast.models.rag_model import RagModel
+from rag_fast.models.rag_model import RagModel, check_arguments
 
 
 def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
@@ -181,6 +181,9 @@ def build_rag_model(
     """
     import transformers
 
+    # RagModel's own checks, before any model is downloaded or loaded
+    check_arguments(mode=mode, n_docs=n_docs, epsilon=epsilon,
+                    max_context_length=max_context_length, max_question_length=max_question_length)
     spec = _index_query_encoder(index) if index is not None else None
     if question_encoder is None:
         if spec is None:

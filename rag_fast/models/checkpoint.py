@@ -304,7 +304,7 @@ def _load_causal(path: str, side: dict, retriever: Any, overrides: dict) -> RagM
     try:
         model = RagModel(models["generator"], models["question_encoder"], retriever,
                          **tokenizers, **options)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # a key RagModel lacks, or a value it refuses
         raise CheckpointError(f"{os.path.join(path, SIDE_FILE)}: options do not fit RagModel: "
                               f"{e}") from None
     model.index_path = side.get("index")
@@ -401,8 +401,12 @@ def load_rag_model(
         model = from_transformers(hf, retriever=retriever, **tokenizers, **overrides)
     else:
         options = {**side["options"], **overrides}
-        model = RagModel(hf.rag.generator, hf.rag.question_encoder, retriever, **tokenizers,
-                         **options)
+        try:
+            model = RagModel(hf.rag.generator, hf.rag.question_encoder, retriever,
+                             **tokenizers, **options)
+        except (TypeError, ValueError) as e:  # a key RagModel lacks, or a value it refuses
+            raise CheckpointError(f"{os.path.join(path, SIDE_FILE)}: options do not fit "
+                                  f"RagModel: {e}") from None
         model.index_path = side.get("index")
     model.generation_config = generation_config
     if device is not None:

@@ -130,6 +130,46 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+def check_arguments(*, mode: str = "token", n_docs: int = 5, question_pooling: str = "auto",
+                    lm_head_loss: str = "auto", loss_impl: str = "auto",
+                    max_context_length: int = 128, max_question_length: int = 64,
+                    epsilon: float = 0.0, exclude_bos: bool = False,
+                    normalize_questions: bool = False, lean_activations: bool = True,
+                    bos_token_id: int | None = None) -> None:
+    """RagModel's checks of its options (the constructor's defaults for those not given), for
+    callers that want them before loading any model (``build_rag_model``).
+
+    Raises:
+        ValueError: naming the argument (see :class:`RagModel`).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not _is_int(n_docs) or n_docs < 1:
+        raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
+    if question_pooling not in POOLINGS:
+        raise ValueError(f"question_pooling must be one of {POOLINGS}, got {question_pooling!r}")
+    if lm_head_loss not in LM_HEAD_LOSSES:
+        raise ValueError(f"lm_head_loss must be one of {LM_HEAD_LOSSES}, got {lm_head_loss!r}")
+    if not isinstance(loss_impl, str) or loss_impl not in IMPLS:
+        raise ValueError(f"loss_impl must be one of {IMPLS}, got {loss_impl!r}")
+    for name, value in (("max_context_length", max_context_length),
+                        ("max_question_length", max_question_length)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    # the range the loss ops take (rag_fast._validation.check_epsilon)
+    if (not isinstance(epsilon, numbers.Real) or isinstance(epsilon, (bool, np.bool_))
+            or not 0.0 <= epsilon <= 1.0):
+        raise ValueError(f"epsilon must be a float in [0, 1], got {epsilon!r}")
+    for name, value in (("exclude_bos", exclude_bos),
+                        ("normalize_questions", normalize_questions),
+                        ("lean_activations", lean_activations)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    if bos_token_id is not None and (not _is_int(bos_token_id) or bos_token_id < 0):
+        raise ValueError(f"bos_token_id must be None or a non-negative int, "
+                         f"got {bos_token_id!r}")
+
+
 class RagModel(nn.Module):
     """RAG-Token or RAG-Sequence over any Hugging Face seq2seq or decoder-only generator and
     question encoder.
@@ -203,32 +243,12 @@ class RagModel(nn.Module):
         lean_activations: bool = True,
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not _is_int(n_docs) or n_docs < 1:
-            raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
-        if question_pooling not in POOLINGS:
-            raise ValueError(f"question_pooling must be one of {POOLINGS}, got {question_pooling!r}")
-        if lm_head_loss not in LM_HEAD_LOSSES:
-            raise ValueError(f"lm_head_loss must be one of {LM_HEAD_LOSSES}, got {lm_head_loss!r}")
-        if not isinstance(loss_impl, str) or loss_impl not in IMPLS:
-            raise ValueError(f"loss_impl must be one of {IMPLS}, got {loss_impl!r}")
-        for name, value in (("max_context_length", max_context_length),
-                            ("max_question_length", max_question_length)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        # the loss ops' rule (rag_fast._validation.check_epsilon), checked here up front
-        if (not isinstance(epsilon, numbers.Real) or isinstance(epsilon, (bool, np.bool_))
-                or not 0.0 <= epsilon <= 1.0):
-            raise ValueError(f"epsilon must be a float in [0, 1], got {epsilon!r}")
-        for name, value in (("exclude_bos", exclude_bos),
-                            ("normalize_questions", normalize_questions),
-                            ("lean_activations", lean_activations)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        if bos_token_id is not None and (not _is_int(bos_token_id) or bos_token_id < 0):
-            raise ValueError(f"bos_token_id must be None or a non-negative int, "
-                             f"got {bos_token_id!r}")
+        check_arguments(mode=mode, n_docs=n_docs, question_pooling=question_pooling,
+                        lm_head_loss=lm_head_loss, loss_impl=loss_impl,
+                        max_context_length=max_context_length,
+                        max_question_length=max_question_length, epsilon=epsilon,
+                        exclude_bos=exclude_bos, normalize_questions=normalize_questions,
+                        lean_activations=lean_activations, bos_token_id=bos_token_id)
         # decoder-only generators (any *ForCausalLM): see _causal and docs/decoder_only.md
         self.is_causal = _causal.is_causal(generator)
         if self.is_causal:
@@ -254,8 +274,10 @@ class RagModel(nn.Module):
         self.question_tokenizer = question_tokenizer
         self.epsilon = float(epsilon)
         self.exclude_bos = exclude_bos
-        self.bos_token_id = (int(bos_token_id) if bos_token_id is not None
-                             else getattr(generator.config, "bos_token_id", None))  # T5: none
+        if bos_token_id is None:  # the generator config's, if it is an id (T5: none)
+            bos_token_id = getattr(generator.config, "bos_token_id", None)
+            bos_token_id = bos_token_id if _is_int(bos_token_id) and bos_token_id >= 0 else None
+        self.bos_token_id = None if bos_token_id is None else int(bos_token_id)
         self.pad_token_id = int(pad)
         self.question_pooling = question_pooling
         self.normalize_questions = normalize_questions

@@ -140,6 +140,7 @@ def _tsv_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
     names = ("id", "text", "title")
     columns: dict[str, int] | None = None
     expected = 0
+    unnamed_pairs = False  # 2 columns and no header: (id, text), ids checked row by row
     end = 0  # the last line of the previous record
     while True:
         start = end + 1
@@ -164,23 +165,29 @@ def _tsv_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
                 columns, expected = {c: j for j, c in enumerate(header)}, len(row)
                 names = tuple(row)
                 continue
+            if set(header) <= set(names) and len(set(header)) == len(header):
+                # a header of the known names that lacks id or text (e.g. text, title)
+                raise PassageFormatError(
+                    f"{path}:{start}: the header row names {', '.join(row)}; a passage TSV "
+                    "needs an id and a text column (id<TAB>text<TAB>title)")
             if len(row) not in (2, 3):
                 raise PassageFormatError(f"{path}:{start}: expected 3 tab-separated columns (id, "
                                          f"text, title) or 2 (id, text), got {len(row)}")
-            if len(row) == 2 and any(c.isspace() for c in row[0].strip()):
-                # (text, title) rows would be read as (id, text) without a word: refuse them
-                raise PassageFormatError(
-                    f"{path}:{start}: 2 tab-separated columns without a header are read as (id, "
-                    f"text), but the first column holds {_preview(row[0])}, which is no id (it "
-                    "has spaces); give every passage an id (id, text, title) or start the file "
-                    "with a header row naming its columns (e.g. id<TAB>text)")
             names = names[: len(row)]
             columns, expected = {c: j for j, c in enumerate(names)}, len(row)
+            unnamed_pairs = len(row) == 2
         if len(row) != expected:
             raise PassageFormatError(
                 f"{path}:{start}: expected {expected} tab-separated columns ({', '.join(names)}), "
                 f"got {len(row)}"
             )
+        if unnamed_pairs and any(c.isspace() for c in row[0].strip()):
+            # rows of (text, title) would be read as (id, text) without a word: refuse them
+            raise PassageFormatError(
+                f"{path}:{start}: 2 tab-separated columns without a header are read as (id, "
+                f"text), but the first column holds {_preview(row[0])}, which looks like text, "
+                "not an id; if it is the id, start the file with the header row id<TAB>text, "
+                "else give every passage an id (id<TAB>text<TAB>title)")
         title = row[columns["title"]] if "title" in columns else ""
         yield start, Passage(row[columns["id"]].strip(), _clean(title), _clean(row[columns["text"]]))
 
@@ -200,8 +207,9 @@ def _spans(path: str | Path, start: int, end: int) -> None:
 def read_dpr_tsv(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
     """Passages of a DPR-style TSV (``id<TAB>text<TAB>title``, header optional, csv quoting).
 
-    Without a header the first row fixes the columns: ``id, text, title`` or ``id, text`` (a
-    2-column first row whose id has spaces is refused: most likely ``text, title``).
+    Without a header the first row fixes the columns: ``id, text, title`` or ``id, text`` (an
+    id with spaces is refused there, most likely a ``text, title`` row: a header row
+    ``id<TAB>text`` allows it). A header of known names needs ``id`` and ``text``.
     Blank lines are skipped; a UTF-8 BOM is dropped.
 
     Raises:

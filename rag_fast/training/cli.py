@@ -56,13 +56,19 @@ MODEL_OPTIONS = ("n_docs", "epsilon", "mode", "exclude_bos", "max_context_length
 _FLAGS = {"model": "--model", "index": "--index"}
 
 
-_NOT_GIVEN = object()
+_NULL = object()  # a key the file gives as JSON null (None also stands for a missing key)
 
 
-def _fail(path: str, key: str, expected: str, got=_NOT_GIVEN) -> ValueError:
-    """``FILE: KEY: expected WHAT, got VALUE`` (a JSON null as ``null``)."""
-    tail = ("" if got is _NOT_GIVEN else ", got null" if got is None else f", got {got!r}")
+def _fail(path: str, key: str, expected: str, got=None) -> ValueError:
+    """``FILE: KEY: expected WHAT, got VALUE``; ``got``: None says nothing (a missing key),
+    :data:`_NULL` says ``null``."""
+    tail = "" if got is None else ", got null" if got is _NULL else f", got {got!r}"
     return ValueError(f"{path}: {key}: expected {expected}{tail}")
+
+
+def _given(value):
+    """A value read from a key the file has: JSON null as :data:`_NULL`, for :func:`_fail`."""
+    return _NULL if value is None else value
 
 
 def _relative(base: str, value: str) -> str:
@@ -134,7 +140,7 @@ def _check_model_options(model: dict | None, path: str) -> None:
         if key in checks:
             ok, expected = checks[key]
             if not ok(value):
-                raise _fail(path, f"model.{key}", expected, value)
+                raise _fail(path, f"model.{key}", expected, _given(value))
 
 
 def load_config(path: str, model: str | None = None, index: str | None = None) -> dict:
@@ -164,7 +170,7 @@ def load_config(path: str, model: str | None = None, index: str | None = None) -
     base = os.path.dirname(os.path.abspath(path))
     out = {"resume": config.get("resume", True)}
     if not isinstance(out["resume"], bool):
-        raise _fail(path, "resume", "true or false", out["resume"])
+        raise _fail(path, "resume", "true or false", _given(out["resume"]))
 
     out["model"] = _directory_section(config.get("model"), "model", ("path", *MODEL_OPTIONS),
                                       "a model directory or {'path': DIR, ...}", path, base,
@@ -178,7 +184,7 @@ def load_config(path: str, model: str | None = None, index: str | None = None) -
     index = out["index"] or {}
     for key in ("verify", "sharded", "cache"):
         if key in index and not isinstance(index[key], bool):
-            raise _fail(path, f"index.{key}", "true or false", index[key])
+            raise _fail(path, f"index.{key}", "true or false", _given(index[key]))
     for key in ("preset", "cache"):
         if key in index and not index.get("sharded"):
             raise ValueError(f"{path}: index.{key}: only for a sharded index (\"sharded\": true); "
@@ -240,7 +246,6 @@ def load_retriever(spec: dict | None, n_docs: int = 5):
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     import torch.distributed as dist
 
     from rag_fast.evaluation import evaluate, load_qa
@@ -256,10 +261,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         config["train"]["output_dir"] = args.output_dir
     if args.device is not None:
-        try:  # the flag's value, not the file's: named as the flag
-            torch.device(args.device)
-        except (RuntimeError, ValueError):
-            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
+        resolve_device(args.device, "--device")  # the flag's value, not the file's: named so
         config["train"]["device"] = args.device
     tc = train_config(config["train"], args.config)
     if config["model"] is None:

@@ -255,15 +255,17 @@ class TrainState:
     refreshed_at: int = 0    # step of the last index refresh (0: the index the run began with)
 
 
-def resolve_device(config_device: str | None) -> torch.device:
+def resolve_device(config_device: str | None, name: str = "device") -> torch.device:
     """The device a process trains on, from ``TrainConfig.device`` (the Trainer itself does
     not move the model; its caller does).
 
     None is ``cuda:LOCAL_RANK`` when CUDA is available (LOCAL_RANK: torchrun's variable, 0
-    without it), else ``cpu``; a plain ``cuda`` is ``cuda:LOCAL_RANK`` too.
+    without it), else ``cpu``; a plain ``cuda`` is ``cuda:LOCAL_RANK`` too. ``name``: what the
+    messages call the value (a command-line flag such as ``"--device"``, which cannot be None).
 
     Raises:
-        ValueError: naming ``device``: not a device, or CUDA (or that CUDA index) unavailable.
+        ValueError: naming ``name``: not a device, or CUDA (or that CUDA index) unavailable;
+            naming LOCAL_RANK when it is not an int.
     """
     try:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -273,19 +275,22 @@ def resolve_device(config_device: str | None) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank)
         return torch.device("cpu")
+    flag = name.startswith("-")
     try:
         device = torch.device(config_device)
     except (RuntimeError, ValueError, TypeError):
-        raise ValueError(f"device must be cpu, cuda, cuda:N or None, got "
-                         f"{config_device!r}") from None
+        choices = "cpu, cuda or cuda:N" if flag else "cpu, cuda, cuda:N or None"
+        raise ValueError(f"{name} must be {choices}, got {config_device!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device is {config_device!r} but CUDA is not available here; use "
-                             "device 'cpu' (or None to choose)")
+            fix = (f"use {name} cpu (or leave it out to choose)" if flag else
+                   f"use {name} 'cpu' (or None to choose)")
+            raise ValueError(f"{name} is {config_device!r} but CUDA is not available here; "
+                             f"{fix}")
         if device.index is None:
             device = torch.device("cuda", local_rank)
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"device is {config_device!r} (cuda:{device.index}) but only "
+            raise ValueError(f"{name} is {config_device!r} (cuda:{device.index}) but only "
                              f"{torch.cuda.device_count()} CUDA device(s) are visible")
     return device
 
