@@ -154,9 +154,9 @@ def test_a_malformed_jsonl_line_names_its_own_column(tmp_path, line, column):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--n-docs", "0"], "--n-docs must be >= 1, got 0"),
-    (["--max-context-length", "0"], "--max-context-length must be >= 1, got 0"),
-    (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1], got 1.5"),
+    (["--n-docs", "0"], "--n-docs must be a positive int, got 0"),
+    (["--max-context-length", "0"], "--max-context-length must be a positive int, got 0"),
+    (["--label-smoothing", "1.5"], "--label-smoothing must be a float in [0, 1], got 1.5"),
 ])
 def test_init_names_the_flag_of_a_bad_value(tmp_path, capsys, argv, message):
     from rag_fast import cli

@@ -249,13 +249,15 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    # the flags' words for what build_rag_model would refuse in its arguments' names
-    for flag, value in (("--n-docs", args.n_docs), ("--max-context-length",
-                                                    args.max_context_length)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if not 0.0 <= args.label_smoothing <= 1.0:
-        raise ValueError(f"--label-smoothing must be in [0, 1], got {args.label_smoothing}")
+    # build_rag_model's checks (RagModel's), named as the flags that gave the values
+    flags = {"n_docs": ("--n-docs", args.n_docs), "epsilon": ("--label-smoothing",
+                                                              args.label_smoothing),
+             "max_context_length": ("--max-context-length", args.max_context_length)}
+    for name, (flag, value) in flags.items():
+        try:
+            check_arguments(**{name: value})
+        except ValueError as e:
+            raise ValueError(f"{flag}{str(e).removeprefix(name)}") from None
     if (os.path.isfile(args.generator) and args.generator.endswith(".json")
             and args.generator_tokenizer is None):
         raise ValueError(f"--generator {args.generator!r} is a config file: give "

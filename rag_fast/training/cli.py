@@ -104,43 +104,38 @@ def _directory_section(value, key: str, allowed: tuple, expected: str, path: str
     return {**value, "path": _relative(base, value["path"])}
 
 
-def _model_option_checks() -> dict:
-    """RagModel option -> (check, what is expected), for the config's ``model`` section."""
+def _model_option_words() -> dict[str, str]:
+    """RagModel option -> what the config's ``model`` section must give, in JSON's words."""
     from rag_fast._validation import IMPLS
     from rag_fast.models.rag_model import LM_HEAD_LOSSES, MODES, POOLINGS
 
-    def flag(v):
-        return isinstance(v, bool)
-
-    def positive(v):
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-    def smoothing(v):  # RagModel's epsilon rule (the loss ops': a number in [0, 1])
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
-
-    def choice(values):
-        return (lambda v: isinstance(v, str) and v in values), "one of " + ", ".join(values)
-
+    positive, flag = "a positive integer", "true or false"
     return {
-        "n_docs": (positive, "a positive integer"), "epsilon": (smoothing, "a number in [0, 1]"),
-        "mode": choice(MODES), "exclude_bos": (flag, "true or false"),
-        "max_context_length": (positive, "a positive integer"),
-        "max_question_length": (positive, "a positive integer"), "loss_impl": choice(IMPLS),
-        "lm_head_loss": choice(LM_HEAD_LOSSES), "question_pooling": choice(POOLINGS),
-        "normalize_questions": (flag, "true or false"),
-        "lean_activations": (flag, "true or false"),
+        "n_docs": positive, "epsilon": "a number in [0, 1]", "mode": _one_of(MODES),
+        "exclude_bos": flag, "max_context_length": positive, "max_question_length": positive,
+        "loss_impl": _one_of(IMPLS), "lm_head_loss": _one_of(LM_HEAD_LOSSES),
+        "question_pooling": _one_of(POOLINGS), "normalize_questions": flag,
+        "lean_activations": flag,
     }
 
 
+def _one_of(values) -> str:
+    return "one of " + ", ".join(values)
+
+
 def _check_model_options(model: dict | None, path: str) -> None:
-    """Every RagModel option of the ``model`` section has a value RagModel takes; else a
-    ValueError names the file and ``model.KEY`` (before any model is loaded)."""
-    checks = _model_option_checks()
+    """Every RagModel option of the ``model`` section has a value RagModel takes (its own
+    checks, ``check_arguments``); else a ValueError names the file and ``model.KEY`` (before any
+    model is loaded)."""
+    from rag_fast.models.rag_model import check_arguments
+
+    words = _model_option_words()
     for key, value in (model or {}).items():
-        if key in checks:
-            ok, expected = checks[key]
-            if not ok(value):
-                raise _fail(path, f"model.{key}", expected, _given(value))
+        if key in MODEL_OPTIONS:
+            try:
+                check_arguments(**{key: value})
+            except ValueError:
+                raise _fail(path, f"model.{key}", words[key], _given(value)) from None
 
 
 def load_config(path: str, model: str | None = None, index: str | None = None) -> dict:
