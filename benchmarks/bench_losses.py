@@ -17,6 +17,9 @@ calls alternating (:func:`harness.measure_interleaved`). Columns: ``speedup vs e
 ``speedup vs compiled`` (flagged noisy by :func:`harness.add_ratio`); time relative to the
 read; peak extra memory of one call (the harness's per-call resident-set peak) as % of the
 logits (for fwd+bwd: beyond the logits' gradient, which every method must allocate).
+rag_fast's gradient comes from its CPU buffer pool (``rag_fast/_pool.py``), reused from call to
+call, and the baselines' from torch's allocator (fresh pages each call); the harness empties the
+pool before each peak-memory call, so the memory column counts the gradient.
 
 :func:`render` turns a results file of this bench into the README's losses section.
 """
@@ -180,6 +183,20 @@ def _mem(row: dict) -> str:
     return "-" if v is None else f"{v:.0f}%" if v >= 10 else f"{v:.1f}%"
 
 
+def _pool_words(machine: dict) -> str:
+    """What the caption says of rag_fast's CPU buffer pool: nothing for a run that predates it
+    (its machine description has no ``rag_fast_pool_mb``)."""
+    mb = machine.get("rag_fast_pool_mb")
+    if mb is None or machine.get("device") != "cpu":
+        return ""
+    if mb == 0:
+        return " rag_fast's CPU buffer pool was off (`RAG_FAST_POOL_MB=0`)."
+    return (" rag_fast's gradient comes from its CPU buffer pool (`RAG_FAST_POOL_MB` "
+            f"{mb}): the memory of the previous call's freed gradient, already resident, where "
+            "the baselines' gradients get fresh pages from torch's allocator every call; the "
+            "pool is emptied before the memory call, so the memory column counts the gradient.")
+
+
 def render(results: dict, source: str) -> str:
     """The README's losses section from a results file (``source``: its name under
     ``benchmarks/results/``): a caption saying what, how and where, then one line per case,
@@ -226,5 +243,6 @@ def render(results: dict, source: str) -> str:
         "memory: the peak resident set of one call above the resident set before it (glibc "
         "made to unmap freed blocks of 1 MiB or more), as % of the logits; for fwd+bwd, beyond "
         "the logits' gradient, which every method allocates."
+        + _pool_words(results["machine"])
     )
     return caption + "\n\n" + "\n".join(lines)

@@ -27,7 +27,7 @@ MODULE_DIRS = (HERE, ROOT / "examples")  # where a renderer's module is looked u
 
 # section NAME -> (results file under benchmarks/results/, module defining render)
 SECTIONS: dict[str, tuple[str, str]] = {
-    "losses": ("cpu-full.json", "bench_losses"),
+    "losses": ("cpu-losses-full.json", "bench_losses"),
     "training": ("cpu-training-full.json", "bench_training"),
     "lm_head": ("cpu-lm-head-full.json", "bench_lm_head"),
     "decoding": ("cpu-decoding-full.json", "bench_decoding"),
@@ -41,7 +41,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
 # and with instruction sets capped to stand in for older CPUs.
 DOCS_FILE = "docs/benchmarks.md"
 DOCS_SECTIONS: dict[str, tuple[str, str]] = {
-    "losses-epyc": ("cpu-losses-epyc.json", "bench_losses"),
+    "losses-xeon": ("cpu-full.json", "bench_losses"),
     "decoding-epyc": ("cpu-decoding-epyc.json", "bench_decoding"),
     "decoding-epyc-avx2": ("cpu-decoding-epyc-avx2.json", "bench_decoding"),
 }

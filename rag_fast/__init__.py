@@ -5,6 +5,7 @@ Public API (the heavier parts are imported on first use):
     linear_rag_nll                                        LM head + RAG loss, logits never held
     rag_token_beam_step                                   fused RAG-Token beam step
     reference                                             the paper's math in plain PyTorch
+    empty_cache, pool_info                                the ops' CPU buffer pool (rag_fast._pool)
     use_fused_losses                                      switch transformers' RAG models to them
     PassageStore, Encoder, DenseIndex, Retriever          retrieval (rag_fast.retrieval)
     RagModel, build_rag_model, load_retriever             model directories, retrieval, answers
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib
 
 from rag_fast import reference
+from rag_fast._pool import empty_cache, pool_info
 from rag_fast.integrations import use_fused_losses
 from rag_fast.ops import (
     linear_rag_nll,
@@ -54,7 +56,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__",
+    "empty_cache",
     "linear_rag_nll",
+    "pool_info",
     "rag_sequence_nll",
     "rag_token_beam_step",
     "rag_token_marginal",

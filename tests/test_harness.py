@@ -68,3 +68,25 @@ def test_table_and_json_carry_spread_and_flags(tmp_path):
     saved = json.loads(out.read_text())["rows"][0]
     assert saved["runs_ms"] == m.times_ms and saved["noisy"] == ["timing", "speedup"]
     assert saved["spread"] == pytest.approx(0.4059, abs=1e-3)
+
+
+def test_peak_memory_counts_what_the_buffer_pool_would_hide():
+    """A call whose buffer the pool kept from the previous call allocates nothing new; the
+    harness empties the pool first, so the call's peak still counts the buffer."""
+    import torch
+
+    import rag_fast
+    from rag_fast import _pool
+
+    def call():
+        t = _pool.empty((64 << 20) // 4, torch.float32)  # 64 MiB
+        t.fill_(1.0)
+        return float(t[-1])
+
+    call()  # the buffer is now idle in the pool, resident
+    assert rag_fast.pool_info()["idle_bytes"] >= 64 << 20
+    peak = harness.peak_memory_mb(call, "cpu")
+    assert peak is not None and peak >= 60, peak
+    description = harness.machine_description("cpu")
+    assert description["rag_fast_pool_mb"] == _pool.limit_bytes() >> 20
+    rag_fast.empty_cache()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from rag_fast import _ext
+from rag_fast import _ext, _pool
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -179,7 +179,7 @@ def token_smooth_grad(
 def token_marginal(x: torch.Tensor, a: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     B, _, T, V = x.shape
     a, lse = _f32(a), _f64(lse)
-    marginal = torch.empty((B, T, V), dtype=torch.float32, device=x.device)
+    marginal = _pool.empty((B, T, V), torch.float32, like=x)  # CPU only: reused memory
     _ext.get().token_marginal(*_view_args(x), a.data_ptr(), lse.data_ptr(), marginal.data_ptr())
     return marginal
 

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rag_fast import _ext
+from rag_fast import _ext, _pool
 from rag_fast.kernels import triton_usable_for
 from rag_fast.ops._dispatch import CPP_DTYPES, TRITON_DTYPES
 
@@ -224,12 +224,22 @@ def _saved(ctx, op: str) -> tuple[Tensor | None, ...]:
         ) from exc
 
 
+def _empty_like(logits: Tensor) -> Tensor:
+    """A gradient buffer for ``logits``: from rag_fast's CPU buffer pool (``rag_fast/_pool.py``:
+    memory a freed gradient leaves is reused instead of faulted in afresh) when ``logits`` are
+    contiguous, else ``torch.empty_like`` (the same strides, which autograd's gradient layout
+    rule asks of a leaf's gradient)."""
+    if logits.is_contiguous():
+        return _pool.empty(logits.shape, logits.dtype, like=logits)
+    return torch.empty_like(logits)
+
+
 def _write_grad(ctx, logits: Tensor, grad_op, *args) -> Tensor:
     """``grad_op(*args, out, impl)`` into a new buffer, or under inplace_grad into the logits
     themselves, whose version counter then moves on (recent torch bumps it for the mutating
     op already; done here too so the rule does not depend on it): autograd refuses any later
     use of the overwritten values."""
-    out = logits if ctx.inplace_grad else torch.empty_like(logits)
+    out = logits if ctx.inplace_grad else _empty_like(logits)
     grad_op(*args, out, ctx.impl)
     if ctx.inplace_grad:
         torch.autograd.graph.increment_version(logits)
@@ -501,7 +511,7 @@ def _check_token_marginal_grad(logits, log_prior, lse, marginal, grad_marginal, 
 def token_marginal_grad(logits: Tensor, log_prior: Tensor, lse: Tensor, marginal: Tensor,
                         grad_marginal: Tensor, impl: str = "auto") -> tuple[Tensor, Tensor]:
     backend = _check_token_marginal_grad(logits, log_prior, lse, marginal, grad_marginal, impl)
-    g_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    g_logits = _pool.empty(logits.shape, logits.dtype, like=logits)
     kernels = _kernels("token_marginal_grad", backend, {"logits": logits, "out": g_logits})
     c = kernels.token_marginal_grad(logits, log_prior, lse, marginal, grad_marginal, g_logits)
     return g_logits, c
