@@ -46,6 +46,8 @@ small generator, 16 target tokens, no compiled baseline.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness import (Context, Measurement, Row, add_ratio, machine_words, measure_interleaved,
@@ -56,6 +58,7 @@ EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
 OURS_MATERIALISED = "rag_fast materialised"
 PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALISED)
 MIN_STEPS = 5  # timed steps per provider
+GEMM_N, GEMM_CALLS = 4096, 5  # the square fp32 matmul whose best rate sets the GEMM floor
 
 B, K, CONTEXT, TARGET, VOCAB = 4, 5, 64, 32, 50265
 
@@ -223,6 +226,40 @@ def _check_same_loss(losses: dict, params, size_name: str, mode: str, device: st
                                  f"baseline's {want}")
 
 
+def gemm_rate(device: str, n: int = GEMM_N, calls: int = GEMM_CALLS) -> float:
+    """GFLOP/s of the fastest of ``calls`` ``n x n`` fp32 matmuls after a warm-up one: the best
+    rate torch's BLAS reaches on this machine (a step's smaller products run no faster)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g).to(device) for _ in range(2))
+    out = torch.empty(n, n, device=device)
+    best = float("inf")
+    for i in range(calls + 1):
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        _sync(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def step_gflop(step) -> float:
+    """Matrix-product GFLOP of one call of ``step`` (``torch.utils.flop_counter``: matmuls and
+    attention), the call itself run once more."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops() / 1e9
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _step(loss, params, device: str, keep_grads: bool, batch: int = B):
     scores_leaf = _inputs(1)[3][:batch].to(device).requires_grad_()
     # fused AdamW on every side: transformers' Trainer default (torch >= 2.8), and rag_fast's
@@ -251,8 +288,6 @@ def memory_step(mode: str, size_name: str, target: int, provider: str, device: s
 
 
 def run(ctx: Context) -> list[Row]:
-    import dataclasses
-
     import memory
     from bench_losses import compile_seconds
 
@@ -262,6 +297,7 @@ def run(ctx: Context) -> list[Row]:
     # and MIN_STEPS timed steps per provider, their steps alternating
     run_ctx = dataclasses.replace(ctx, repeats=MIN_STEPS, warmup=1)
     rows = []
+    rate = gemm_rate(ctx.device)  # GFLOP/s, for every case's GEMM floor
     for size_name in sizes:
         causal = SIZES[size_name].get("causal", False)
         for mode in ("token", "sequence"):
@@ -280,6 +316,8 @@ def run(ctx: Context) -> list[Row]:
                 params = list(hf.rag.generator.parameters())
                 steps = {p: _step(f, params, ctx.device, keep_grads=False)
                          for p, f in _losses(hf, providers, target, ctx.device).items()}
+            # each provider's matmul work, one untimed step each (compiled code is not counted)
+            gflop = {p: step_gflop(st) for p, st in steps.items() if p != COMPILED}
             compile_s = None
             if COMPILED in steps:
                 torch._dynamo.reset()
@@ -291,7 +329,8 @@ def run(ctx: Context) -> list[Row]:
                                          ctx.device, imports=IMPORTS)
                    for p in providers} if ctx.device == "cpu" and not ctx.quick else {}
             case = f"{size_name} {mode} B={CAUSAL_B if causal else B} K={K} L={CONTEXT} T={target}"
-            rows += _rows(case, measured, mem, compile_s, CAUSAL_B if causal else B)
+            rows += _rows(case, measured, mem, compile_s, CAUSAL_B if causal else B,
+                          GemmFloor(gflop, rate))
     return rows
 
 
@@ -308,8 +347,21 @@ def path_label(case: str, provider: str) -> str | None:
     return path + (" (RagModel default)" if path == default_path(case) else "")
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmFloor:
+    """A case's matmul work per provider (GFLOP per step) and the machine's best matmul rate
+    (GFLOP/s): the least work over the rate is a time no implementation of the step beats."""
+
+    gflop: dict[str, float]
+    rate: float
+
+    @property
+    def ms(self) -> float:
+        return min(self.gflop.values()) / self.rate * 1e3
+
+
 def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: float | None,
-          batch: int = B) -> list[Row]:
+          batch: int = B, floor: GemmFloor | None = None) -> list[Row]:
     rows = []
     base = measured[EAGER]
     for provider, m in measured.items():
@@ -328,6 +380,12 @@ def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: flo
                 row.extra["memory vs compiled"] = row.peak_mb / mem[COMPILED].whole_step_peak_mb
         if provider == COMPILED and compile_s is not None:
             row.extra["compile s"] = round(compile_s, 1)
+        if floor is not None and floor.gflop:
+            if provider in floor.gflop:
+                row.extra["GFLOP"] = round(floor.gflop[provider], 2)
+            row.extra["GEMM GFLOP/s"] = round(floor.rate, 1)
+            row.extra["GEMM floor ms"] = round(floor.ms, 1)
+            row.extra["x GEMM floor"] = m.median_ms / floor.ms
         rows.append(row)
     return rows
 
@@ -360,6 +418,33 @@ def default_path(case: str) -> str:
     return lm_head_path("auto", rows * size.get("vocab", VOCAB) * 4)
 
 
+def _floor_cell(r: dict, eager: dict | None) -> str:
+    def one(x):
+        v = None if x is None else x["extra"].get("x GEMM floor")
+        return "-" if v is None else f"{v:.2f}x"
+
+    if r["extra"].get("x GEMM floor") is None:
+        return "-"
+    return f"{one(r)} / {one(eager)}"
+
+
+def _floor_words(rows: list[dict]) -> str:
+    """The caption's sentence on the GEMM floor; nothing for a file that predates it."""
+    measured = [r for r in rows if r["extra"].get("GEMM floor ms") is not None]
+    if not measured:
+        return ""
+    rate = measured[0]["extra"]["GEMM GFLOP/s"]
+    bart = [r for r in measured if r["case"].startswith("bart-base")
+            and r["extra"].get("GFLOP") is not None]
+    work = (f" (BART-base-sized: {min(r['extra']['GFLOP'] for r in bart):,.0f} GFLOP per step)"
+            if bart else "")
+    return (" GEMM floor: the least matrix-product work of the providers' steps "
+            f"(`torch.utils.flop_counter`, one untimed step each){work} at the best rate of "
+            f"a {GEMM_N}x{GEMM_N} fp32 matmul in the same run ({rate:,.0f} GFLOP/s, the fastest "
+            f"of {GEMM_CALLS}): no implementation of the step runs faster, so a speed-up over "
+            "eager cannot exceed eager's time over the floor.")
+
+
 def render(results: dict, source: str) -> str:
     """The README's training section from a results file (``source``: its name under
     ``benchmarks/results/``): a caption saying what, how and where, then one line per
@@ -370,8 +455,9 @@ def render(results: dict, source: str) -> str:
         "| generator | mode | `RagModel` default path | step ms | spread "
         "| vs `transformers` eager | vs `torch.compile`d `transformers` "
         "| whole-step peak MB (rag_fast / eager / compiled) | memory vs eager "
-        "| memory vs compiled | the other path: vs eager, peak MB | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| memory vs compiled | the other path: vs eager, peak MB "
+        "| time over the GEMM floor (rag_fast / eager) | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     case_words = ""
     any_compiled = False
@@ -399,7 +485,8 @@ def render(results: dict, source: str) -> str:
             f"| {r['median_ms']:,.0f} | {spread_cell(r)} | {_ratio(r, 'speedup vs eager')} "
             f"| {_ratio(r, 'speedup vs compiled') if comp else 'not run'} | {peaks} "
             f"| {_ratio(r, 'memory vs eager')} | {_ratio(r, 'memory vs compiled')} "
-            f"| {other_cell} | {'-' if compile_s is None else f'{compile_s:.0f}'} |")
+            f"| {other_cell} | {_floor_cell(r, eager)} "
+            f"| {'-' if compile_s is None else f'{compile_s:.0f}'} |")
     counted = runs_counted(rows)
     args = results.get("args", {})
     command = run_command(args)
@@ -436,6 +523,6 @@ def render(results: dict, source: str) -> str:
         "one warm step keeping its gradients; the whole-step peak is the peak resident set of "
         "the next step above the bare process's before the model existed (parameters, "
         "gradients, optimizer state and the step's temporaries; glibc made to unmap freed "
-        "blocks of 1 MiB or more)." + skipped
+        "blocks of 1 MiB or more)." + _floor_words(rows) + skipped
     )
     return caption + "\n\n" + "\n".join(lines)

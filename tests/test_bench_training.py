@@ -79,7 +79,7 @@ def test_training_render_states_method_and_both_baselines():
     assert bench_training.default_path("bart-base sequence B=4 K=5 L=64 T=32") == "materialized"
     assert lines[2] == ("| BART-base-sized (d 768, 6+6 layers) | RAG-Sequence | materialised logits "
                         "| 450 | 2% | 2.22x | 1.78x | 760 / 1,000 / 900 | 0.76x | 0.84x "
-                        "| fused: 2.00x, 700 | 42 |")
+                        "| fused: 2.00x, 700 | - | 42 |")
 
 
 def test_training_render_without_compiled_says_so():
@@ -89,7 +89,7 @@ def test_training_render_without_compiled_says_so():
     assert "--quick --only training" in text and "compiled baseline was not run" in text
     row = text.splitlines()[-1]
     assert ("| materialised logits | 450 | 2% | 2.22x | not run | 760 / 1,000 / - | 0.76x | - "
-            "| fused: 2.00x (noisy), 700 | - |") in row
+            "| fused: 2.00x (noisy), 700 | - | - |") in row
 
 
 def _loss_rows():
@@ -192,3 +192,41 @@ def test_quick_rows_name_the_lm_head_path_each_ran():
     case = "qwen2-0.5b-2l token B=2 K=5 L=64 T=1000"
     assert bench_training.path_label(case, "rag_fast") == "fused (RagModel default)"
     assert bench_training.path_label(case, "rag_fast materialised") == "materialized"
+
+
+def test_gemm_floor_rows_cell_and_caption():
+    """The GEMM floor: the least matmul work of the providers over the best matmul rate; each
+    row's time over it, the table's cell (rag_fast / eager) and the caption's sentence."""
+    measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
+                "rag_fast": _m([500, 505, 495, 502, 498]),
+                "rag_fast materialised": _m([450, 455, 445, 452, 448])}
+    floor = bench_training.GemmFloor(
+        {"transformers": 40.0, "rag_fast": 42.0, "rag_fast materialised": 39.0}, 130.0)
+    assert floor.ms == pytest.approx(39.0 / 130.0 * 1e3)  # 300 ms
+    rows = bench_training._rows("bart-base token B=4 K=5 L=64 T=32", measured, {}, None,
+                                floor=floor)
+    by = {r.provider: r for r in rows}
+    assert by["transformers"].extra["x GEMM floor"] == pytest.approx(1000 / 300)
+    assert by["rag_fast materialised"].extra["x GEMM floor"] == pytest.approx(450 / 300)
+    assert by["rag_fast"].extra["GFLOP"] == 42.0 and by["rag_fast"].extra["GEMM floor ms"] == 300
+    text = bench_training.render(_results(rows), "x.json")
+    caption, table = text.split("\n\n")
+    assert "| 1.50x / 3.33x |" in table.splitlines()[-1]  # materialised is the default here
+    assert "(BART-base-sized: 39 GFLOP per step)" in caption
+    assert "4096x4096 fp32 matmul in the same run (130 GFLOP/s" in caption
+
+
+def test_step_gflop_counts_a_known_step():
+    """One step of a linear layer [m, k] x [k, n]: forward 2mkn, backward 4mkn (input and
+    weight gradients) flops."""
+    import torch
+
+    m, k, n = 8, 16, 4
+    lin = torch.nn.Linear(k, n, bias=False)
+    x = torch.randn(m, k, requires_grad=True)
+
+    def step():
+        lin(x).sum().backward()
+
+    assert bench_training.step_gflop(step) * 1e9 == pytest.approx(6 * m * k * n)
+    assert bench_training.gemm_rate("cpu", n=64, calls=2) > 0
