@@ -194,7 +194,8 @@ def _pool_words(machine: dict) -> str:
     return (" rag_fast's gradient comes from its CPU buffer pool (`RAG_FAST_POOL_MB` "
             f"{mb}): the memory of the previous call's freed gradient, already resident, where "
             "the baselines' gradients get fresh pages from torch's allocator every call; the "
-            "pool is emptied before the memory call, so the memory column counts the gradient.")
+            "pool is emptied before the memory call, so the memory column counts the gradient "
+            "(between calls the pool keeps the freed gradient's memory, which is not in it).")
 
 
 def render(results: dict, source: str) -> str:

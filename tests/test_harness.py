@@ -70,10 +70,12 @@ def test_table_and_json_carry_spread_and_flags(tmp_path):
     assert saved["spread"] == pytest.approx(0.4059, abs=1e-3)
 
 
-def test_peak_memory_counts_what_the_buffer_pool_would_hide():
+def test_peak_memory_counts_what_the_buffer_pool_would_hide(monkeypatch):
     """A call whose buffer the pool kept from the previous call allocates nothing new; the
     harness empties the pool first, so the call's peak still counts the buffer."""
     import torch
+
+    monkeypatch.delenv("RAG_FAST_POOL_MB", raising=False)
 
     import rag_fast
     from rag_fast import _pool
