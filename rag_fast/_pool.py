@@ -118,7 +118,7 @@ class _Pool:
             try:
                 lease = memoryview(block.map)[block.offset:block.offset + nbytes]
                 block.lease = weakref.ref(lease)
-                weakref.finalize(lease, self._on_free, block)
+                weakref.finalize(lease, self._on_free, block).atexit = False
                 tensor = torch.frombuffer(lease, dtype=torch.uint8)
             finally:
                 block.reserved = False
