@@ -63,7 +63,7 @@ def _fused(mode, eps, red, exclude_bos=False, **kw):
 
 def _check_against_oracle(mode, eps, B, K, T, d, V, *, red="mean", missing=False, bias=True,
                           tile=None, upstream=None, exclude_bos=False, impl="auto",
-                          dtype=torch.float32):
+                          dtype=torch.float32, deferred=False):
     h, W, b, s, y = _case(B, K, T, d, V, missing=missing, bias=bias)
     names = ["loss", "hidden", "weight", "bias", "doc_scores"]
 
@@ -75,7 +75,15 @@ def _check_against_oracle(mode, eps, B, K, T, d, V, *, red="mean", missing=False
     low = [None if t is None else t.to(dtype) for t in (h, W, b)] + [s.float()]
     up = None if upstream is None else upstream.float()
     plain, plain_g = _grads(with_y(_materialised(mode, eps, red, exclude_bos)), low, up)
-    got, got_g = _grads(with_y(_fused(mode, eps, red, exclude_bos, tile=tile, impl=impl)), low, up)
+    if deferred:  # a tied head's deferred weight gradient, taken when the backward has run
+        heads = _seq2seq.DeferredHeadGrad()
+        got, got_g = _grads(with_y(_fused(mode, eps, red, exclude_bos, tile=tile, impl=impl,
+                                          deferred_weight_grad=heads)), low, up)
+        assert got_g[1] is None
+        got_g[1] = heads.take()
+    else:
+        got, got_g = _grads(with_y(_fused(mode, eps, red, exclude_bos, tile=tile, impl=impl)),
+                            low, up)
     assert got.dtype == torch.float32
     # The hidden, weight and bias gradients are sums over the vocabulary or the rows of
     # products with the logits' gradient G, whose terms can cancel: each element's floor is the
@@ -107,23 +115,29 @@ def _logits_grad(mode, eps, red, exclude_bos, h, W, b, s, y, upstream):
 
 
 @requires_ext
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("K", [1, 5])
 @pytest.mark.parametrize("V", [7, 1003])
-def test_equals_materialised_loss(mode, eps, K, V):
-    # tiles that do not divide V, and a question with a missing passage when K > 1
+def test_equals_materialised_loss(mode, eps, K, V, deferred):
+    # tiles that do not divide V, and a question with a missing passage when K > 1; deferred:
+    # a tied head's weight gradient computed late, the hidden states' in the forward pass
+    # (RAG-Token eps 0 and RAG-Sequence without a bias gradient; the others as immediate)
     _check_against_oracle(mode, eps, B=3, K=K, T=5, d=12, V=V, missing=K > 1,
-                          tile=3 if V == 7 else 256)
+                          tile=3 if V == 7 else 256, deferred=deferred,
+                          bias=not deferred or V == 7)
 
 
 @requires_ext
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("K", [1, 5])
-def test_equals_materialised_loss_at_qwen2_vocabulary(mode, eps, K):
+def test_equals_materialised_loss_at_qwen2_vocabulary(mode, eps, K, deferred):
     # V = 151 936 (Qwen2), the default tile width
-    _check_against_oracle(mode, eps, B=2, K=K, T=3, d=16, V=151936, missing=K > 1)
+    _check_against_oracle(mode, eps, B=2, K=K, T=3, d=16, V=151936, missing=K > 1,
+                          deferred=deferred, bias=not deferred)
 
 
 @requires_ext
@@ -205,8 +219,37 @@ def test_deferred_weight_gradient_equals_the_immediate_one(mode):
     dW = deferred.take()
     assert deferred.take() is None  # taken once
     torch.testing.assert_close(dW, now[1], rtol=0, atol=0)
+    # with a bias that needs a gradient, the hidden states' comes from the backward's tiles as
+    # in the immediate path, bit for bit (without one: the oracle tests, deferred=True)
     for a, w in zip([late[0].grad, late[2].grad, late[3].grad], [now[0], now[2], now[3]]):
         torch.testing.assert_close(a, w, rtol=0, atol=0)
+
+
+@requires_ext
+@pytest.mark.parametrize("mode,eps", [("token", 0.0), ("sequence", 0.0), ("sequence", 0.1)])
+def test_deferred_head_takes_the_hidden_gradient_from_the_forward(mode, eps, monkeypatch):
+    """A tied head without a bias gradient (RagModel's case): the backward runs no vocabulary
+    pass of its own for the hidden states (their gradient comes from the forward's online
+    softmax product), only the late weight gradient's; RAG-Token with smoothing keeps it."""
+    h, W, _, s, y = [None if t is None else t.float() if t.is_floating_point() else t
+                     for t in _case(2, 3, 4, 8, 200, missing=True, bias=False)]
+    passes = []
+    real = lin._GradTiles.__iter__
+
+    def counting(self):
+        passes.append(1)
+        return real(self)
+
+    monkeypatch.setattr(lin._GradTiles, "__iter__", counting)
+    for e, want in ((eps, 1), (0.1, 2)) if mode == "token" else ((eps, 1),):
+        passes.clear()
+        deferred = _seq2seq.DeferredHeadGrad()
+        hh = h.clone().requires_grad_()
+        linear_rag_nll(hh, W.clone().requires_grad_(), s, y, mode=mode, epsilon=e,
+                       ignore_index=IGNORE, reduction="mean", tile=64,
+                       deferred_weight_grad=deferred).backward()
+        assert deferred.take() is not None
+        assert len(passes) == want, (mode, e, passes)
 
 
 @requires_ext

@@ -241,8 +241,16 @@ def test_tied_embedding_gradient_equals_plain_autograd(mode, generator, lm_head_
     assert not any(m.sparse for m in gen.modules() if isinstance(m, torch.nn.Embedding))
     monkeypatch.setattr(_seq2seq, "split_tied_weight", lambda generator: None)
     want = _generator_grads(model, *inputs)
+    # float32 rounding only: with the split, the fused path takes the decoder states' gradient
+    # from its forward pass (the online softmax product) rather than from its backward's
+    # vocabulary tiles, summing the same terms in another order, which the layers below carry
+    # on. Against the float64 model, both paths' gradients err by up to 2-4e-5 of each tensor's
+    # largest element (BART, RAG-Token), so each element may differ by 1e-4 of that here; and
+    # by 1e-5 where a gradient is zero up to rounding (the attention keys' bias: softmax does
+    # not see a shift of its scores)
     for n, g in want.items():
-        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=max(1e-5, 1e-4 * g.abs().max()),
+                                   msg=n)
 
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])

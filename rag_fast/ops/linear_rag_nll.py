@@ -17,9 +17,16 @@ vocabulary, so the vocabulary is walked in tiles of ``tile`` columns and only on
   recomputed, their gradient is written over them in place (the cross-entropy-shaped formula
   of docs/design.md), and ``dh += G W_tile``, ``dW_tile = G^T h``, ``db_tile = sum_rows G``.
 
+With ``deferred_weight_grad`` (a tied head: ``dW`` is computed late, by one more pass that
+recomputes the logits) and no smoothed RAG-Token term or bias gradient, pass 1 also accumulates
+``P W`` (softmax times the LM head, rescaled as the running ``L`` grows, as a flash-attention
+output is), so that the backward gets ``dh = c_p (P W) + c_y W[y] + c_1 colsum(W)`` without a
+pass of its own.
+
 Cost: the materialised path runs three ``[N, d] x [d, V]``-sized GEMMs (logits, ``dh``, ``dW``);
-this op runs four (the logits twice), five for RAG-Token with label smoothing; in exchange it
-never writes, reads back or page-faults a logits-sized buffer. Memory beyond the weights and
+this op runs four (the logits twice), five for RAG-Token with label smoothing (six with a
+deferred weight gradient); in exchange it never writes, reads back or page-faults a
+logits-sized buffer. Memory beyond the weights and
 their gradients: one tile, ``dh`` and ``O(B*K*T)`` statistics.
 
 Backends: the per-tile statistics and gradients are the fused losses' own kernels (C++ on the
@@ -151,19 +158,37 @@ class _LinearRagLoss(torch.autograd.Function):
         x_tgt = torch.zeros(N, dtype=torch.float32, device=h2.device)
         x_sum = torch.zeros(N, dtype=torch.float32, device=h2.device) if need_sum else None
         tiles = _Tiles(h2, weight, bias, width)
+        needs_grad = any(ctx.needs_input_grad[:4])
+        # With the weight's gradient deferred (a tied head in RagModel), the hidden states'
+        # gradient is gathered here, in this one pass, instead of by a pass of its own in the
+        # backward (see _online_softmax_product); not for RAG-Token with label smoothing, whose
+        # gradient needs statistics of a second pass, nor with a bias that needs a gradient.
+        online = (deferred is not None and ctx.needs_input_grad[0] and not smooth_token
+                  and not (bias is not None and ctx.needs_input_grad[2]))
+        pw = torch.zeros((N, h2.shape[1]), dtype=torch.float32, device=h2.device) if online \
+            else None
+        colsum = torch.zeros(h2.shape[1], dtype=torch.float32, device=h2.device) \
+            if online and need_sum else None
+        no_targets = torch.full((B, T), -1, dtype=torch.int64, device=h2.device) if online \
+            else None
         for v0, v1, x in tiles:
             part, _, part_sum = torch.ops.rag_fast.row_stats(x.view(B, K, T, v1 - v0), None,
                                                              ignore_index, impl)
-            torch.logaddexp(lse, part.view(N), out=lse)
+            new_lse = torch.logaddexp(lse, part.view(N))
             if need_sum:
                 x_sum += part_sum.view(N)
             local = _local_targets(y_rows, ignore_index, v0, v1)
             here = local >= 0
             picked = x.gather(1, local.clamp_min(0)[:, None]).squeeze(1).float()
             x_tgt = torch.where(here, picked, x_tgt)
+            if online:
+                _online_softmax_product(pw, x, weight[v0:v1], lse, new_lse, (B, K, T),
+                                        no_targets, impl)
+                if colsum is not None:
+                    colsum += weight[v0:v1].sum(0, dtype=torch.float32)
+            lse = new_lse
         lse3 = lse.view(B, K, T)
         sum_m = rho = None
-        needs_grad = any(ctx.needs_input_grad[:4])
         if smooth_token:
             sum_m = torch.zeros((B, T), dtype=torch.float32, device=h2.device)
             rho = torch.zeros((B, K, T), dtype=torch.float32, device=h2.device)
@@ -178,7 +203,8 @@ class _LinearRagLoss(torch.autograd.Function):
         if needs_grad:
             ctx.save_for_backward(h2, weight, bias, a, targets, mask, nll_mask, lse3,
                                   x_tgt.view(B, K, T),
-                                  None if x_sum is None else x_sum.view(B, K, T), sum_m, rho)
+                                  None if x_sum is None else x_sum.view(B, K, T), sum_m, rho,
+                                  pw, colsum)
         ctx.meta = (shape, mode, epsilon, ignore_index, reduction, impl, width)
         ctx.deferred = deferred
         return loss
@@ -186,8 +212,8 @@ class _LinearRagLoss(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_loss):
-        (h2, weight, bias, a, targets, mask, nll_mask, lse, x_tgt, x_sum, sum_m,
-         rho) = ctx.saved_tensors
+        (h2, weight, bias, a, targets, mask, nll_mask, lse, x_tgt, x_sum, sum_m, rho, pw,
+         colsum) = ctx.saved_tensors
         shape, mode, epsilon, ignore_index, reduction, impl, width = ctx.meta
         B, K, T = shape
         N, V = h2.shape[0], weight.shape[0]
@@ -221,6 +247,16 @@ class _LinearRagLoss(torch.autograd.Function):
             dW, need_w = None, False
         grad_tiles = _GradTiles(h2, weight, bias, width, (B, K, T), targets, ignore_index, a,
                                 lse, c_p, g_tgt, g_sum, g_sum_m, smooth_token, impl)
+        if pw is not None and need_h and not need_w and not need_b:
+            # G h-product from the forward's P W: dh = c_p (P W) + c_y W[y] + c_1 colsum(W)
+            y_rows = targets[:, None, :].expand(B, K, T).reshape(N)
+            has_y = (y_rows != ignore_index)[:, None]
+            dh = c_p.reshape(N, 1).float() * pw
+            dh += torch.where(has_y, g_tgt.reshape(N, 1).float(), 0.0) * \
+                weight[y_rows.clamp_min(0)].float()
+            if colsum is not None:
+                dh += g_sum.reshape(N, 1).float() * colsum
+            need_h = False
         if need_h or need_w or need_b:
             for v0, v1, G in grad_tiles:
                 if need_h:
@@ -237,6 +273,26 @@ class _LinearRagLoss(torch.autograd.Function):
         g_h = None if dh is None else dh.to(h2.dtype)
         return (g_h, dW, db, g_a if ctx.needs_input_grad[3] else None,
                 None, None, None, None, None, None, None, None, None, None, None)
+
+
+def _online_softmax_product(pw, x, w_tile, lse_before, lse_after, shape, no_targets, impl):
+    """Fold one vocabulary tile into ``pw``, the running ``P W`` (softmax of the logits seen
+    so far times their LM-head rows): ``pw <- pw * exp(L_before - L_after) + exp(x - L_after)
+    W_tile``, where L is the running log-sum-exp of each row (float64). After the last tile,
+    ``pw = P W`` with P the rows' softmax over the whole vocabulary, as a flash-attention
+    output accumulates; exp(x - L) is written over the tile ``x`` by the losses' own gradient
+    kernel (its float64 row normaliser, c_p = 1 and no other term)."""
+    B, K, T = shape
+    ones = torch.ones(shape, dtype=torch.float32, device=x.device)
+    zeros = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    x4 = x.view(B, K, T, x.shape[1])
+    torch.ops.rag_fast.row_grad(x4, no_targets, -1, lse_after.view(shape), ones, zeros, zeros,
+                                x4, impl)
+    pw.mul_(torch.exp(lse_before - lse_after).to(pw.dtype)[:, None])  # 0 before the first tile
+    if x.dtype == pw.dtype:
+        pw.addmm_(x, w_tile)
+    else:
+        pw += (x @ w_tile).float()
 
 
 def _small_graph(mode, mask, nll_mask, epsilon, V, reduction):
