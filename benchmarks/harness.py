@@ -290,11 +290,14 @@ def machine_description(device: str) -> dict:
         if _ext.available():
             info["rag_fast_simd"] = _ext.get().simd_level()
             info["rag_fast_threads"] = _ext.get().num_threads()
-        from rag_fast import _pool
-
-        info["rag_fast_pool_mb"] = _pool.limit_bytes() >> 20  # 0: the CPU buffer pool off
     except Exception:  # the harness must run even if rag_fast is broken
         pass
+    try:
+        from rag_fast import _pool
+    except ImportError:
+        pass
+    else:  # a bad RAG_FAST_POOL_MB raises here, before any bench runs
+        info["rag_fast_pool_mb"] = _pool.limit_bytes() >> 20  # 0: the CPU buffer pool off
     return info
 
 

@@ -171,6 +171,7 @@ class _Pool:
                     "limit_bytes": limit_bytes()}
 
 
+limit_bytes()  # a bad RAG_FAST_POOL_MB is an error at import, not deep inside a backward
 _POOL = _Pool()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_POOL.after_fork_in_child)
@@ -180,12 +181,14 @@ def empty(shape, dtype: torch.dtype, like: torch.Tensor | None = None) -> torch.
     """An uninitialised contiguous tensor of ``shape`` and ``dtype`` on the CPU, from the pool
     when it is large enough (see the module docstring). With ``like``, a tensor on ``like``'s
     device: CUDA (torch's own caching allocator), fake and meta tensors and tensor subclasses
-    get ``torch.empty``, as does anything while ``torch.compile`` traces."""
+    get ``like.new_empty`` (their device and subclass), as does anything while
+    ``torch.compile`` traces."""
     shape = (int(shape),) if isinstance(shape, int) else tuple(int(n) for n in shape)
-    device = None if like is None else like.device
-    if torch.compiler.is_compiling() or (like is not None and (
-            type(like) is not torch.Tensor or like.device.type != "cpu")):
-        return torch.empty(shape, dtype=dtype, device=device)
+    if like is not None and (type(like) is not torch.Tensor or like.device.type != "cpu"
+                             or torch.compiler.is_compiling()):
+        return like.new_empty(shape, dtype=dtype)  # its device, and its subclass if any
+    if torch.compiler.is_compiling():
+        return torch.empty(shape, dtype=dtype)
     return _POOL.empty(shape, dtype)
 
 

@@ -119,7 +119,7 @@ def test_a_bad_limit_names_the_variable(monkeypatch, value):
         _pool.empty((MIN_FLOATS,), torch.float32)
 
 
-def test_meta_and_subclass_like_tensors_get_plain_buffers():
+def test_meta_and_parameter_like_tensors_skip_the_pool():
     before = _info()["blocks"]
     t = _pool.empty((MIN_FLOATS,), torch.float32, like=torch.empty(0, device="meta"))
     assert t.device.type == "meta"
@@ -227,3 +227,24 @@ def test_the_token_marginal_and_its_gradient_come_from_the_pool():
     (mr * w.double()).sum().backward()
     torch.testing.assert_close(m.double(), mr, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_bad_limit_stops_the_import_with_its_name():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RAG_FAST_POOL_MB="2GB")
+    run = subprocess.run([sys.executable, "-c", "import rag_fast"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "RAG_FAST_POOL_MB must be a whole number of MiB >= 0" in run.stderr
+    assert "'2GB'" in run.stderr
+
+
+def test_a_tensor_subclass_like_gets_its_own_kind():
+    class Tagged(torch.Tensor):
+        pass
+
+    like = torch.empty(2).as_subclass(Tagged)
+    t = _pool.empty((MIN_FLOATS,), torch.float32, like=like)
+    assert type(t) is Tagged and t.shape == (MIN_FLOATS,)
