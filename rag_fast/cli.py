@@ -325,7 +325,8 @@ def _index_build(args) -> int:
                          index.factory != "Flat")
     where = " (inverted lists memory-mapped when opened)" if index.on_disk else ""
     print(f"built {factory}{where} over {len(index)} passages ({index.dim}-d) -> {out}; "
-          + _quality_line(quality) + (f"; search defaults {settings}" if settings else ""))
+          + _quality_line(quality, index.factory)
+          + (f"; search defaults {settings}" if settings else ""))
     return 0
 
 
@@ -394,7 +395,9 @@ def _index_search(args) -> int:
     return 0
 
 
-def _quality_line(quality: dict | None) -> str:
+def _quality_line(quality: dict | None, factory: str | None = None) -> str:
+    if factory == "Flat":  # exact search: the true top k of every query by construction
+        return "exact search, nothing approximate to measure"
     if not quality:
         return "not measured (built before rag_fast measured indexes, or by DenseIndex.build)"
     speed = (f", {quality['ms_per_query']:.3f} ms/query (batch)"
@@ -417,9 +420,11 @@ def _index_info(args) -> int:
                    f"normalize={manifest['encoder']['normalize']})",
         "dimension": d["dim"],
         "metric": d["metric"],
-        "preset": f"{d['preset']} ({d['factory']})",
-        "search defaults": ", ".join(f"{k}={v}" for k, v in d["params"].items()),
-        "measured": _quality_line(d.get("search_quality")),
+        "preset": (f"{d['preset']} ({d['factory']})" if d["factory"] != "Flat" else
+                   f"{d['preset']} (Flat: exact search)"),
+        "search defaults": ", ".join(f"{k}={v}" for k, v in d["params"].items()
+                                     if k != "rerank" or d["factory"] != "Flat") or "none",
+        "measured": _quality_line(d.get("search_quality"), d["factory"]),
         "bytes/vector": f"{index.index_bytes() / len(index):.1f} (+{2 * d['dim']} fp16 vectors)",
         "faiss": f"{d['faiss_version']} (built with {json.loads((Path(args.dir) / 'index' / 'manifest.json').read_text())['faiss_version']})",
         "checksums": "verified" if args.verify else "sizes checked (--verify for SHA-256)",

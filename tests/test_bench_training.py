@@ -230,3 +230,14 @@ def test_step_gflop_counts_a_known_step():
 
     assert bench_training.step_gflop(step) * 1e9 == pytest.approx(6 * m * k * n)
     assert bench_training.gemm_rate("cpu", n=64, calls=2) > 0
+
+    # in-place accumulations count too (torch's counter leaves addmm_ / baddbmm_ out)
+    acc, acc3 = torch.zeros(m, n), torch.zeros(3, m, n)
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a3, b3 = torch.randn(3, m, k), torch.randn(3, k, n)
+
+    def accumulate():
+        acc.addmm_(a, b)
+        acc3.baddbmm_(a3, b3)
+
+    assert bench_training.step_gflop(accumulate) * 1e9 == pytest.approx(2 * m * k * n * 4)

@@ -213,3 +213,15 @@ def test_device_cuda_without_cuda_names_the_flag(tmp_path, capsys, command):
     err = capsys.readouterr().err.strip()
     assert err == ("rag-fast: error: --device is 'cuda' but CUDA is not available here; use "
                    "--device cpu (or leave it out to choose)"), err
+
+
+def test_a_missing_dataset_file_is_named_with_its_key_before_anything_loads(tmp_path, capsys):
+    from rag_fast import cli
+
+    # the model directory is missing too: the dataset is checked first, before any loading
+    path = _train_config(tmp_path, "no-model")
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"rag-fast: error: {path}: data.train: dataset file not found: "
+                   f"{tmp_path / 'qa.jsonl'} (a relative path is read from the config file's "
+                   "folder)"), err

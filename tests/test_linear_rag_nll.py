@@ -360,3 +360,24 @@ def test_float64_runs_the_materialised_reference():
     got = linear_rag_nll(h, W, s, y, bias=b, epsilon=0.1, ignore_index=IGNORE, reduction="none")
     want = _materialised("token", 0.1, "none")(h, W, b, s, y)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@requires_ext
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_autocast_deferred_head_gathers_the_hidden_gradient_in_bfloat16_tiles(mode):
+    """Under autocast the forward's online softmax product runs on bf16 tiles into a float32
+    accumulator; the hidden states' gradient matches the immediate path's (bf16 tolerance)."""
+    h, W, _, s, y = [None if t is None else t.float() if t.is_floating_point() else t
+                     for t in _case(2, 3, 4, 16, 300, missing=True, bias=False)]
+    grads = []
+    for deferred in (None, _seq2seq.DeferredHeadGrad()):
+        hh, ww = h.clone().requires_grad_(), W.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = linear_rag_nll(hh, ww, s, y, mode=mode, ignore_index=IGNORE,
+                                  reduction="sum", tile=128, deferred_weight_grad=deferred)
+        loss.backward()
+        assert hh.grad.dtype == torch.float32
+        grads.append((hh.grad, ww.grad if deferred is None else deferred.take()))
+    (h_now, w_now), (h_late, w_late) = grads
+    torch.testing.assert_close(h_late, h_now, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(w_late, w_now, rtol=0, atol=0)

@@ -184,3 +184,20 @@ def test_search_verifies_the_index_unless_told_not_to(tmp_path, built, capsys):
     assert cli.main(["index", "search", str(copy), "who painted the Mona Lisa?"]) == 2
     assert "SHA-256" in capsys.readouterr().err
     assert cli.main(["index", "search", str(copy), "who painted the Mona Lisa?", "--no-verify"]) == 0
+
+
+def test_exact_search_says_so_instead_of_a_measurement(tmp_path, corpus, minilm, capsys):
+    """A corpus below the IVF size gets exact search whatever the preset: build and info say
+    "exact search" instead of a recall measured against itself or an unused re-rank setting."""
+    out = tmp_path / "small"
+    assert cli.main(["index", "build", "--passages", str(corpus), "--encoder", minilm,
+                     "--out", str(out), "--no-progress"]) == 0  # preset ivfpq, tiny corpus
+    built_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert built_line.startswith("built Flat over ") and built_line.endswith(
+        "exact search, nothing approximate to measure"), built_line
+    assert cli.main(["index", "info", str(out)]) == 0
+    info = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip()
+            for line in capsys.readouterr().out.splitlines()}
+    assert info["preset"] == "ivfpq (Flat: exact search)"
+    assert info["search defaults"] == "none"
+    assert info["measured"] == "exact search, nothing approximate to measure"

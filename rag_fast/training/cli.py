@@ -263,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.config}: no model: set \"model\" or pass --model DIR")
     if not tc.output_dir:
         raise ValueError(f"{args.config}: train.output_dir is not set (or pass --output-dir DIR)")
+    for key, file in config["data"].items():  # before the model and the index are loaded
+        if not os.path.isfile(file):
+            raise ValueError(f"{args.config}: data.{key}: dataset file not found: {file} (a "
+                             "relative path is read from the config file's folder)")
 
     device = resolve_device(tc.device)
     init_from_env(device)
@@ -294,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(model, train_data, rag_collate(model), rag_loss, tc, eval_fn)
     if config["resume"] and trainer.resume():
         print(f"resumed from step {trainer.state.step} ({trainer.checkpoint_path()})")
+    first_step = trainer.state.step
     start = time.perf_counter()
     state = trainer.train()
     if trainer.rank == 0:
@@ -315,7 +320,9 @@ def run(args: argparse.Namespace) -> int:
             summary += f"; eval at step {step}: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, (int, float)) else f"{k} {v}"
                 for k, v in metrics.items())
-        print(f"trained {state.step} steps in {time.perf_counter() - start:.0f} s ({summary}); "
+        done = (f"trained {state.step} steps" if first_step == 0 else
+                f"trained {state.step - first_step} steps (from step {first_step} to {state.step})")
+        print(f"{done} in {time.perf_counter() - start:.0f} s ({summary}); "
               f"model: {final}  (metrics: {os.path.join(tc.output_dir, tc.metrics_file or '')}, "
               f"plot: {os.path.join(tc.output_dir, tc.plot_file or '')})")
     return 0
