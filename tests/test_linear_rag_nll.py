@@ -141,12 +141,14 @@ def test_equals_materialised_loss_at_qwen2_vocabulary(mode, eps, K, deferred):
 
 
 @requires_ext
-@pytest.mark.parametrize("mode", ["token", "sequence"])
-def test_per_question_upstream_gradient_and_options(mode):
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize("mode,eps", [("token", 0.1), ("token", 0.0), ("sequence", 0.1)])
+def test_per_question_upstream_gradient_and_options(mode, eps, deferred):
     # reduction="none" with a different upstream weight per question; no bias; exclude_bos
     up = torch.tensor([0.5, -2.0, 1.5])
-    _check_against_oracle(mode, 0.1, B=3, K=4, T=6, d=8, V=300, red="none", bias=False,
-                          upstream=up, exclude_bos=mode == "sequence", missing=True, tile=128)
+    _check_against_oracle(mode, eps, B=3, K=4, T=6, d=8, V=300, red="none", bias=False,
+                          upstream=up, exclude_bos=mode == "sequence", missing=True, tile=128,
+                          deferred=deferred)
     _check_against_oracle(mode, 0.0, B=3, K=2, T=4, d=8, V=50, red="sum", tile=50)
 
 
@@ -381,3 +383,58 @@ def test_autocast_deferred_head_gathers_the_hidden_gradient_in_bfloat16_tiles(mo
     (h_now, w_now), (h_late, w_late) = grads
     torch.testing.assert_close(h_late, h_now, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(w_late, w_now, rtol=0, atol=0)
+
+
+def _row_errors(got, want):
+    """Per-row relative error of ``got`` against the float64 ``want`` ([rows, d])."""
+    got, want = got.reshape(-1, got.shape[-1]).double(), want.reshape(-1, want.shape[-1])
+    return ((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30))
+
+
+@requires_ext
+@pytest.mark.parametrize("mode,eps,dtype", [("token", 0.0, torch.bfloat16),
+                                            ("sequence", 0.1, torch.bfloat16),
+                                            ("token", 0.0, torch.float32)])
+def test_deferred_hidden_gradient_is_as_accurate_on_a_peaked_softmax(mode, eps, dtype):
+    """Rows whose target takes nearly all the probability (P_y ~ 0.98): the target's terms of
+    the hidden gradient, c_p P_y W[y] and c_y W[y], nearly cancel. The deferred path adds them
+    up in float64 apart from the rest of P W, so its per-row error against float64 is no worse
+    than the immediate path's (which forms c_p P_y + c_y in float32 inside the kernel)."""
+    B, K, T, d, V = 2, 3, 8, 64, 4000
+    h, W, _, s, y = _case(B, K, T, d, V, seed=3, bias=False)
+    yy = y.clamp_min(0)[:, None, :].expand(B, K, T).reshape(B * K, T)
+    h = 0.2 * h + 6.0 * W[yy] / W[yy].norm(dim=-1, keepdim=True)  # peaked at the target
+    h, W = h.to(dtype).double(), W.to(dtype).double()  # the oracle sees the rounded inputs
+    oracle = torch.autograd.grad(_materialised(mode, eps, "sum")(
+        h.requires_grad_(), W, None, s, y), h)[0]
+    p_y = torch.softmax(F.linear(h, W), -1).gather(-1, yy[..., None])
+    assert p_y.median() > 0.9
+    errors = []
+    for deferred in (None, _seq2seq.DeferredHeadGrad()):
+        hh, ww = h.detach().to(dtype).requires_grad_(), W.to(dtype).requires_grad_()
+        linear_rag_nll(hh, ww, s.float(), y, mode=mode, epsilon=eps, ignore_index=IGNORE,
+                       reduction="sum", tile=512, deferred_weight_grad=deferred).backward()
+        errors.append(_row_errors(hh.grad, oracle).max().item())
+    immediate, late = errors
+    assert late <= 2 * immediate + 1e-5, errors
+
+
+@requires_ext
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_deferred_path_with_a_frozen_bias_of_minus_inf_on_whole_tiles(mode):
+    """A frozen bias (BART's final_logits_bias) of -inf over the first tiles: those rows'
+    running log-sum-exp is -inf until a finite tile comes; the hidden gradient stays finite
+    and equals the immediate path's."""
+    h, W, b, s, y = [None if t is None else t.float() if t.is_floating_point() else t
+                     for t in _case(2, 3, 4, 8, 600, missing=True)]
+    b[:300] = float("-inf")
+    y = torch.where((y >= 0) & (y < 300), y + 300, y)  # targets where the bias is finite
+    grads = []
+    for deferred in (None, _seq2seq.DeferredHeadGrad()):
+        hh = h.clone().requires_grad_()
+        linear_rag_nll(hh, W.clone().requires_grad_(), s, y, bias=b, mode=mode,
+                       ignore_index=IGNORE, reduction="mean", tile=128,
+                       deferred_weight_grad=deferred).backward()
+        grads.append(hh.grad)
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)

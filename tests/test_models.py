@@ -245,11 +245,11 @@ def test_tied_embedding_gradient_equals_plain_autograd(mode, generator, lm_head_
     # from its forward pass (the online softmax product) rather than from its backward's
     # vocabulary tiles, summing the same terms in another order, which the layers below carry
     # on. Against the float64 model, both paths' gradients err by up to 2-4e-5 of each tensor's
-    # largest element (BART, RAG-Token), so each element may differ by 1e-4 of that here; and
-    # by 1e-5 where a gradient is zero up to rounding (the attention keys' bias: softmax does
-    # not see a shift of its scores)
+    # largest element (BART, RAG-Token); they differ from each other by up to 2.1e-5 of it, so
+    # each element may differ by 5e-5 of that here; and by 1e-5 where a gradient is zero up to
+    # rounding (the attention keys' bias: softmax does not see a shift of its scores)
     for n, g in want.items():
-        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=max(1e-5, 1e-4 * g.abs().max()),
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=max(1e-5, 5e-5 * g.abs().max()),
                                    msg=n)
 
 

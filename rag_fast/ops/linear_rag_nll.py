@@ -19,9 +19,10 @@ vocabulary, so the vocabulary is walked in tiles of ``tile`` columns and only on
 
 With ``deferred_weight_grad`` (a tied head: ``dW`` is computed late, by one more pass that
 recomputes the logits) and no smoothed RAG-Token term or bias gradient, pass 1 also accumulates
-``P W`` (softmax times the LM head, rescaled as the running ``L`` grows, as a flash-attention
-output is), so that the backward gets ``dh = c_p (P W) + c_y W[y] + c_1 colsum(W)`` without a
-pass of its own.
+``P W`` without the target entries (softmax times the LM head, rescaled as the running ``L``
+grows, as a flash-attention output is: one more ``[N, d]`` float32 buffer, held until the
+backward), so that the backward gets ``dh = c_p (P W)' + (c_p P_y + c_y) W[y] + c_1 colsum(W)``
+without a pass of its own.
 
 Cost: the materialised path runs three ``[N, d] x [d, V]``-sized GEMMs (logits, ``dh``, ``dW``);
 this op runs four (the logits twice), five for RAG-Token with label smoothing (six with a
@@ -169,8 +170,8 @@ class _LinearRagLoss(torch.autograd.Function):
             else None
         colsum = torch.zeros(h2.shape[1], dtype=torch.float32, device=h2.device) \
             if online and need_sum else None
-        no_targets = torch.full((B, T), -1, dtype=torch.int64, device=h2.device) if online \
-            else None
+        unit = (torch.ones((B, K, T), dtype=torch.float32, device=h2.device),
+                torch.zeros((B, K, T), dtype=torch.float32, device=h2.device)) if online else None
         for v0, v1, x in tiles:
             part, _, part_sum = torch.ops.rag_fast.row_stats(x.view(B, K, T, v1 - v0), None,
                                                              ignore_index, impl)
@@ -182,8 +183,8 @@ class _LinearRagLoss(torch.autograd.Function):
             picked = x.gather(1, local.clamp_min(0)[:, None]).squeeze(1).float()
             x_tgt = torch.where(here, picked, x_tgt)
             if online:
-                _online_softmax_product(pw, x, weight[v0:v1], lse, new_lse, (B, K, T),
-                                        no_targets, impl)
+                _online_softmax_product(pw, x, weight[v0:v1], lse, new_lse, (B, K, T), local,
+                                        unit, impl)
                 if colsum is not None:
                     colsum += weight[v0:v1].sum(0, dtype=torch.float32)
             lse = new_lse
@@ -248,14 +249,8 @@ class _LinearRagLoss(torch.autograd.Function):
         grad_tiles = _GradTiles(h2, weight, bias, width, (B, K, T), targets, ignore_index, a,
                                 lse, c_p, g_tgt, g_sum, g_sum_m, smooth_token, impl)
         if pw is not None and need_h and not need_w and not need_b:
-            # G h-product from the forward's P W: dh = c_p (P W) + c_y W[y] + c_1 colsum(W)
-            y_rows = targets[:, None, :].expand(B, K, T).reshape(N)
-            has_y = (y_rows != ignore_index)[:, None]
-            dh = c_p.reshape(N, 1).float() * pw
-            dh += torch.where(has_y, g_tgt.reshape(N, 1).float(), 0.0) * \
-                weight[y_rows.clamp_min(0)].float()
-            if colsum is not None:
-                dh += g_sum.reshape(N, 1).float() * colsum
+            dh = _hidden_grad_from_pw(pw, weight, targets, ignore_index, (B, K, T), lse, x_tgt,
+                                      c_p, g_tgt, g_sum if colsum is not None else None, colsum)
             need_h = False
         if need_h or need_w or need_b:
             for v0, v1, G in grad_tiles:
@@ -275,24 +270,55 @@ class _LinearRagLoss(torch.autograd.Function):
                 None, None, None, None, None, None, None, None, None, None, None)
 
 
-def _online_softmax_product(pw, x, w_tile, lse_before, lse_after, shape, no_targets, impl):
-    """Fold one vocabulary tile into ``pw``, the running ``P W`` (softmax of the logits seen
-    so far times their LM-head rows): ``pw <- pw * exp(L_before - L_after) + exp(x - L_after)
-    W_tile``, where L is the running log-sum-exp of each row (float64). After the last tile,
-    ``pw = P W`` with P the rows' softmax over the whole vocabulary, as a flash-attention
-    output accumulates; exp(x - L) is written over the tile ``x`` by the losses' own gradient
-    kernel (its float64 row normaliser, c_p = 1 and no other term)."""
+def _online_softmax_product(pw, x, w_tile, lse_before, lse_after, shape, local, unit, impl):
+    """Fold one vocabulary tile into ``pw``, the running ``P W`` over the entries other than
+    each row's target (softmax of the logits seen so far times their LM-head rows):
+    ``pw <- pw * exp(L_before - L_after) + exp(x - L_after) W_tile``, where L is the running
+    log-sum-exp of each row (float64). After the last tile, ``pw = P W - P_y W[y]`` with P the
+    rows' softmax over the whole vocabulary, as a flash-attention output accumulates.
+    exp(x - L) is written over the tile ``x`` by the losses' own gradient kernel (its float64
+    row normaliser, c_p = 1 and no other term); the target's entry is then zeroed: its term is
+    added back exactly in the backward (:func:`_hidden_grad_from_pw`), where it nearly cancels
+    the target term when P_y is near 1. A row whose logits so far are all -inf (a -inf bias)
+    adds nothing and is not rescaled."""
     B, K, T = shape
-    ones = torch.ones(shape, dtype=torch.float32, device=x.device)
-    zeros = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    ones, zeros = unit
+    seen = torch.isfinite(lse_after)
+    after = torch.where(seen, lse_after, 0.0)  # exp(-inf - 0) = 0 for an unseen row
     x4 = x.view(B, K, T, x.shape[1])
-    torch.ops.rag_fast.row_grad(x4, no_targets, -1, lse_after.view(shape), ones, zeros, zeros,
-                                x4, impl)
-    pw.mul_(torch.exp(lse_before - lse_after).to(pw.dtype)[:, None])  # 0 before the first tile
+    torch.ops.rag_fast.row_grad(x4, None, -1, after.view(shape), ones, zeros, zeros, x4, impl)
+    rows = (local >= 0).nonzero().squeeze(1)
+    x[rows, local[rows]] = 0
+    scale = torch.where(torch.isfinite(lse_before), torch.exp(lse_before - after), 0.0)
+    pw.mul_(scale.to(pw.dtype)[:, None])  # 0 before a row's first finite tile
     if x.dtype == pw.dtype:
         pw.addmm_(x, w_tile)
     else:
         pw += (x @ w_tile).float()
+
+
+ROW_CHUNK = 4096  # rows of dh formed at once from P W (caps the gathered W[y] rows)
+
+
+def _hidden_grad_from_pw(pw, weight, targets, ignore_index, shape, lse, x_tgt, c_p, c_y, c_1,
+                         colsum):
+    """``dh = G W`` for ``G = c_p P + c_y onehot(y) + c_1``, from the forward's ``pw`` (P W
+    without the target entry) in place: ``c_p pw + (c_p P_y + c_y) W[y] + c_1 colsum(W)``,
+    the target's coefficient formed in float64 (for P_y near 1 its two terms cancel)."""
+    B, K, T = shape
+    N = pw.shape[0]
+    y_rows = targets[:, None, :].expand(B, K, T).reshape(N)
+    has_y = y_rows != ignore_index
+    p_y = torch.exp(x_tgt.reshape(N).double() - lse.reshape(N))
+    coef_y = torch.where(has_y, c_p.reshape(N).double() * p_y + c_y.reshape(N).double(), 0.0)
+    dh = pw.mul_(c_p.reshape(N, 1).to(pw.dtype))
+    for r0 in range(0, N, ROW_CHUNK):
+        r1 = min(N, r0 + ROW_CHUNK)
+        w_y = weight[y_rows[r0:r1].clamp_min(0)]
+        dh[r0:r1].addcmul_(coef_y[r0:r1, None].to(dh.dtype), w_y.to(dh.dtype))
+    if colsum is not None:
+        dh.addcmul_(c_1.reshape(N, 1).to(dh.dtype), colsum[None, :])
+    return dh
 
 
 def _small_graph(mode, mask, nll_mask, epsilon, V, reduction):
@@ -420,4 +446,7 @@ def linear_rag_nll(
     with torch.autocast(device_type, enabled=False):
         return _LinearRagLoss.apply(h2, w, bias, a, p.targets, p.mask, p.nll_mask, (B, K, T),
                                     mode, float(epsilon), ignore_index, reduction, p.impl,
-                                    min(width, V), deferred_weight_grad)
+                                    min(width, V),
+                                    # no backward without grad mode (needs_input_grad says
+                                    # nothing of it): nothing to defer, nor to gather for it
+                                    deferred_weight_grad if torch.is_grad_enabled() else None)
