@@ -225,3 +225,14 @@ def test_a_missing_dataset_file_is_named_with_its_key_before_anything_loads(tmp_
     assert err == (f"rag-fast: error: {path}: data.train: dataset file not found: "
                    f"{tmp_path / 'qa.jsonl'} (a relative path is read from the config file's "
                    "folder)"), err
+
+
+def test_a_dataset_path_that_is_a_folder_says_so(tmp_path, capsys):
+    from rag_fast import cli
+
+    (tmp_path / "qa.jsonl").mkdir()
+    path = _train_config(tmp_path, "no-model")
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"rag-fast: error: {path}: data.train: {tmp_path / 'qa.jsonl'} is not a file "
+                   "(a relative path is read from the config file's folder)"), err

@@ -20,7 +20,8 @@ def triton_status() -> tuple[str, str]:
     try:
         version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
-        return "not installed", "no (pip install triton, on Linux x86-64)"
+        return "not installed", ("no (the GPU kernels: a CUDA build of torch brings Triton, or "
+                                 "pip install 'rag_fast[gpu]'; the CPU runs the C++ kernels)")
     try:
         importlib.import_module("triton")
     except Exception as exc:

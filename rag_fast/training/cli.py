@@ -265,8 +265,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.config}: train.output_dir is not set (or pass --output-dir DIR)")
     for key, file in config["data"].items():  # before the model and the index are loaded
         if not os.path.isfile(file):
-            raise ValueError(f"{args.config}: data.{key}: dataset file not found: {file} (a "
-                             "relative path is read from the config file's folder)")
+            problem = "is not a file" if os.path.exists(file) else "dataset file not found:"
+            where = (f"{file} {problem}" if os.path.exists(file) else f"{problem} {file}")
+            raise ValueError(f"{args.config}: data.{key}: {where} (a relative path is read from "
+                             "the config file's folder)")
 
     device = resolve_device(tc.device)
     init_from_env(device)
