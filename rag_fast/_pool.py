@@ -184,11 +184,11 @@ def empty(shape, dtype: torch.dtype, like: torch.Tensor | None = None) -> torch.
     get ``like.new_empty`` (their device and subclass), as does anything while
     ``torch.compile`` traces."""
     shape = (int(shape),) if isinstance(shape, int) else tuple(int(n) for n in shape)
-    if like is not None and (type(like) is not torch.Tensor or like.device.type != "cpu"
-                             or torch.compiler.is_compiling()):
+    if torch.compiler.is_compiling() or (like is not None and (
+            type(like) is not torch.Tensor or like.device.type != "cpu")):
+        if like is None:
+            return torch.empty(shape, dtype=dtype)
         return like.new_empty(shape, dtype=dtype)  # its device, and its subclass if any
-    if torch.compiler.is_compiling():
-        return torch.empty(shape, dtype=dtype)
     return _POOL.empty(shape, dtype)
 
 

@@ -250,7 +250,7 @@ class _LinearRagLoss(torch.autograd.Function):
                                 lse, c_p, g_tgt, g_sum, g_sum_m, smooth_token, impl)
         if pw is not None and need_h and not need_w and not need_b:
             dh = _hidden_grad_from_pw(pw, weight, targets, ignore_index, (B, K, T), lse, x_tgt,
-                                      c_p, g_tgt, g_sum if colsum is not None else None, colsum)
+                                      c_p, g_tgt, g_sum, colsum)
             need_h = False
         if need_h or need_w or need_b:
             for v0, v1, G in grad_tiles:
