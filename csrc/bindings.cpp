@@ -35,8 +35,15 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         return bits_mask(ptr<const void>(src), elem_bytes, n, one, ptr<uint8_t>(out));
       },
-      "out[i] = (src[i] == one) over n elements of elem_bytes bytes compared as bits; False if "
-      "any element is neither 0 nor one (see csrc/kernels.h).");
+      "bit i % 8 of out[i / 8] = (src[i] == one) over n elements of elem_bytes bytes compared as "
+      "bits; False if any element is neither 0 nor one (see csrc/kernels.h).");
+  m.def(
+      "bits_unmask",
+      [](uintptr_t bits, int elem_bytes, int64_t n, uint64_t one, uintptr_t out) {
+        py::gil_scoped_release release;
+        return bits_unmask(ptr<const uint8_t>(bits), elem_bytes, n, one, ptr<void>(out));
+      },
+      "out[i] = one (as bits) where bit i % 8 of bits[i / 8] is set, else 0 (see csrc/kernels.h).");
   m.def(
       "row_stats",
       [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,

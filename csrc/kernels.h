@@ -163,10 +163,13 @@ void set_num_threads(int n);
 // fresh gradient buffer otherwise costs one page fault per 4 KiB, which on some machines takes
 // longer than computing the gradient. No effect on buffers already touched.
 void prefer_huge_pages(void* data, int64_t bytes);
-// The byte mask of a buffer whose elements (elem_bytes = 2, 4 or 8 bytes each, compared as
-// bits) are all 0 or `one`: out[i] = 1 where src[i] == one. Returns false (out then partly
-// written) if any element is neither. Used to store dropout masks saved for the backward in one
-// byte per element (rag_fast/models/_lean.py).
+// The bit mask of a buffer whose elements (elem_bytes = 2, 4 or 8 bytes each, compared as
+// bits) are all 0 or `one`: bit i % 8 of out[i / 8] is set where src[i] == one (out holds
+// (n + 7) / 8 bytes). Returns false (out then partly written) if any element is neither. Used to
+// store dropout masks saved for the backward in one bit per element (rag_fast/models/_lean.py).
 bool bits_mask(const void* src, int elem_bytes, int64_t n, uint64_t one, uint8_t* out);
+// The inverse: out[i] = one (as bits) where bit i % 8 of bits[i / 8] is set, else 0. False for
+// an elem_bytes other than 2, 4 or 8.
+bool bits_unmask(const uint8_t* bits, int elem_bytes, int64_t n, uint64_t one, void* out);
 
 }  // namespace rag_fast

@@ -104,6 +104,75 @@ def test_bit_identical_gradients(family, mode, path, monkeypatch):
     _assert_identical(reference, _run(default, batch, lean_context=False))
 
 
+def test_cross_attention_projections_are_recomputed(monkeypatch):
+    """The keys and values every decoder layer projects from the encoder's output are stored
+    by recipe (RagModel names that output with share_input): two [B*K, L, d] tensors per
+    decoder layer fewer, the same gradients bit for bit. (BART's attention, SDPA, saves the
+    projections themselves; T5's saves copies in another layout, which stay as they are: the
+    bit-identity test above covers it.)"""
+    gen = GENERATORS["bart"]()
+    model = RagModel(gen, n_docs=3, lm_head_loss="materialized", lean_activations=False)
+    batch = _batch()
+    reference = _run(model, batch, lean_context=False)
+    _lean.prepare(gen)
+    shared = _run(model, batch, lean_context=True)
+    monkeypatch.setattr(_lean, "share_input", lambda t: None)
+    alone = _run(model, batch, lean_context=True)
+    _assert_identical(reference, shared)
+    _assert_identical(reference, alone)
+    layers, d = gen.config.decoder_layers, gen.config.d_model
+    B, K, L = 2, 3, 7
+    assert shared[3].recipes - alone[3].recipes >= 2 * layers
+    assert shared[3].bytes_saved - alone[3].bytes_saved == 2 * layers * B * K * L * d * 4
+
+
+def test_share_input_only_for_the_tensor_named():
+    """Only projections of the named tensor, as it was named, are stored by recipe; the
+    gradients stay identical; an in-place change of it before the backward is an error."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def forward(lean: bool):
+        enc = x * 2.0
+        with _lean.lean_activations(lean) as registry:
+            _lean.share_input(enc)
+            a = lin(enc).relu()  # relu saves its output, not the projection
+            counts = [registry.recipes if lean else 0]
+            b = lin(enc) * x  # the product saves the projection: by recipe
+            counts.append(registry.recipes if lean else 0)
+            c = lin(x * 3.0) * x  # another tensor's projection: kept
+            counts.append(registry.recipes if lean else 0)
+        return enc, a.sum() + b.sum() + c.sum(), counts
+
+    lin.zero_grad()
+    x.grad = None
+    _, loss, _ = forward(False)
+    loss.backward()
+    expected = [lin.weight.grad.clone(), lin.bias.grad.clone(), x.grad.clone()]
+    _lean.prepare(lin)
+    lin.zero_grad()
+    x.grad = None
+    _, loss, counts = forward(True)
+    assert counts == [0, 1, 1]
+    loss.backward()
+    for a, b in zip(expected, [lin.weight.grad, lin.bias.grad, x.grad]):
+        assert torch.equal(a, b)
+
+    enc, loss, _ = forward(True)
+    with torch.no_grad():
+        enc.add_(1.0)  # the projection's input, after the forward pass
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
+    with _lean.lean_activations() as registry:
+        _lean.share_input(enc)
+        with torch.no_grad():
+            enc.add_(1.0)  # changed after it was named: its projections are kept
+        y = lin(enc) * x
+        assert registry.recipes == 0
+    y.sum().backward()
+
+
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.5),
@@ -162,7 +231,8 @@ def test_inactive_where_it_must_not_change_anything():
 
 @pytest.mark.parametrize("extension", [True, False])
 def test_masks_are_exact_or_left_alone(extension, monkeypatch):
-    """One pass in the C++ extension, torch ops without it: the same decisions."""
+    """One bit per element through the C++ extension, one byte (torch ops) without it: the same
+    decisions and the same tensors back, bit for bit."""
     from rag_fast import _ext
 
     assert _ext.available()  # the test machine has the extension built
@@ -171,11 +241,23 @@ def test_masks_are_exact_or_left_alone(extension, monkeypatch):
     g = torch.Generator().manual_seed(0)
     noise = torch.empty(100, 64).bernoulli_(0.9, generator=g).div_(0.9)
     mask = _lean._as_mask(noise)
-    assert mask is not None and mask.nonzero.dtype == torch.bool
+    assert mask is not None
+    if extension:
+        assert mask.bits.dtype == torch.uint8 and mask.nbytes == 100 * 64 // 8
+    else:
+        assert mask.nonzero.dtype == torch.bool and mask.nbytes == 100 * 64
     assert torch.equal(mask(), noise)
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         other = noise.to(dtype)
-        assert torch.equal(_lean._as_mask(other)(), other)
+        back = _lean._as_mask(other)()
+        assert back.dtype == dtype and torch.equal(back, other)
+    # sizes that are no multiple of 8, or span several of the kernel's 64 Ki-element chunks
+    for shape in ((3, 7), (1, 1), (2, 65537), (5, 3, 4099)):
+        other = torch.empty(shape).bernoulli_(0.5, generator=g).mul_(3.0)
+        other.view(-1)[0] = 3.0  # the cheap first check reads the positive value at the start
+        back = _lean._as_mask(other)()
+        assert back.shape == other.shape and torch.equal(back.view(torch.int32),
+                                                         other.view(torch.int32))
     assert _lean._as_mask(torch.zeros(100, 64)) is None  # no positive value
     three = noise.clone()
     three[-1, -1] = 0.5  # a third value, after the cheap first check

@@ -15,10 +15,17 @@ saved anyway, and this module stores the recipe instead of the tensor while the 
 - **normalisation outputs** ``y = norm(x)`` (``nn.LayerNorm``, ``nn.RMSNorm`` and the RMSNorm /
   T5 layer-norm modules of ``transformers``): the next linear layers save ``y``, the norm's
   backward saves ``x``. Stored: a reference to ``x``; recomputed from it.
+- **projections of the encoder's output** (the keys and values of every decoder layer's
+  cross-attention, ``[B*K, L, d]`` each): the attention saves them, and the encoder's output
+  they come from is kept anyway. Stored: a reference to that output; the backward recomputes
+  the projection (``module.forward``: a matmul of ``L`` rows per context, a few percent of the
+  encoder's work, for two ``[L, d]`` tensors per decoder layer and context). Only the tensor
+  :func:`share_input` names (``RagModel`` names the encoder's output) is treated so.
 - **dropout masks on the CPU**: torch's CPU dropout saves its scaled mask as a float tensor of
-  the activation's size (values ``0`` and ``1 / (1 - p)``); stored as one byte per element and
+  the activation's size (values ``0`` and ``1 / (1 - p)``); stored as one bit per element and
   the scale. Any saved constant tensor whose values are exactly ``0`` and one positive number
-  qualifies; the check is exact, so a tensor that does not match is saved as it was.
+  qualifies; the check is exact, so a tensor that does not match is saved as it was. (One byte
+  per element where the C++ extension is missing.)
 
 The recomputation runs the very module (``module.forward``) on the very input, so values and
 gradients are bit-identical to a run without this module (``tests/test_lean_activations.py``
@@ -41,6 +48,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from rag_fast import _ext
 from rag_fast.ops import _custom_ops
@@ -97,9 +105,11 @@ def prepare(model: nn.Module) -> int:
             module.register_forward_hook(_record_output, prepend=True)
             module._rag_fast_lean = True
         count += 1
-    for module in model.modules():  # the linear layers that may take a gated product
+    # the linear layers that may take a gated product or project a shared input
+    for module in model.modules():
         if isinstance(module, nn.Linear) and not getattr(module, "_rag_fast_lean", False):
             module.register_forward_pre_hook(_record_product)
+            module.register_forward_hook(_record_projection, prepend=True)
             module._rag_fast_lean = True
     return count
 
@@ -117,6 +127,29 @@ def _record_output(module: nn.Module, args: tuple, output) -> None:
     if not isinstance(x, torch.Tensor) or not output.requires_grad:
         return
     registry.record(module, x, output)
+
+
+def _record_projection(module: nn.Module, args: tuple, output) -> None:
+    """Forward hook of a linear layer: remember ``output`` as ``module.forward(args[0])`` if
+    ``args[0]`` is a tensor :func:`share_input` named."""
+    registry = getattr(_state, "registry", None)
+    if registry is None or not registry.shared or len(args) != 1:
+        return
+    x = args[0]
+    if isinstance(x, torch.Tensor) and registry.is_shared(x):
+        _record_output(module, args, output)
+
+
+def share_input(t: torch.Tensor) -> None:
+    """Within :func:`lean_activations`: the outputs of linear layers that take ``t`` (as it is
+    now, not modified in place since) are stored by recipe, recomputed from ``t`` in the
+    backward. Meant for a tensor that stays alive until the backward anyway and that several
+    linear layers project (an encoder's output, which every decoder layer's cross-attention
+    projects to keys and values). Outside the context, or for a tensor that does not own its
+    storage, nothing happens."""
+    registry = getattr(_state, "registry", None)
+    if registry is not None and _plain(t) and _owns_storage(t):
+        registry.shared[t.untyped_storage().data_ptr()] = (weakref.ref(t), t._version)
 
 
 def _record_product(module: nn.Module, args: tuple) -> None:
@@ -221,15 +254,25 @@ class _Saved:
 
 
 class _Mask:
-    """A tensor whose elements all have the bits of ``0.0`` or of one positive value: one byte
-    per element."""
+    """A tensor whose elements all have the bits of ``0.0`` or of one positive value: one bit
+    per element (``bits``, unpacked by the C++ extension), or one byte per element (``nonzero``,
+    a bool tensor) where the extension is missing."""
 
-    __slots__ = ("nonzero", "scale", "zero")
+    __slots__ = ("bits", "nonzero", "scale", "zero", "one", "like")
 
-    def __init__(self, nonzero, scale, zero):
-        self.nonzero, self.scale, self.zero = nonzero, scale, zero
+    def __init__(self, scale, zero, *, nonzero=None, bits=None, one=0, like=None):
+        self.bits, self.nonzero, self.scale, self.zero = bits, nonzero, scale, zero
+        # with bits: the positive value's bits and an empty tensor of the mask's shape and dtype
+        self.one, self.like = one, like
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes stored."""
+        return (self.bits if self.bits is not None else self.nonzero).numel()
 
     def __call__(self) -> torch.Tensor:
+        if self.bits is not None:
+            return _custom_ops.bits_unmask(self.bits, self.like, self.one)
         return torch.where(self.nonzero, self.scale, self.zero)
 
 
@@ -261,11 +304,15 @@ class _Entry:
     """A recorded output: weak references to it and its input, and its recomputation once a
     saved tensor needs it (``source``)."""
 
-    __slots__ = ("out", "version", "module", "x", "x_version", "autocast", "size", "stride",
-                 "source", "stale")
+    __slots__ = ("out", "storage", "version", "dtype", "module", "x", "x_version", "autocast",
+                 "size", "stride", "source", "stale")
 
     def __init__(self, module, x, output):
-        self.out, self.version = weakref.ref(output), output._version
+        self.out, self.version, self.dtype = weakref.ref(output), output._version, output.dtype
+        # the output's storage, for when the output itself is gone but views of it live on (a
+        # projection reshaped into attention heads): while this weak reference lives, no other
+        # storage can take its place
+        self.storage = StorageWeakRef(output.untyped_storage())
         self.module, self.x, self.x_version = module, weakref.ref(x), x._version
         self.autocast = _autocast_state(x.device.type)
         self.size, self.stride = output.size(), output.stride()
@@ -281,6 +328,19 @@ class _Entry:
             self.source = _Source(self.module, x, self.autocast, self.size, self.stride)
         return self.source
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies on the recorded output's storage (the output or a view of it)."""
+        out = self.out()
+        if out is not None:
+            return out.untyped_storage()._cdata == t.untyped_storage()._cdata
+        return not self.storage.expired() and self.storage.cdata == t.untyped_storage()._cdata
+
+    def unmodified(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (on the output's storage) and the output, if alive, are at the version
+        recorded (a view shares its base's version counter)."""
+        out = self.out()
+        return t._version == self.version and (out is None or out._version == self.version)
+
 
 class _Registry:
     """The outputs recorded in one :func:`lean_activations` context, by storage address."""
@@ -293,6 +353,8 @@ class _Registry:
         self._by_node: dict[int, tuple] = {}
         self._products: dict[int, tuple] = {}  # address -> (product, version, source)
         self._counted: set[int] = set()  # sources whose bytes are in bytes_saved
+        # storage address -> (tensor, version): inputs whose projections are recomputed
+        self.shared: dict[int, tuple] = {}
         # what was stored by recipe, and the bytes those tensors would have taken
         self.recipes = self.masks = self.bytes_saved = 0
 
@@ -303,6 +365,14 @@ class _Registry:
         self._outputs[output.untyped_storage().data_ptr()] = entry
         if output.grad_fn is not None:
             self._by_node[id(output.grad_fn)] = (output.grad_fn, entry)
+
+    def is_shared(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a tensor :func:`share_input` named, unmodified since."""
+        found = self.shared.get(x.untyped_storage().data_ptr())
+        if found is None:
+            return False
+        t = found[0]()
+        return (t is not None and x is t and x._version == found[1])
 
     def record_product(self, p: torch.Tensor, node) -> None:
         if not (_plain(p) and _owns_storage(p)):
@@ -341,19 +411,18 @@ class _Registry:
         self._by_node.clear()
         self._products.clear()
         self._counted.clear()
+        self.shared.clear()
 
     def _source(self, t: torch.Tensor) -> _Source | None:
         """The recomputation of ``t``'s storage, if ``t`` is a recorded output (or a view of
         it) unmodified since it was recorded."""
         ptr = t.untyped_storage().data_ptr()
         entry = self._outputs.get(ptr)
-        if entry is not None:
-            out = entry.out()
-            if out is not None and out.untyped_storage().data_ptr() == ptr:
-                if t._version != entry.version or out._version != entry.version:
-                    entry.stale = True
-                elif t.dtype == out.dtype:
-                    return entry.get_source()
+        if entry is not None and entry.holds(t):
+            if not entry.unmodified(t):
+                entry.stale = True
+            elif t.dtype == entry.dtype:
+                return entry.get_source()
         product = self._products.get(ptr)
         if product is not None:
             p_ref, version, source = product
@@ -381,7 +450,7 @@ class _Registry:
             mask = _as_mask(t)
             if mask is not None:
                 self.masks += 1
-                self.bytes_saved += t.numel() * (t.element_size() - 1)
+                self.bytes_saved += t.numel() * t.element_size() - mask.nbytes
                 return mask
         return _Kept(t)
 
@@ -422,17 +491,19 @@ def _as_mask(t: torch.Tensor) -> _Mask | None:
     scale_bits = scale.view(bits.dtype)
     if not bool(((bits[:256] == 0) | (bits[:256] == scale_bits)).all()):
         return None  # most tensors that are no mask fail here, cheaply
+    zero = torch.zeros((), dtype=t.dtype)
     if _ext.available():
         one = int(scale_bits) & ((1 << (8 * t.element_size())) - 1)  # the bits, unsigned
-        nonzero = _custom_ops.bits_mask(t, one)
-        if nonzero is None:
+        bits = _custom_ops.bits_mask(t, one)
+        if bits is None:
             return None
-    else:
-        nonzero = bits == scale_bits
-        if int(nonzero.sum()) + int((bits == 0).sum()) != bits.numel():
-            return None
-        nonzero = nonzero.view(t.shape)
-    return _Mask(nonzero, scale, torch.zeros((), dtype=t.dtype))
+        # the shape and dtype to give back, without memory (a zero-stride view of one element)
+        like = zero.expand(t.shape)
+        return _Mask(scale, zero, bits=bits, one=one, like=like)
+    nonzero = bits == scale_bits
+    if int(nonzero.sum()) + int((bits == 0).sum()) != bits.numel():
+        return None
+    return _Mask(scale, zero, nonzero=nonzero.view(t.shape))
 
 
 @contextlib.contextmanager

@@ -227,10 +227,19 @@ def beam_step(
 
 
 def bits_mask(t: torch.Tensor, one: int) -> torch.Tensor | None:
-    """The bool mask ``t == one`` (elements compared as bits) if every element of ``t`` is 0 or
-    ``one``, else None. ``t``: contiguous, on the CPU, 2, 4 or 8 bytes per element; ``one``:
-    the unsigned bits."""
-    out = torch.empty(t.shape, dtype=torch.bool)
+    """The bits of ``t == one`` (elements compared as bits), eight elements per byte (element
+    ``i`` in bit ``i % 8`` of byte ``i // 8``), if every element of ``t`` is 0 or ``one``, else
+    None. ``t``: contiguous, on the CPU, 2, 4 or 8 bytes per element; ``one``: the unsigned
+    bits."""
+    out = torch.empty((t.numel() + 7) // 8, dtype=torch.uint8)
     if not _ext.get().bits_mask(t.data_ptr(), t.element_size(), t.numel(), one, out.data_ptr()):
         return None
+    return out
+
+
+def bits_unmask(bits: torch.Tensor, like: torch.Tensor, one: int) -> torch.Tensor:
+    """The inverse of :func:`bits_mask`: a tensor of ``like``'s shape and dtype (contiguous)
+    holding ``one`` (as bits) where the bit is set and 0 elsewhere."""
+    out = torch.empty(like.shape, dtype=like.dtype)
+    _ext.get().bits_unmask(bits.data_ptr(), out.element_size(), out.numel(), one, out.data_ptr())
     return out

@@ -569,16 +569,39 @@ def _(logits, log_prior, beam_scores, bias, num_candidates, impl="auto"):
 
 
 def bits_mask(t: Tensor, one: int) -> Tensor | None:
-    """The bool mask of a CPU tensor whose elements all have the bits of 0 or of ``one`` (an
-    unsigned integer of the element's width), or None if some element has other bits; one pass
-    in the C++ extension. Raises ValueError for a tensor the kernel cannot read, and
-    ExtensionUnavailableError without the extension."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.element_size() not in (2, 4, 8):
-        raise ValueError(f"rag_fast bits_mask: needs a contiguous CPU tensor of 2, 4 or 8-byte "
-                         f"elements, got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}")
-    if not 0 <= one < 1 << (8 * t.element_size()):
-        raise ValueError(f"rag_fast bits_mask: one={one} does not fit {t.element_size()} bytes")
-    _ext.get()  # ExtensionUnavailableError, with the fix, if the extension is missing
+    """The bit mask of a CPU tensor whose elements all have the bits of 0 or of ``one`` (an
+    unsigned integer of the element's width): a uint8 tensor of ``ceil(numel / 8)`` bytes,
+    element ``i`` of ``t`` (flattened) in bit ``i % 8`` of byte ``i // 8``; or None if some
+    element has other bits. One pass in the C++ extension. Raises ValueError for a tensor the
+    kernel cannot read, and ExtensionUnavailableError without the extension."""
+    _check_bits_operand(t, one, "t")
     from rag_fast.ops import _cpp
 
     return _cpp.bits_mask(t, one)
+
+
+def bits_unmask(bits: Tensor, like: Tensor, one: int) -> Tensor:
+    """The inverse of :func:`bits_mask`: a new contiguous tensor of ``like``'s shape and dtype
+    whose elements have the bits of ``one`` where ``bits`` has a set bit and are 0 elsewhere.
+    ``like`` is only read for its shape and dtype. Raises ValueError for ``bits`` that is not
+    a contiguous CPU uint8 tensor of ``ceil(like.numel() / 8)`` bytes."""
+    _check_bits_operand(like, one, "like", contiguous=False)
+    n = (like.numel() + 7) // 8
+    if (bits.device.type != "cpu" or bits.dtype != torch.uint8 or not bits.is_contiguous()
+            or bits.numel() != n):
+        raise ValueError(f"rag_fast bits_unmask: bits must be a contiguous CPU uint8 tensor of "
+                         f"{n} bytes, got {bits.dtype} of {bits.numel()} on {bits.device}")
+    from rag_fast.ops import _cpp
+
+    return _cpp.bits_unmask(bits, like, one)
+
+
+def _check_bits_operand(t: Tensor, one: int, name: str, contiguous: bool = True) -> None:
+    if (t.device.type != "cpu" or (contiguous and not t.is_contiguous())
+            or t.element_size() not in (2, 4, 8)):
+        raise ValueError(f"rag_fast bits mask: {name} must be a contiguous CPU tensor of 2, 4 or "
+                         f"8-byte elements, got {t.dtype} on {t.device}, "
+                         f"contiguous={t.is_contiguous()}")
+    if not 0 <= one < 1 << (8 * t.element_size()):
+        raise ValueError(f"rag_fast bits mask: one={one} does not fit {t.element_size()} bytes")
+    _ext.get()  # ExtensionUnavailableError, with the fix, if the extension is missing
