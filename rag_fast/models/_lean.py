@@ -16,11 +16,12 @@ saved anyway, and this module stores the recipe instead of the tensor while the 
   T5 layer-norm modules of ``transformers``): the next linear layers save ``y``, the norm's
   backward saves ``x``. Stored: a reference to ``x``; recomputed from it.
 - **projections of the encoder's output** (the keys and values of every decoder layer's
-  cross-attention, ``[B*K, L, d]`` each): the attention saves them, and the encoder's output
-  they come from is kept anyway. Stored: a reference to that output; the backward recomputes
-  the projection (``module.forward``: a matmul of ``L`` rows per context, a few percent of the
-  encoder's work, for two ``[L, d]`` tensors per decoder layer and context). Only the tensor
-  :func:`share_input` names (``RagModel`` names the encoder's output) is treated so.
+  cross-attention, ``[B*K, L, d]`` each): the attention saves them (PyTorch's fused SDPA saves
+  its inputs as they are). Stored: the encoder's output, by its own recipe when it is a norm's
+  output (else a reference: the projections' backward keeps it anyway); the backward
+  recomputes the projection (``module.forward``: one matmul per tensor, for BART-base about
+  2.5% of the step's matmul work). Only plain ``nn.Linear`` layers whose input is the tensor
+  :func:`share_input` names (``RagModel`` names the encoder's output) are treated so.
 - **dropout masks on the CPU**: torch's CPU dropout saves its scaled mask as a float tensor of
   the activation's size (values ``0`` and ``1 / (1 - p)``); stored as one bit per element and
   the scale. Any saved constant tensor whose values are exactly ``0`` and one positive number
@@ -29,9 +30,10 @@ saved anyway, and this module stores the recipe instead of the tensor while the 
 
 The recomputation runs the very module (``module.forward``) on the very input, so values and
 gradients are bit-identical to a run without this module (``tests/test_lean_activations.py``
-checks every gradient with ``torch.equal``). The cost is a few elementwise passes in the
-backward. The memory saved is the size of those tensors: for a BART-base-sized generator, a
-third of the activations (docs/design.md, "Lean activations").
+checks every gradient with ``torch.equal``). The cost is a few elementwise passes and the
+cross-attention projections again in the backward (6% of a BART-base-sized step on 2 cores).
+The memory saved is the size of those tensors: for a BART-base-sized generator, 45% of the
+step's activations (docs/design.md, "Lean activations").
 
 A tensor is stored by recipe only when it is provably what the recipe gives back: it is the
 module's output itself (or a view of it), unmodified since (its version counter is unchanged),
@@ -131,13 +133,19 @@ def _record_output(module: nn.Module, args: tuple, output) -> None:
 
 def _record_projection(module: nn.Module, args: tuple, output) -> None:
     """Forward hook of a linear layer: remember ``output`` as ``module.forward(args[0])`` if
-    ``args[0]`` is a tensor :func:`share_input` named."""
+    ``args[0]`` is a tensor :func:`share_input` named. Only a plain ``nn.Linear`` (a subclass
+    or a parametrised one may keep state that a second forward would change)."""
+    if torch.compiler.is_compiling() or type(module) is not nn.Linear:
+        return
     registry = getattr(_state, "registry", None)
     if registry is None or not registry.shared or len(args) != 1:
         return
     x = args[0]
     if isinstance(x, torch.Tensor) and registry.is_shared(x):
         _record_output(module, args, output)
+        entry = registry.entry(output)
+        if entry is not None:
+            entry.projection = True
 
 
 def share_input(t: torch.Tensor) -> None:
@@ -146,7 +154,10 @@ def share_input(t: torch.Tensor) -> None:
     backward. Meant for a tensor that stays alive until the backward anyway and that several
     linear layers project (an encoder's output, which every decoder layer's cross-attention
     projects to keys and values). Outside the context, or for a tensor that does not own its
-    storage, nothing happens."""
+    storage, nothing happens. If ``t`` is itself stored by recipe (a norm's output), the
+    projections take it from that recipe and do not keep it alive."""
+    if torch.compiler.is_compiling():
+        return
     registry = getattr(_state, "registry", None)
     if registry is not None and _plain(t) and _owns_storage(t):
         registry.shared[t.untyped_storage().data_ptr()] = (weakref.ref(t), t._version)
@@ -200,16 +211,24 @@ class _Source:
     three projections of an attention block is recomputed once.
     """
 
-    __slots__ = ("module", "x", "x_version", "autocast", "size", "stride", "act", "act_first",
-                 "pending", "cached")
+    __slots__ = ("module", "x", "x_version", "x_saved", "autocast", "size", "stride", "act",
+                 "act_first", "pending", "cached")
 
-    def __init__(self, module, x, autocast, size, stride, act=None, act_first=True):
-        self.module, self.x, self.x_version = module, x, x._version
+    def __init__(self, module, x, autocast, size, stride, act=None, act_first=True,
+                 x_saved=None):
+        # x_saved: the input itself stored by recipe (a _Saved), instead of a reference to x
+        self.x_saved = x_saved
+        self.module, self.x = module, (x if x_saved is None else None)
+        self.x_version = x._version
         self.autocast, self.size, self.stride = autocast, size, stride
         self.act, self.act_first = act, act_first
         self.pending, self.cached = 0, None
 
     def _compute(self) -> torch.Tensor:
+        if self.x_saved is not None:  # checks that the input was not modified since
+            with torch.no_grad(), _autocast(self.autocast):
+                out = self.module.forward(self.x_saved())
+            return out.as_strided(self.size, self.stride, 0)
         if self.x._version != self.x_version:
             what = (f"the input of {type(self.module).__name__}" if self.act is None else
                     f"a factor of the product after {type(self.act.module).__name__}")
@@ -305,7 +324,7 @@ class _Entry:
     saved tensor needs it (``source``)."""
 
     __slots__ = ("out", "storage", "version", "dtype", "module", "x", "x_version", "autocast",
-                 "size", "stride", "source", "stale")
+                 "size", "stride", "source", "stale", "projection")
 
     def __init__(self, module, x, output):
         self.out, self.version, self.dtype = weakref.ref(output), output._version, output.dtype
@@ -318,14 +337,18 @@ class _Entry:
         self.size, self.stride = output.size(), output.stride()
         self.source = None
         self.stale = False  # the output was seen modified: never recompute it
+        self.projection = False  # a linear layer's output from a shared input
 
-    def get_source(self) -> _Source | None:
-        """The recomputation, if the input is alive and as it was when the module ran."""
+    def get_source(self, registry: "_Registry") -> _Source | None:
+        """The recomputation, if the input is alive and as it was when the module ran; a
+        projection's input that is itself stored by recipe is taken from that recipe."""
         if self.source is None:
             x = self.x()
             if self.stale or x is None or x._version != self.x_version:
                 return None
-            self.source = _Source(self.module, x, self.autocast, self.size, self.stride)
+            upstream = registry._source(x) if self.projection else None
+            self.source = _Source(self.module, x, self.autocast, self.size, self.stride,
+                                  x_saved=None if upstream is None else _Saved(upstream, x))
         return self.source
 
     def holds(self, t: torch.Tensor) -> bool:
@@ -365,6 +388,11 @@ class _Registry:
         self._outputs[output.untyped_storage().data_ptr()] = entry
         if output.grad_fn is not None:
             self._by_node[id(output.grad_fn)] = (output.grad_fn, entry)
+
+    def entry(self, output: torch.Tensor) -> _Entry | None:
+        """The entry :meth:`record` made for ``output``, if any."""
+        entry = self._outputs.get(output.untyped_storage().data_ptr())
+        return entry if entry is not None and entry.out() is output else None
 
     def is_shared(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is a tensor :func:`share_input` named, unmodified since."""
@@ -422,7 +450,7 @@ class _Registry:
             if not entry.unmodified(t):
                 entry.stale = True
             elif t.dtype == entry.dtype:
-                return entry.get_source()
+                return entry.get_source(self)
         product = self._products.get(ptr)
         if product is not None:
             p_ref, version, source = product

@@ -599,9 +599,9 @@ def bits_unmask(bits: Tensor, like: Tensor, one: int) -> Tensor:
 def _check_bits_operand(t: Tensor, one: int, name: str, contiguous: bool = True) -> None:
     if (t.device.type != "cpu" or (contiguous and not t.is_contiguous())
             or t.element_size() not in (2, 4, 8)):
-        raise ValueError(f"rag_fast bits mask: {name} must be a contiguous CPU tensor of 2, 4 or "
-                         f"8-byte elements, got {t.dtype} on {t.device}, "
-                         f"contiguous={t.is_contiguous()}")
+        need = "a contiguous CPU tensor" if contiguous else "a CPU tensor"
+        raise ValueError(f"rag_fast bits mask: {name} must be {need} of 2, 4 or 8-byte "
+                         f"elements, got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}")
     if not 0 <= one < 1 << (8 * t.element_size()):
         raise ValueError(f"rag_fast bits mask: one={one} does not fit {t.element_size()} bytes")
     _ext.get()  # ExtensionUnavailableError, with the fix, if the extension is missing
