@@ -36,6 +36,7 @@ NAME = "losses"
 PAD = 1
 EAGER, COMPILED = "transformers", "transformers compiled"
 STEADY_CALLS = 3  # calls after the first that tell the compiled function's steady time
+MAX_COMPILE_CALLS = 12  # compile_seconds gives up waiting for steady calls after this many
 
 
 def _shape(ctx: Context) -> tuple[int, int, int, int]:
@@ -50,10 +51,13 @@ def _dtypes(ctx: Context) -> list[torch.dtype]:
     return [torch.float32] if ctx.quick else [torch.float32, torch.bfloat16]
 
 
-def compile_seconds(fn, device: str) -> float:
+def compile_seconds(fn, device: str, clock=None) -> float:
     """Compile ``fn`` (a compiled function's first call) and return the time its first calls
-    took beyond a steady call: the first call, then up to ``STEADY_CALLS`` more while a call
-    is still much slower than the fastest seen (a recompilation)."""
+    took beyond a steady call: calls until the last ``STEADY_CALLS`` are steady (the slowest
+    of them within 2x the fastest; at most ``MAX_COMPILE_CALLS`` calls), then the sum, over
+    the calls before those, of each call's time minus their median. Compiling may take more
+    than one call (the backward compiled at the first backward, a recompilation for a changed
+    guard), in any order; never negative. ``clock``: a stand-in for the timed call (tests)."""
     def timed() -> float:
         start = time.perf_counter()
         fn()
@@ -61,13 +65,16 @@ def compile_seconds(fn, device: str) -> float:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    first = [timed()]
-    steady = [timed() for _ in range(STEADY_CALLS)]
-    while steady[-1] > 2 * min(steady) and len(first) < 5:  # still compiling something
-        first.append(steady.pop(0))
-        steady.append(timed())
-    base = sorted(steady)[len(steady) // 2]
-    return sum(t - base for t in first)
+    clock = clock or timed
+    times = [clock()]
+    while len(times) < MAX_COMPILE_CALLS:
+        times.append(clock())
+        window = times[-STEADY_CALLS:]
+        if len(times) > STEADY_CALLS and max(window) <= 2 * min(window):
+            break
+    window = sorted(times[-STEADY_CALLS:])
+    base = window[len(window) // 2]
+    return max(0.0, sum(t - base for t in times[:-STEADY_CALLS]))
 
 
 def run(ctx: Context) -> list[Row]:

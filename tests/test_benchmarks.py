@@ -271,3 +271,20 @@ def test_index_rows_carry_their_runs_and_render():
     table = bench_index.render(results, "r.json").split("\n\n")[1].splitlines()
     assert len(table) == 2 + 3 and all(line.count("%") >= 3 for line in table[2:])  # spreads
     assert all(" - |" not in line for line in table[2:])
+
+
+@pytest.mark.parametrize("times,expected", [
+    ([30.0, 2.0, 2.1, 2.0], 28.0),  # one compiling call, then steady
+    ([3.0, 190.0, 195.0, 2.3, 2.2, 2.4], 3.0 - 2.3 + 190.0 - 2.3 + 195.0 - 2.3),  # slow later calls
+    ([2.0, 2.1, 2.0, 2.2], 0.0),  # nothing to compile (a warm cache): never below zero
+])
+def test_compile_seconds_waits_for_steady_calls(times, expected):
+    """Compile time is what the calls before a steady window took beyond a steady call, also
+    when the compiling calls come after a fast first one (a negative figure reached the README
+    when only the last call was checked)."""
+    from bench_losses import compile_seconds
+
+    it = iter(times)
+    got = compile_seconds(None, "cpu", clock=lambda: next(it))
+    assert got == pytest.approx(expected)
+    assert next(it, None) is None  # every call was used, no more made
