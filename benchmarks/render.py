@@ -42,6 +42,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
 DOCS_FILE = "docs/benchmarks.md"
 DOCS_SECTIONS: dict[str, tuple[str, str]] = {
     "losses-xeon": ("cpu-full.json", "bench_losses"),
+    "training-epyc": ("cpu-training-epyc.json", "bench_training"),
     "decoding-epyc": ("cpu-decoding-epyc.json", "bench_decoding"),
     "decoding-epyc-avx2": ("cpu-decoding-epyc-avx2.json", "bench_decoding"),
 }
