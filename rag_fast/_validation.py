@@ -86,13 +86,10 @@ def check_loss_inputs(
             f"doc_scores must be on the logits' device {logits.device}, got {doc_scores.device}"
         )
     if logits.dim() == 3:
-        if K == 0 or logits.shape[0] % K != 0:
+        if K == 0 or logits.shape[0] != B * K:
             raise ValueError(
-                f"logits.shape[0]={logits.shape[0]} (B*K) is not divisible by n_docs K={K}"
-            )
-        if logits.shape[0] // K != B:
-            raise ValueError(
-                f"logits.shape[0]={logits.shape[0]} must equal B*K={B}*{K} from doc_scores"
+                f"logits.shape[0]={logits.shape[0]} must equal B*K={B}*{K}={B * K}, the "
+                f"questions and passages of doc_scores {tuple(doc_scores.shape)}"
             )
         logits = logits.view(B, K, logits.shape[1], logits.shape[2])  # split B*K: always a view
     elif logits.dim() == 4:

@@ -341,6 +341,9 @@ def test_bad_arguments_name_what_is_wrong():
         linear_rag_nll(torch.randn(5, 3, 8), W, s, y)
     with pytest.raises(ValueError, match="weight must be the LM head's"):
         linear_rag_nll(h, torch.randn(20), s, y)
+    # transposed [d, V]: the weight is named, with the d that hidden gives
+    with pytest.raises(ValueError, match=r"weight must be the LM head's \[V, d=8\].*\(8, 20\)"):
+        linear_rag_nll(h, W.T.contiguous(), s, y)
     with pytest.raises(ValueError, match=r"bias must be None or a \[V=20\]"):
         linear_rag_nll(h, W, s, y, bias=torch.randn(19))
     with pytest.raises(ValueError, match="tile must be a positive int"):

@@ -188,7 +188,7 @@ def test_half_inputs_are_computed_in_float32():
     "case, match",
     [
         ("logits_rank", "logits must have shape"),
-        ("k_not_divisor", "not divisible by n_docs"),
+        ("k_not_divisor", r"logits.shape\[0\]=\d+ must equal B\*K=.*doc_scores"),
         ("n_docs_mismatch", "n_docs=4 does not match"),
         ("target_range", "targets must lie in"),
         ("int_logits", "logits must be a floating tensor"),

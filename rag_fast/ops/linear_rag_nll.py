@@ -343,6 +343,11 @@ def _check(hidden, weight, bias, doc_scores, targets, mode, n_docs, tile):
     if n_docs is not None and n_docs != K:
         raise ValueError(f"n_docs={n_docs} but doc_scores has K={K} passages per question")
     d = weight.shape[1]
+    if hidden.dim() in (3, 4) and hidden.shape[-1] != d:
+        # the model width is hidden's last dimension: a weight that does not end in it is the
+        # argument at fault (e.g. given as [d, V])
+        raise ValueError(f"weight must be the LM head's [V, d={hidden.shape[-1]}] matrix (d from "
+                         f"hidden's last dimension), got {tuple(weight.shape)}")
     if hidden.dim() == 4:
         if hidden.shape[:2] != (B, K) or hidden.shape[-1] != d:
             raise ValueError(f"hidden must be [B={B}, K={K}, T, d={d}] or [B*K, T, d], got "
