@@ -116,8 +116,9 @@ def prepare(model: nn.Module) -> int:
     return count
 
 
-def _record_output(module: nn.Module, args: tuple, output) -> None:
-    """Forward hook: remember ``output`` as ``module.forward(args[0])``."""
+def _record_output(module: nn.Module, args: tuple, output, projection: bool = False) -> None:
+    """Forward hook: remember ``output`` as ``module.forward(args[0])`` (``projection``: a
+    linear layer's output from a shared input, see :func:`_record_projection`)."""
     if torch.compiler.is_compiling():
         return
     registry = getattr(_state, "registry", None)
@@ -128,7 +129,7 @@ def _record_output(module: nn.Module, args: tuple, output) -> None:
     (x,) = args
     if not isinstance(x, torch.Tensor) or not output.requires_grad:
         return
-    registry.record(module, x, output)
+    registry.record(module, x, output, projection)
 
 
 def _record_projection(module: nn.Module, args: tuple, output) -> None:
@@ -142,10 +143,7 @@ def _record_projection(module: nn.Module, args: tuple, output) -> None:
         return
     x = args[0]
     if isinstance(x, torch.Tensor) and registry.is_shared(x):
-        _record_output(module, args, output)
-        entry = registry.entry(output)
-        if entry is not None:
-            entry.projection = True
+        _record_output(module, args, output, projection=True)
 
 
 def share_input(t: torch.Tensor) -> None:
@@ -281,7 +279,8 @@ class _Mask:
 
     def __init__(self, scale, zero, *, nonzero=None, bits=None, one=0, like=None):
         self.bits, self.nonzero, self.scale, self.zero = bits, nonzero, scale, zero
-        # with bits: the positive value's bits and an empty tensor of the mask's shape and dtype
+        # with bits: the positive value's bits, and a zero-stride view of one element that has
+        # the mask's shape and dtype
         self.one, self.like = one, like
 
     @property
@@ -352,10 +351,8 @@ class _Entry:
         return self.source
 
     def holds(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lies on the recorded output's storage (the output or a view of it)."""
-        out = self.out()
-        if out is not None:
-            return out.untyped_storage()._cdata == t.untyped_storage()._cdata
+        """Whether ``t`` lies on the recorded output's storage (the output or a view of it,
+        also once the output object itself is gone)."""
         return not self.storage.expired() and self.storage.cdata == t.untyped_storage()._cdata
 
     def unmodified(self, t: torch.Tensor) -> bool:
@@ -381,18 +378,14 @@ class _Registry:
         # what was stored by recipe, and the bytes those tensors would have taken
         self.recipes = self.masks = self.bytes_saved = 0
 
-    def record(self, module, x, output) -> None:
+    def record(self, module, x, output, projection: bool = False) -> None:
         if not (_plain(output) and _plain(x) and _owns_storage(output)):
             return
         entry = _Entry(module, x, output)
+        entry.projection = projection
         self._outputs[output.untyped_storage().data_ptr()] = entry
         if output.grad_fn is not None:
             self._by_node[id(output.grad_fn)] = (output.grad_fn, entry)
-
-    def entry(self, output: torch.Tensor) -> _Entry | None:
-        """The entry :meth:`record` made for ``output``, if any."""
-        entry = self._outputs.get(output.untyped_storage().data_ptr())
-        return entry if entry is not None and entry.out() is output else None
 
     def is_shared(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is a tensor :func:`share_input` named, unmodified since."""

@@ -349,11 +349,11 @@ def _check(hidden, weight, bias, doc_scores, targets, mode, n_docs, tile):
         raise ValueError(f"weight must be the LM head's [V, d={hidden.shape[-1]}] matrix (d from "
                          f"hidden's last dimension), got {tuple(weight.shape)}")
     if hidden.dim() == 4:
-        if hidden.shape[:2] != (B, K) or hidden.shape[-1] != d:
+        if hidden.shape[:2] != (B, K):
             raise ValueError(f"hidden must be [B={B}, K={K}, T, d={d}] or [B*K, T, d], got "
                              f"{tuple(hidden.shape)}")
     elif hidden.dim() == 3:
-        if hidden.shape[0] != B * K or hidden.shape[-1] != d:
+        if hidden.shape[0] != B * K:
             raise ValueError(f"hidden must be [B*K={B * K}, T, d={d}] or [B, K, T, d], got "
                              f"{tuple(hidden.shape)}")
     else:
