@@ -27,9 +27,19 @@ of rag_fast's); only the loss path differs. Providers:
   ran and marks the default's (materialised at every ``--quick`` shape: plain ``rag_fast`` is
   the fused path, not what ``RagModel()`` runs there).
 
-Time: the providers' steps alternate (:func:`harness.measure_interleaved`), one warm-up step
-each, then at least 5 timed steps each; ratios ``speedup vs eager`` / ``speedup vs compiled``
-flagged noisy as :func:`harness.add_ratio` flags them.
+Time (:func:`time_case`): each provider alone in fresh processes (:func:`time_provider`), so
+that no provider's allocations shape another's (glibc's heap, the CPU buffer pool, inductor's
+buffers), with glibc's allocator as it is by default, as in a user's training process
+(``RAG_FAST_BENCH_TIME_ALLOCATOR=fixed`` times them with the memory measurement's fixed 1 MiB
+mmap threshold instead, under which every large temporary is fresh pages the kernel zeroes).
+``ROUNDS`` rounds in which the providers take turns, each process one warm-up step then
+``STEPS_PER_PROCESS`` timed ones (6 timed steps per provider), so that a machine whose speed
+drifts slows every provider alike; ratios ``speedup vs eager`` / ``speedup vs compiled``
+flagged noisy as :func:`harness.add_ratio` flags them. Each row also has the median minor page
+faults and system CPU seconds of its timed steps (``page faults/step``, ``system s/step``).
+Denormal floats are flushed to zero in the timing processes (``torch.set_flush_denormal``): the
+random decoder-only model's training reaches them after a few steps, and each of its steps then
+took 4x to 40x longer, for every provider.
 
 Memory (``benchmarks/memory.py``): each provider in its own fresh process builds its model and
 optimizer, runs one warm step whose gradients it keeps (``zero_grad(set_to_none=False)``), then
@@ -47,17 +57,20 @@ small generator, 16 target tokens, no compiled baseline.
 from __future__ import annotations
 
 import dataclasses
+import resource
+import statistics
 
 import torch
 
-from harness import (Context, Measurement, Row, add_ratio, machine_words, measure_interleaved,
-                     run_command, runs_counted, spread_cell)
+from harness import (ALLOCATOR_ENV, Context, Measurement, Row, add_ratio, allocator_setting,
+                     machine_words, run_command, runs_counted, spread_cell)
 
 NAME = "training"
 EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
 OURS_MATERIALISED = "rag_fast materialised"
 PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALISED)
-MIN_STEPS = 5  # timed steps per provider
+# timed steps per provider: ROUNDS fresh processes each, STEPS_PER_PROCESS after a warm-up step
+ROUNDS, STEPS_PER_PROCESS = 2, 3
 GEMM_N, GEMM_CALLS = 4096, 5  # the square fp32 matmul whose best rate sets the GEMM floor
 
 B, K, CONTEXT, TARGET, VOCAB = 4, 5, 64, 32, 50265
@@ -72,6 +85,10 @@ SIZES = {
                          causal=True),
 }
 CAUSAL_B, CAUSAL_TARGET = 2, 32  # decoder-only case: questions, answer tokens (16 in --quick)
+TIME_ALLOCATOR_WORDS = {"default": "glibc default", "fixed": "glibc, 1 MiB mmap threshold"}
+# the allocator the timing processes run with: "default" (as a user's process) unless this
+# variable says "fixed" (the memory measurement's setting, to see what it costs in time)
+TIME_ALLOCATOR_ENV = "RAG_FAST_BENCH_TIME_ALLOCATOR"
 QUICK_SIZES, FULL_SIZES = ("small", "causal-small"), ("small", "bart-base", "qwen2-0.5b-2l")
 SIZE_WORDS = {"small": "small (d 256, 2+2 layers)", "bart-base": "BART-base-sized (d 768, 6+6 layers)",
               "qwen2-0.5b-2l": "decoder-only, Qwen2-0.5B-shaped (d 896, V 151936, 2 of 24 layers)",
@@ -283,27 +300,118 @@ def _step(loss, params, device: str, keep_grads: bool, batch: int = B):
     return step
 
 
-def memory_step(mode: str, size_name: str, target: int, provider: str, device: str = "cpu"):
-    """The step whose memory ``benchmarks/memory.py`` measures in a fresh process: only this
-    provider's model and optimizer exist, and its gradients stay between steps."""
+def _provider_step(mode: str, size_name: str, target: int, provider: str, device: str,
+                   keep_grads: bool):
+    """``step()`` of one provider over a model built in this process (only this provider's)."""
     if SIZES[size_name].get("causal"):
         gen = _causal_model(SIZES[size_name]).to(device)
         loss = _causal_losses(gen, mode, [provider], target, device)[provider]
-        return _step(loss, gen.parameters(), device, keep_grads=True, batch=CAUSAL_B)
+        return _step(loss, gen.parameters(), device, keep_grads=keep_grads, batch=CAUSAL_B)
     hf = _hf_model(mode, SIZES[size_name]).to(device)
     loss = _losses(hf, [provider], target, device)[provider]
-    return _step(loss, hf.rag.generator.parameters(), device, keep_grads=True)
+    return _step(loss, hf.rag.generator.parameters(), device, keep_grads=keep_grads)
+
+
+def memory_step(mode: str, size_name: str, target: int, provider: str, device: str = "cpu"):
+    """The step whose memory ``benchmarks/memory.py`` measures in a fresh process: only this
+    provider's model and optimizer exist, and its gradients stay between steps."""
+    return _provider_step(mode, size_name, target, provider, device, keep_grads=True)
+
+
+def time_provider(mode: str, size_name: str, target: int, provider: str, device: str,
+                  steps: int, warmup: int, count_flops: bool) -> dict:
+    """One provider's steps, timed in a fresh process (:func:`run` calls it through
+    ``memory.call_fresh``, with glibc's allocator as it is by default): its matmul work (one
+    untimed step, when ``count_flops``; never for compiled code), the compiled baseline's compile
+    time, then ``warmup`` and ``steps`` timed steps. Returns JSON values: ``{"times_ms": [...],
+    "gflop": GFLOP or None, "compile_s": s or None, "allocator": the harness's setting in this
+    process, "faults": [minor page faults of each timed step], "system_s": [system CPU s of
+    each]}``."""
+    import harness
+
+    # a randomly initialised decoder-only model's training reaches denormal floats after about
+    # 5 steps, which x86 cores run ~100x slower (its step went 2.1 s -> 88 s by the 8th); flushed
+    # to zero in every timing process alike
+    torch.set_flush_denormal(True)
+    step = _provider_step(mode, size_name, target, provider, device, keep_grads=False)
+    gflop = step_gflop(step) if count_flops and provider != COMPILED else None
+    compile_s = None
+    if provider == COMPILED:
+        from bench_losses import compile_seconds
+
+        torch._dynamo.reset()
+        compile_s = compile_seconds(step, device)  # until its calls are steady
+    usage = []  # (minor page faults, system CPU s) of each call
+    m = harness.measure(_counted(step, usage),
+                        Context(device=device, quick=False, repeats=steps, warmup=warmup),
+                        memory=False)
+    timed = usage[warmup:]
+    return {"times_ms": m.times_ms, "gflop": gflop, "compile_s": compile_s,
+            "allocator": harness.ALLOCATOR, "faults": [f for f, _ in timed],
+            "system_s": [s for _, s in timed]}
+
+
+def check_case(mode: str, size_name: str, target: int, providers: list[str], device: str) -> bool:
+    """Every (uncompiled) provider's loss of a decoder-only case equals the baseline's
+    (:func:`_check_same_loss`, raising if not); run in a fresh process of its own."""
+    gen = _causal_model(SIZES[size_name]).to(device)
+    losses = _causal_losses(gen, mode, [p for p in providers if p != COMPILED], target, device)
+    _check_same_loss(losses, list(gen.parameters()), size_name, mode, device)
+    return True
+
+
+def _counted(fn, into: list):
+    """``fn`` that appends each call's minor page faults and system CPU seconds to ``into``."""
+    def call():
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        out = fn()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        into.append((after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
+        return out
+    return call
+
+
+def time_case(mode: str, size_name: str, target: int, providers: list[str], device: str,
+              allocator: str = "default", rounds: int = ROUNDS,
+              steps: int = STEPS_PER_PROCESS) -> dict:
+    """Each provider timed in fresh processes (:func:`time_provider`), ``rounds`` rounds in
+    which the providers take turns, ``steps`` timed steps after a warm-up one per process.
+    Returns ``{"times_ms": {provider: [...]}, "gflop": {provider: GFLOP}, "compile_s": the
+    first round's, "allocator": the processes' setting, "faults": {provider: median per timed
+    step}, "system_s": {provider: median}}``."""
+    import memory
+
+    times = {p: [] for p in providers}
+    faults = {p: [] for p in providers}
+    system = {p: [] for p in providers}
+    gflop, compile_s, seen = {}, None, set()
+    for r in range(rounds):
+        for p in providers:
+            got = memory.call_fresh(
+                f"{__name__}:time_provider", mode, size_name, target, p, device, steps, 1, r == 0,
+                env={ALLOCATOR_ENV: allocator}, timeout=3600,
+                label=f"training {size_name} {mode} {p} (round {r + 1})")
+            times[p] += got["times_ms"]
+            faults[p] += got["faults"]
+            system[p] += got["system_s"]
+            seen.add(got["allocator"])
+            if got["gflop"] is not None:
+                gflop[p] = got["gflop"]
+            if r == 0 and got["compile_s"] is not None:
+                compile_s = got["compile_s"]
+    if len(seen) != 1:
+        raise RuntimeError(f"the timing processes ran with different allocators: {sorted(seen)}")
+    return {"times_ms": times, "gflop": gflop, "compile_s": compile_s, "allocator": seen.pop(),
+            "faults": {p: statistics.median(v) for p, v in faults.items()},
+            "system_s": {p: statistics.median(v) for p, v in system.items()}}
 
 
 def run(ctx: Context) -> list[Row]:
     import memory
-    from bench_losses import compile_seconds
 
+    time_allocator = allocator_setting(TIME_ALLOCATOR_ENV, "default")
     sizes = QUICK_SIZES if ctx.quick else FULL_SIZES
     providers = [EAGER, OURS, OURS_MATERIALISED] if ctx.quick else list(PROVIDERS)
-    # a step takes about a second (small) or several (bart-base) on 2 cores: one warm-up step
-    # and MIN_STEPS timed steps per provider, their steps alternating
-    run_ctx = dataclasses.replace(ctx, repeats=MIN_STEPS, warmup=1)
     rows = []
     rate = gemm_rate(ctx.device)  # GFLOP/s, for every case's GEMM floor
     for size_name in sizes:
@@ -311,37 +419,23 @@ def run(ctx: Context) -> list[Row]:
         for mode in ("token", "sequence"):
             if causal:
                 target = CAUSAL_TARGET // 2 if ctx.quick else CAUSAL_TARGET
-                gen = _causal_model(SIZES[size_name]).to(ctx.device)
-                params = list(gen.parameters())
-                losses = _causal_losses(gen, mode, providers, target, ctx.device)
-                check = losses  # after the compile time is taken: its compile warms the cache
-                steps = {p: _step(f, params, ctx.device, keep_grads=False, batch=CAUSAL_B)
-                         for p, f in losses.items()}
-                hf = gen
+                memory.call_fresh(f"{__name__}:check_case", mode, size_name, target, providers,
+                                  ctx.device, label=f"training {size_name} {mode} loss check")
             else:
-                check = None
                 target = TARGET // 2 if ctx.quick else TARGET
-                hf = _hf_model(mode, SIZES[size_name]).to(ctx.device)
-                params = list(hf.rag.generator.parameters())
-                steps = {p: _step(f, params, ctx.device, keep_grads=False)
-                         for p, f in _losses(hf, providers, target, ctx.device).items()}
-            # each provider's matmul work, one untimed step each (compiled code is not counted)
-            gflop = {p: step_gflop(st) for p, st in steps.items() if p != COMPILED}
-            compile_s = None
-            if COMPILED in steps:
-                torch._dynamo.reset()
-                compile_s = compile_seconds(steps[COMPILED], ctx.device)
-            if check is not None:
-                _check_same_loss(check, params, size_name, mode, ctx.device)
-            measured = measure_interleaved(steps, run_ctx, memory=False)
-            del steps, hf, params
-            torch._dynamo.reset()
+            timed = time_case(mode, size_name, target, providers, ctx.device, time_allocator)
+            measured = {p: Measurement.of(t) for p, t in timed["times_ms"].items()}
             mem = {p: memory.step_memory(f"{__name__}:memory_step", mode, size_name, target, p,
                                          ctx.device, imports=IMPORTS)
                    for p in providers} if ctx.device == "cpu" and not ctx.quick else {}
             case = f"{size_name} {mode} B={CAUSAL_B if causal else B} K={K} L={CONTEXT} T={target}"
-            rows += _rows(case, measured, mem, compile_s, CAUSAL_B if causal else B,
-                          GemmFloor(gflop, rate))
+            case_rows = _rows(case, measured, mem, timed["compile_s"], CAUSAL_B if causal else B,
+                              GemmFloor(timed["gflop"], rate))
+            for row in case_rows:
+                row.extra["time allocator"] = TIME_ALLOCATOR_WORDS[timed["allocator"]]
+                row.extra["page faults/step"] = round(timed["faults"][row.provider])
+                row.extra["system s/step"] = round(timed["system_s"][row.provider], 3)
+            rows += case_rows
     return rows
 
 
@@ -457,6 +551,21 @@ def _floor_words(rows: list[dict]) -> str:
             "eager cannot exceed eager's time over the floor.")
 
 
+def _time_process_words(rows: list[dict]) -> str:
+    """How the steps were timed: the caption's clause (files that predate the timing processes:
+    the providers alternating in the benchmark's own process)."""
+    allocators = {r["extra"].get("time allocator") for r in rows}
+    where = {TIME_ALLOCATOR_WORDS["default"]: "glibc's allocator as it is by default, as in a "
+                                              "user's training process",
+             TIME_ALLOCATOR_WORDS["fixed"]: "glibc made to unmap freed blocks of 1 MiB or more"}
+    if len(allocators) == 1 and next(iter(allocators)) in where:
+        return (f", each provider alone in fresh processes ({ROUNDS} rounds in which the "
+                f"providers take turns, one warm-up step then {STEPS_PER_PROCESS} timed ones per "
+                f"process) with {where[next(iter(allocators))]}, and denormal floats flushed to "
+                "zero (docs/benchmarks.md, \"Time and glibc's allocator\")")
+    return " after a warm-up step, the providers' steps alternating in one process"
+
+
 def render(results: dict, source: str) -> str:
     """The README's training section from a results file (``source``: its name under
     ``benchmarks/results/``): a caption saying what, how and where, then one line per
@@ -529,8 +638,7 @@ def render(results: dict, source: str) -> str:
         "only) and the RAG loss over those logits as `transformers`' RAG models compute it "
         "(`log_softmax`, passage prior, `logsumexp` over the passages); every provider's loss "
         "is checked equal to it. "
-        f"Times: medians of {counted} timed steps after a warm-up step, the providers' steps "
-        "alternating; spread = (max - min) / median of rag_fast's steps; a ratio marked (noisy) "
+        f"Times: medians of {counted} timed steps{_time_process_words(rows)}; spread = (max - min) / median of rag_fast's steps; a ratio marked (noisy) "
         "has a side whose spread exceeds 20% or runs that overlap the other side's. "
         "Memory: each provider alone in a fresh process builds its model and optimizer and runs "
         "one warm step keeping its gradients; the whole-step peak is the peak resident set of "

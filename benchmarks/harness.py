@@ -18,7 +18,12 @@ the resident set before the call, so it counts every allocator, not only torch's
 see every large temporary, glibc must return freed large blocks to the system instead of
 keeping them resident for reuse: the harness fixes its mmap threshold at 1 MiB (which also turns
 off glibc's adaptive threshold), so every block of 1 MiB or more is mapped fresh and unmapped on
-free, for every provider alike.
+free, for every provider alike. That is an instrument for memory, not how a user's process runs:
+each fresh mapping's pages are zeroed by the kernel on first touch, which costs time. A process
+started with ``RAG_FAST_BENCH_ALLOCATOR=default`` in its environment leaves glibc as it is by
+default (its adaptive threshold: blocks up to 32 MiB are reused from the heap once one of their
+size was freed); the training bench times each provider's steps in such processes
+(``bench_training.time_provider``) and measures their memory in others.
 """
 from __future__ import annotations
 
@@ -52,7 +57,19 @@ def _fix_malloc_mmap_threshold(threshold: int = 1 << 20) -> bool:
         return False
 
 
-MALLOC_FIXED = _fix_malloc_mmap_threshold()
+ALLOCATOR_ENV = "RAG_FAST_BENCH_ALLOCATOR"  # "default": leave glibc's allocator as it is
+
+
+def allocator_setting(variable: str = ALLOCATOR_ENV, default: str = "fixed") -> str:
+    """``"fixed"`` or ``"default"`` from the environment variable ``variable``."""
+    value = os.environ.get(variable, default)
+    if value not in ("fixed", "default"):
+        raise ValueError(f"{variable} must be 'fixed' or 'default', got {value!r}")
+    return value
+
+
+ALLOCATOR = allocator_setting()
+MALLOC_FIXED = _fix_malloc_mmap_threshold() if ALLOCATOR == "fixed" else False
 
 
 NOISY_SPREAD = 0.20  # a measurement whose (max - min) / median exceeds this is flagged noisy

@@ -18,6 +18,10 @@ Reported (MiB): ``whole_step_peak_mb`` = peak - bare (parameters + gradients + o
 temporaries and reused buffers beyond the state the warm step left), plus ``state_mb`` =
 baseline - bare. Linux only (``/proc``); a child that fails raises :class:`StepMemoryError` with
 its error.
+
+:func:`call_fresh`, which it runs on, calls any module-level function in a new process and returns
+its (JSON) result: the training bench times each provider that way too
+(``bench_training.time_provider``), in processes whose allocator is as glibc sets it by default.
 """
 from __future__ import annotations
 
@@ -29,10 +33,14 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 _CHILD = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); import memory; "
-          "memory._child(sys.argv[2], sys.argv[3])")
+          "memory._fresh_child(sys.argv[2], sys.argv[3])")
 
 
-class StepMemoryError(RuntimeError):
+class FreshProcessError(RuntimeError):
+    """A function called in a fresh process failed there (its error is in the message)."""
+
+
+class StepMemoryError(FreshProcessError):
     """The provider's process failed (its error is in the message)."""
 
 
@@ -45,6 +53,53 @@ class StepMemory:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def call_fresh(function: str, *args, path: tuple[str, ...] = (), timeout: float = 1800.0,
+               env: dict[str, str] | None = None, label: str | None = None,
+               error: type[FreshProcessError] = FreshProcessError, **kwargs):
+    """``function(*args, **kwargs)`` (``"module:function"``, a module-level function whose result
+    is a JSON value) called in a new Python process; returns that result.
+
+    ``path``: extra ``sys.path`` entries for the child (this folder and the caller's path are
+    always there); ``env``: variables set for the child on top of this process's environment;
+    ``label``: what the error messages name (default ``function``).
+
+    Raises:
+        ValueError: ``function`` not of the form ``"module:function"``, or arguments that are
+            not JSON values.
+        FreshProcessError (or ``error``): the child failed, timed out or returned no JSON
+            value; the message holds the tail of its error output.
+    """
+    if not isinstance(function, str) or function.count(":") != 1 or not all(function.split(":")):
+        raise ValueError(f"function must be 'module:function', got {function!r}")
+    label = label or function
+    try:
+        spec = json.dumps({"function": function, "args": list(args), "kwargs": kwargs})
+    except TypeError as e:
+        raise ValueError(f"{label}: arguments must be JSON values: {e}") from None
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys_path = [os.path.abspath(p) for p in path] + [here] + [p for p in sys.path if p]
+    fd, out = tempfile.mkstemp(prefix="rag_fast_fresh_", suffix=".json")
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(sys_path), spec, out],
+                                  capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, **(env or {})})
+        except subprocess.TimeoutExpired:
+            raise error(f"{label}: the fresh process ran past {timeout:.0f} s") from None
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+            raise error(f"{label}: the fresh process failed (exit {proc.returncode}):\n"
+                        + "\n".join(tail))
+        try:
+            with open(out) as f:
+                return json.load(f)["result"]
+        except (OSError, ValueError, KeyError) as e:
+            raise error(f"{label}: the fresh process wrote no result ({e})") from None
+    finally:
+        os.unlink(out)
 
 
 def step_memory(factory: str, *args, imports: tuple[str, ...] = (), path: tuple[str, ...] = (),
@@ -65,29 +120,9 @@ def step_memory(factory: str, *args, imports: tuple[str, ...] = (), path: tuple[
         raise ValueError(f"factory must be 'module:function', got {factory!r}")
     if not sys.platform.startswith("linux"):
         raise StepMemoryError("step memory reads /proc/self (Linux only)")
-    try:
-        spec = json.dumps({"factory": factory, "args": list(args), "kwargs": kwargs,
-                           "imports": list(imports)})
-    except TypeError as e:
-        raise ValueError(f"factory arguments must be JSON values: {e}") from None
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys_path = [os.path.abspath(p) for p in path] + [here] + [p for p in sys.path if p]
-    fd, out = tempfile.mkstemp(prefix="rag_fast_step_memory_", suffix=".json")
-    os.close(fd)
-    try:
-        try:
-            proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(sys_path), spec, out],
-                                  capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise StepMemoryError(f"{factory}: the memory process ran past {timeout:.0f} s") from None
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-            raise StepMemoryError(f"{factory}: the memory process failed (exit {proc.returncode}):\n"
-                                  + "\n".join(tail))
-        with open(out) as f:
-            return StepMemory(**json.load(f))
-    finally:
-        os.unlink(out)
+    result = call_fresh("memory:_measure_step", factory, list(args), kwargs, list(imports),
+                        path=path, timeout=timeout, label=factory, error=StepMemoryError)
+    return StepMemory(**result)
 
 
 def _status_kb(name: str) -> int:
@@ -98,24 +133,39 @@ def _status_kb(name: str) -> int:
     raise StepMemoryError(f"/proc/self/status has no {name}")
 
 
-def _child(spec_json: str, out: str) -> None:
-    """Runs in the fresh process (see the module docstring)."""
+def _fresh_child(spec_json: str, out: str) -> None:
+    """Runs in the fresh process of :func:`call_fresh`: the call, its result written atomically."""
+    import importlib
+
+    spec = json.loads(spec_json)
+    module_name, function = spec["function"].split(":")
+    fn = getattr(importlib.import_module(module_name), function, None)
+    if not callable(fn):
+        raise FreshProcessError(f"{module_name} has no function {function!r}")
+    result = fn(*spec["args"], **spec["kwargs"])
+    tmp = f"{out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"result": result}, f)
+    os.replace(tmp, out)
+
+
+def _measure_step(factory: str, args: list, kwargs: dict, imports: list[str]) -> dict:
+    """Runs in the fresh process of :func:`step_memory` (see the module docstring)."""
     import gc
     import importlib
 
     from harness import _fix_malloc_mmap_threshold
 
-    _fix_malloc_mmap_threshold()  # the harness fixed it in the parent; a new process needs it too
-    spec = json.loads(spec_json)
-    module_name, function = spec["factory"].split(":")
-    for name in spec["imports"]:
+    _fix_malloc_mmap_threshold()  # whatever the parent's setting: the measurement needs it
+    module_name, function = factory.split(":")
+    for name in imports:
         importlib.import_module(name)
     make = getattr(importlib.import_module(module_name), function, None)
     if not callable(make):
         raise StepMemoryError(f"{module_name} has no function {function!r}")
     gc.collect()
     bare = _status_kb("VmRSS")
-    step = make(*spec["args"], **spec["kwargs"])
+    step = make(*args, **kwargs)
     step()  # warm: gradients, optimizer state and reused buffers now exist
     gc.collect()
     baseline = _status_kb("VmRSS")
@@ -123,9 +173,5 @@ def _child(spec_json: str, out: str) -> None:
         f.write("5")  # VmHWM := VmRSS
     step()
     peak = _status_kb("VmHWM")
-    result = {"whole_step_peak_mb": (peak - bare) / 1024, "step_extra_mb": (peak - baseline) / 1024,
-              "state_mb": (baseline - bare) / 1024, "bare_mb": bare / 1024}
-    tmp = f"{out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, out)
+    return {"whole_step_peak_mb": (peak - bare) / 1024, "step_extra_mb": (peak - baseline) / 1024,
+            "state_mb": (baseline - bare) / 1024, "bare_mb": bare / 1024}

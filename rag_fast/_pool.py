@@ -1,5 +1,6 @@
 """Reused memory for the large CPU outputs of rag_fast's ops: the logits' gradient of both
-losses, and the RAG-Token marginal and its gradient.
+losses, the RAG-Token marginal and its gradient, and the LM head's weight gradient in
+``RagModel`` training.
 
 Why: torch's CPU allocator hands a large buffer back to the operating system when it is freed
 (glibc unmaps blocks above its mmap threshold), so the next call of the same size gets fresh

@@ -85,3 +85,67 @@ def test_bad_arguments_are_named():
         memory.step_memory("no_colon")
     with pytest.raises(ValueError, match="JSON"):
         memory.step_memory("fake_provider:make", object())
+
+
+# Page faults of a loop that allocates, touches and frees a 2 MiB block (512 pages; under the
+# 4 MiB from which numpy asks for huge pages), in a process whose allocator is as the harness
+# leaves it there.
+FAULTS = textwrap.dedent("""
+    import resource
+
+    import numpy as np
+
+    def faults(blocks):
+        import harness
+
+        np.ones(2 * 2**20, dtype=np.uint8)  # one freed block of this size first
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(blocks):
+            np.ones(2 * 2**20, dtype=np.uint8)
+        pages = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        return {"allocator": harness.ALLOCATOR, "fixed": harness.MALLOC_FIXED, "faults": pages}
+
+    def echo(*args, **kwargs):
+        return {"args": list(args), "kwargs": kwargs}
+""")
+
+
+@pytest.fixture()
+def faults_module(tmp_path):
+    (tmp_path / "fake_faults.py").write_text(FAULTS)
+    return str(tmp_path)
+
+
+def test_call_fresh_returns_the_result_and_names_failures(fake_module, faults_module):
+    got = memory.call_fresh("fake_faults:echo", 1, [2, "x"], path=(faults_module,), k=None)
+    assert got == {"args": [1, [2, "x"]], "kwargs": {"k": None}}
+    with pytest.raises(memory.FreshProcessError, match="(?s)my case: .*no model of size 3"):
+        memory.call_fresh("fake_provider:broken", 3, path=(fake_module,), label="my case")
+    with pytest.raises(memory.FreshProcessError, match="has no function 'nothing'"):
+        memory.call_fresh("fake_provider:nothing", path=(fake_module,))
+    with pytest.raises(ValueError, match="function must be 'module:function'"):
+        memory.call_fresh("fake_provider")
+    with pytest.raises(ValueError, match="my case: arguments must be JSON"):
+        memory.call_fresh("fake_faults:echo", {1, 2}, label="my case")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_allocator_setting_reaches_the_fresh_process(faults_module):
+    """By default the harness maps every block of 1 MiB or more fresh (each 2 MiB block faults
+    its 512 pages in again); with RAG_FAST_BENCH_ALLOCATOR=default glibc's adaptive threshold
+    reuses a freed block of that size (next to no faults)."""
+    import harness
+
+    fixed = memory.call_fresh("fake_faults:faults", 20, path=(faults_module,),
+                              env={harness.ALLOCATOR_ENV: "fixed"})
+    default = memory.call_fresh("fake_faults:faults", 20, path=(faults_module,),
+                                env={harness.ALLOCATOR_ENV: "default"})
+    assert (fixed["allocator"], fixed["fixed"]) == ("fixed", True)
+    assert (default["allocator"], default["fixed"]) == ("default", False)
+    pages = 20 * 2 * 2**20 // 4096
+    assert fixed["faults"] >= 0.9 * pages
+    assert default["faults"] < 0.1 * pages
+    with pytest.raises(memory.FreshProcessError, match="RAG_FAST_BENCH_ALLOCATOR must be 'fixed' "
+                                                       "or 'default', got 'sometimes'"):
+        memory.call_fresh("fake_faults:faults", 1, path=(faults_module,),
+                          env={harness.ALLOCATOR_ENV: "sometimes"})

@@ -152,6 +152,67 @@ def test_decoder_only_baseline_loss_equals_the_reference():
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6, msg=mode)
 
 
+def test_training_caption_says_how_the_steps_were_timed():
+    rows = _training_rows()
+    results = _results(rows)
+    # files from before the timing processes
+    assert "the providers' steps alternating in one process" in bench_training.render(results,
+                                                                                        "x.json")
+    for words, said in (("glibc default", "allocator as it is by default"),
+                        ("glibc, 1 MiB mmap threshold", "unmap freed blocks of 1 MiB or more")):
+        for r in results["rows"]:
+            r["extra"]["time allocator"] = words
+        text = bench_training.render(results, "x.json")
+        assert said in text and "each provider alone in fresh processes (2 rounds" in text
+
+
+def test_a_case_is_timed_provider_by_provider_in_fresh_processes(monkeypatch):
+    """``time_case`` with a stand-in for ``memory.call_fresh``: rounds in which the providers
+    take turns, every process's steps kept, the work and compile time of the first round."""
+    import memory
+
+    calls = []
+
+    def fake(function, mode, size, target, provider, device, steps, warmup, first, *, env,
+             timeout, label):
+        calls.append((provider, first, env))
+        n = len(calls)
+        return {"times_ms": [float(n)] * steps, "gflop": 7.0 if first else None,
+                "compile_s": (3.0 if first else 1.0) if provider == "transformers compiled"
+                else None, "allocator": env[harness.ALLOCATOR_ENV],
+                "faults": [n] * steps, "system_s": [0.5] * steps}
+
+    monkeypatch.setattr(memory, "call_fresh", fake)
+    providers = ["transformers", "transformers compiled", "rag_fast"]
+    got = bench_training.time_case("token", "small", 16, providers, "cpu", "default", rounds=2,
+                                   steps=3)
+    assert [c[0] for c in calls] == providers * 2
+    assert [c[1] for c in calls] == [True] * 3 + [False] * 3
+    assert got["times_ms"]["rag_fast"] == [3.0] * 3 + [6.0] * 3
+    assert got["faults"]["transformers"] == 2.5 and got["system_s"]["rag_fast"] == 0.5
+    assert got["compile_s"] == 3.0 and got["gflop"] == {p: 7.0 for p in providers}
+    assert got["allocator"] == "default"
+
+
+def test_a_provider_is_timed_in_a_fresh_process_with_the_default_allocator():
+    """What ``time_case`` asks ``memory.call_fresh`` for: the steps timed, the matmul work
+    counted, in a process that left glibc alone; and the decoder-only loss check passes."""
+    import memory
+
+    got = {p: memory.call_fresh(
+        "bench_training:time_provider", "sequence", "causal-small", 4, p, "cpu", 2, 1, True,
+        env={harness.ALLOCATOR_ENV: "default"}) for p in ("transformers", "rag_fast materialised")}
+    for r in got.values():
+        assert r["allocator"] == "default" and r["compile_s"] is None
+        assert len(r["times_ms"]) == 2 and min(r["times_ms"]) > 0
+        assert len(r["faults"]) == 2 and min(r["system_s"]) >= 0
+    # the same matmuls on both sides (the baseline keeps only the answers' logits too)
+    assert got["transformers"]["gflop"] == pytest.approx(got["rag_fast materialised"]["gflop"],
+                                                         rel=0.05)
+    assert bench_training.check_case("sequence", "causal-small", 4,
+                                     ["transformers", "rag_fast materialised"], "cpu") is True
+
+
 def test_decoder_only_rows_name_their_shape():
     measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
                 "rag_fast": _m([500, 505, 495, 502, 498])}

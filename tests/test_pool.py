@@ -248,3 +248,40 @@ def test_a_tensor_subclass_like_gets_its_own_kind():
     like = torch.empty(2).as_subclass(Tagged)
     t = _pool.empty((MIN_FLOATS,), torch.float32, like=like)
     assert type(t) is Tagged and t.shape == (MIN_FLOATS,)
+
+
+@pytest.mark.parametrize("lm_head_loss", ["materialized", "fused"])
+def test_the_lm_heads_weight_gradient_comes_from_the_pool(monkeypatch, lm_head_loss):
+    """A training step's [V, d] LM-head weight gradient (tied to the input embedding) lands in
+    pooled memory, so a step after ``zero_grad(set_to_none=True)`` reuses the last one's instead
+    of fresh pages; the gradients are bit-identical to those with the pool off."""
+    from rag_fast.models import RagModel
+    from rag_fast.testing import tiny_hf_rag
+
+    V, d = 9001, 128  # a 4.4 MiB weight gradient
+    model = RagModel.from_transformers(tiny_hf_rag("token", vocab_size=V, d_model=d),
+                                       lm_head_loss=lm_head_loss)
+    weight = model.generator.get_output_embeddings().weight
+    assert weight.numel() * 4 >= _pool.MIN_BYTES
+    g = torch.Generator().manual_seed(0)
+    contexts = torch.randint(3, V, (2 * 3, 9), generator=g)
+    labels = torch.randint(3, V, (2, 5), generator=g)
+    scores = torch.randn(2, 3, generator=g)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model.loss_from_contexts(contexts, torch.ones_like(contexts), scores, labels).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    first = grads()
+    assert _info()["in_use_bytes"] >= weight.numel() * 4  # weight.grad, held by the model
+    ptr = weight.grad.data_ptr()
+    again = grads()
+    assert weight.grad.data_ptr() == ptr  # the freed gradient's memory, reused
+    monkeypatch.setenv(_pool.ENV, "0")
+    rag_fast.empty_cache()
+    plain = grads()
+    assert _info()["in_use_bytes"] == 0
+    assert first.keys() == plain.keys()
+    for name in first:
+        assert torch.equal(first[name], plain[name]) and torch.equal(again[name], plain[name]), name

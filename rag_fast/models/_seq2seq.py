@@ -29,6 +29,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from rag_fast import _pool
+
 _T5_FAMILY = ("t5", "mt5", "umt5", "longt5")
 
 
@@ -124,7 +126,10 @@ class DeferredHeadGrad:
         late, self._late = self._late, []
         out = None
         for g, h in parts:
-            out = g.t() @ h if out is None else out.addmm_(g.t(), h)
+            if out is None:  # a [V, d] gradient: the pool's reused memory (see _pool.py)
+                out = torch.mm(g.t(), h, out=_pool.empty((g.shape[1], h.shape[1]), g.dtype, like=h))
+            else:
+                out.addmm_(g.t(), h)
         for weight_grad in late:
             part = weight_grad()
             out = part if out is None else out.add_(part)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rag_fast import reference
+from rag_fast import _pool, reference
 from rag_fast.ops import _custom_ops  # noqa: F401  (registers torch.ops.rag_fast.*)
 from rag_fast.ops._common import prepare_loss
 from rag_fast.ops.rag_sequence_nll import _sequence_small_graph
@@ -136,7 +136,7 @@ class _GradTiles(_Tiles):
         rows added into it later, are float32."""
         low = self.weight.dtype in (torch.bfloat16, torch.float16)
         dtype = torch.float32 if low else self.weight.dtype
-        dW = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+        dW = _pool.empty(self.weight.shape, dtype, like=self.h2)  # reused memory on the CPU
         for v0, v1, G in self:
             if low:
                 dW[v0:v1] = G.t() @ self.h2
