@@ -330,7 +330,7 @@ def time_provider(mode: str, size_name: str, target: int, provider: str, device:
     import harness
 
     # a randomly initialised decoder-only model's training reaches denormal floats after about
-    # 5 steps, which x86 cores run ~100x slower (its step went 2.1 s -> 88 s by the 8th); flushed
+    # 5 steps, and arithmetic on them is slow (its step went 2.1 s -> 88 s by the 8th); flushed
     # to zero in every timing process alike
     torch.set_flush_denormal(True)
     step = _provider_step(mode, size_name, target, provider, device, keep_grads=False)
@@ -638,8 +638,9 @@ def render(results: dict, source: str) -> str:
         "only) and the RAG loss over those logits as `transformers`' RAG models compute it "
         "(`log_softmax`, passage prior, `logsumexp` over the passages); every provider's loss "
         "is checked equal to it. "
-        f"Times: medians of {counted} timed steps{_time_process_words(rows)}; spread = (max - min) / median of rag_fast's steps; a ratio marked (noisy) "
-        "has a side whose spread exceeds 20% or runs that overlap the other side's. "
+        f"Times: medians of {counted} timed steps{_time_process_words(rows)}; "
+        "spread = (max - min) / median of rag_fast's steps; a ratio marked (noisy) has a side "
+        "whose spread exceeds 20% or runs that overlap the other side's. "
         "Memory: each provider alone in a fresh process builds its model and optimizer and runs "
         "one warm step keeping its gradients; the whole-step peak is the peak resident set of "
         "the next step above the bare process's before the model existed (parameters, "

@@ -71,8 +71,7 @@ def call_fresh(function: str, *args, path: tuple[str, ...] = (), timeout: float 
         FreshProcessError (or ``error``): the child failed, timed out or returned no JSON
             value; the message holds the tail of its error output.
     """
-    if not isinstance(function, str) or function.count(":") != 1 or not all(function.split(":")):
-        raise ValueError(f"function must be 'module:function', got {function!r}")
+    _check_target("function", function)
     label = label or function
     try:
         spec = json.dumps({"function": function, "args": list(args), "kwargs": kwargs})
@@ -116,8 +115,7 @@ def step_memory(factory: str, *args, imports: tuple[str, ...] = (), path: tuple[
             JSON values.
         StepMemoryError: the child failed (or timed out); the message holds its error.
     """
-    if not isinstance(factory, str) or factory.count(":") != 1 or not all(factory.split(":")):
-        raise ValueError(f"factory must be 'module:function', got {factory!r}")
+    _check_target("factory", factory)
     if not sys.platform.startswith("linux"):
         raise StepMemoryError("step memory reads /proc/self (Linux only)")
     result = call_fresh("memory:_measure_step", factory, list(args), kwargs, list(imports),
@@ -133,16 +131,26 @@ def _status_kb(name: str) -> int:
     raise StepMemoryError(f"/proc/self/status has no {name}")
 
 
-def _fresh_child(spec_json: str, out: str) -> None:
-    """Runs in the fresh process of :func:`call_fresh`: the call, its result written atomically."""
+def _check_target(argument: str, target) -> None:
+    if not isinstance(target, str) or target.count(":") != 1 or not all(target.split(":")):
+        raise ValueError(f"{argument} must be 'module:function', got {target!r}")
+
+
+def _resolve(target: str):
+    """The function ``"module:function"`` names (imported in this process)."""
     import importlib
 
-    spec = json.loads(spec_json)
-    module_name, function = spec["function"].split(":")
+    module_name, function = target.split(":")
     fn = getattr(importlib.import_module(module_name), function, None)
     if not callable(fn):
         raise FreshProcessError(f"{module_name} has no function {function!r}")
-    result = fn(*spec["args"], **spec["kwargs"])
+    return fn
+
+
+def _fresh_child(spec_json: str, out: str) -> None:
+    """Runs in the fresh process of :func:`call_fresh`: the call, its result written atomically."""
+    spec = json.loads(spec_json)
+    result = _resolve(spec["function"])(*spec["args"], **spec["kwargs"])
     tmp = f"{out}.tmp"
     with open(tmp, "w") as f:
         json.dump({"result": result}, f)
@@ -157,12 +165,9 @@ def _measure_step(factory: str, args: list, kwargs: dict, imports: list[str]) ->
     from harness import _fix_malloc_mmap_threshold
 
     _fix_malloc_mmap_threshold()  # whatever the parent's setting: the measurement needs it
-    module_name, function = factory.split(":")
     for name in imports:
         importlib.import_module(name)
-    make = getattr(importlib.import_module(module_name), function, None)
-    if not callable(make):
-        raise StepMemoryError(f"{module_name} has no function {function!r}")
+    make = _resolve(factory)
     gc.collect()
     bare = _status_kb("VmRSS")
     step = make(*args, **kwargs)
