@@ -172,7 +172,9 @@ class _Pool:
                     "limit_bytes": limit_bytes()}
 
 
-limit_bytes()  # a bad RAG_FAST_POOL_MB is an error at import, not deep inside a backward
+# A bad RAG_FAST_POOL_MB is not an import error (a command-line tool could not report it
+# without a traceback): RagModel's argument checks and the rag-fast command check it before
+# any work, and every pool request raises it.
 _POOL = _Pool()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_POOL.after_fork_in_child)

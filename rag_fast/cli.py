@@ -478,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rag_fast import _pool
     from rag_fast.retrieval._files import StorageError
 
     from rag_fast._quiet import set_verbose
@@ -485,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     set_verbose(args.verbose)
     try:
+        _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
         return int(args.func(args) or 0)
     except (ValueError, OSError, StorageError) as exc:
         print(f"rag-fast: error: {exc}", file=sys.stderr)

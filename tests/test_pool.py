@@ -229,16 +229,29 @@ def test_the_token_marginal_and_its_gradient_come_from_the_pool():
     torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_a_bad_limit_stops_the_import_with_its_name():
+def test_a_bad_limit_is_one_line_from_the_command_and_an_error_before_any_work(monkeypatch):
+    """A bad RAG_FAST_POOL_MB does not break ``import rag_fast``; the rag-fast command reports
+    it in one line (no traceback), and RagModel's checks and every pool request raise it."""
     import subprocess
     import sys
 
     env = dict(os.environ, RAG_FAST_POOL_MB="2GB")
-    run = subprocess.run([sys.executable, "-c", "import rag_fast"], env=env,
+    run = subprocess.run([sys.executable, "-c", "import rag_fast; print('imported')"], env=env,
                          capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0
-    assert "RAG_FAST_POOL_MB must be a whole number of MiB >= 0" in run.stderr
-    assert "'2GB'" in run.stderr
+    assert run.returncode == 0 and "imported" in run.stdout, run.stderr
+    run = subprocess.run([sys.executable, "-m", "rag_fast.cli", "index", "info", "no-such-index"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr
+    assert run.stderr.strip() == ("rag-fast: error: RAG_FAST_POOL_MB must be a whole number of "
+                                  "MiB >= 0 (0 turns the pool off), got '2GB'"), run.stderr
+    from rag_fast.models.rag_model import check_arguments
+
+    monkeypatch.setenv("RAG_FAST_POOL_MB", "-1")
+    with pytest.raises(ValueError, match=r"RAG_FAST_POOL_MB must be a whole number of MiB.*'-1'"):
+        check_arguments()
+    with pytest.raises(ValueError, match=r"RAG_FAST_POOL_MB must be a whole number of MiB"):
+        _pool.empty((MIN_FLOATS,), torch.float32)
 
 
 def test_a_tensor_subclass_like_gets_its_own_kind():

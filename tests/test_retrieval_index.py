@@ -54,6 +54,78 @@ def test_exact_matches_torch_exact_search(data, exact):
     np.testing.assert_allclose(scores, np.einsum("bd,bkd->bk", q, xb[ids]), rtol=1e-4, atol=1e-4)
 
 
+def _calls(monkeypatch):
+    """Count the exact preset's matmul searches (rag_fast.retrieval.index.exact_search)."""
+    import rag_fast.retrieval.index as index_module
+
+    calls = []
+    real = index_module.exact_search
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("chunk"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(index_module, "exact_search", counted)
+    return calls
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 1000])  # one block; several, merged
+def test_exact_batches_search_by_matmul_as_faiss_does(data, exact, monkeypatch, chunk):
+    """From FLAT_MIN_QUERIES queries the exact preset searches faiss's own vectors with a torch
+    matmul: faiss IndexFlatIP's results (same ids wherever scores are not within rounding of
+    each other, scores to float32 rounding), in numpy and torch; smaller batches are faiss's
+    own search, bit for bit."""
+    import rag_fast.retrieval.index as index_module
+
+    xb, q, _ = data
+    monkeypatch.setattr(index_module, "FLAT_CHUNK", chunk)
+    calls = _calls(monkeypatch)
+    k = 17
+    want_s, want_i = exact.faiss_index.search(q, k)  # faiss IndexFlatIP itself
+    scores, ids = exact.search(q, k)
+    assert calls == [chunk]
+    assert scores.dtype == np.float32 and ids.dtype == np.int64 and ids.shape == (len(q), k)
+    np.testing.assert_allclose(scores, want_s, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(scores, np.einsum("bd,bkd->bk", q, xb[ids]), rtol=0, atol=2e-6)
+    gap = np.minimum(np.diff(want_s, axis=1, prepend=np.inf), -np.diff(want_s, axis=1, append=-np.inf))
+    clear = np.abs(gap) > 1e-5  # a rank whose score is apart from both neighbours'
+    assert clear.mean() > 0.9 and np.array_equal(ids[clear], want_i[clear])
+    t_scores, t_ids = exact.search(torch.from_numpy(q), k)
+    assert torch.equal(t_ids, torch.from_numpy(ids)) and torch.equal(t_scores, torch.from_numpy(scores))
+    few = q[: index_module.FLAT_MIN_QUERIES - 1]
+    calls.clear()
+    s_few, i_few = exact.search(few, k)
+    assert calls == []
+    f_s, f_i = exact.faiss_index.search(few, k)
+    assert np.array_equal(s_few, f_s) and np.array_equal(i_few, f_i)
+
+
+def test_exact_batch_lists_ties_by_descending_id_as_faiss(monkeypatch):
+    """0/1 vectors tie in whole numbers, exactly in float32: the matmul search lists equal scores
+    by descending id, as faiss does, with faiss's scores; the other presets never take it."""
+    rng = np.random.default_rng(5)
+    xb = (rng.random((700, 16)) < 0.3).astype(np.float32)
+    q = (rng.random((40, 16)) < 0.3).astype(np.float32)
+    index = DenseIndex.build(xb, "exact", progress=False)
+    calls = _calls(monkeypatch)
+    k = 12
+    scores, ids = index.search(q, k)
+    assert len(calls) == 1
+    want_s, want_i = index.faiss_index.search(q, k)
+    assert np.array_equal(scores, want_s)
+    exact_scores = q @ xb.T
+    for row in range(len(q)):
+        assert np.array_equal(exact_scores[row, ids[row]], scores[row])
+        for a, b, sa, sb in zip(ids[row], ids[row][1:], scores[row], scores[row][1:]):
+            assert sa > sb or (sa == sb and a > b), (row, ids[row], scores[row])
+        kth = scores[row, -1]  # above the k-th score the lists hold the same ids
+        assert np.array_equal(ids[row][scores[row] > kth], want_i[row][want_s[row] > kth])
+    hnsw = DenseIndex.build(clustered(800, 3), "hnsw", progress=False)
+    calls.clear()
+    hnsw.search(clustered(40, 4), 5)
+    assert calls == []
+
+
 def test_ivfpq_recall_against_exact(data, exact, ivfpq):
     _, q, _ = data
     assert ivfpq.factory.startswith("IVF64,PQ8x4fs")

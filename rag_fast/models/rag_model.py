@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rag_fast import _pool
 from rag_fast._validation import IMPLS, check_context_length, check_decoding_scores
 from rag_fast.models import _causal, _lean, _seq2seq
 from rag_fast.ops import linear_rag_nll, rag_sequence_nll, rag_token_nll
@@ -144,6 +145,7 @@ def check_arguments(*, mode: str = "token", n_docs: int = 5, question_pooling: s
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    _pool.limit_bytes()  # the buffer pool's RAG_FAST_POOL_MB, before any model work
     if not _is_int(n_docs) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
     if question_pooling not in POOLINGS:

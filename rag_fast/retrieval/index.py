@@ -59,6 +59,8 @@ from rag_fast.retrieval._files import (
 INDEX_KIND = "rag_fast.dense_index"
 FORMAT = 1
 PRESETS = ("exact", "hnsw", "ivfpq")
+FLAT_CHUNK = 1 << 16  # vectors per matmul of the exact preset's search (see _flat_vectors)
+FLAT_MIN_QUERIES = 20  # fewer queries: faiss's own exact search (see _flat_vectors)
 SMALL_CORPUS = 39 * 16  # below: every preset is exact search (k-means of 16 lists needs 624)
 GPU_MAX_K = 2048  # faiss GPU's largest k and nprobe
 RERANK_MIN_K = 10  # a re-ranking search fetches at least rerank * 10 candidates (the tuned k)
@@ -679,11 +681,46 @@ class DenseIndex:
         q_np = np.ascontiguousarray(q_np, dtype=np.float32)
         _check_finite("queries", q_np)
         params = self.search_parameters(k, nprobe, ef_search, rerank)
-        scores, ids = self.faiss_index.search(q_np, k, params=params)
+        flat = self._flat_vectors() if len(q_np) >= FLAT_MIN_QUERIES else None
+        if flat is not None:  # the exact preset: a torch matmul over faiss's own vectors
+            s_t, i_t = exact_search(flat, torch.from_numpy(q_np), k, chunk=FLAT_CHUNK)
+            del flat
+            i_t, order = i_t.sort(dim=1, descending=True)  # equal scores by descending id,
+            s_t = s_t.gather(1, order)                      # as faiss lists them
+            s_t, order = s_t.sort(dim=1, descending=True, stable=True)
+            scores, ids = s_t.numpy(), i_t.gather(1, order).numpy()
+        else:
+            scores, ids = self.faiss_index.search(q_np, k, params=params)
         _mark_missing(scores, ids)
         if is_torch:
             return torch.from_numpy(scores).to(q.device), torch.from_numpy(ids).to(q.device)
         return scores, ids
+
+    def _flat_vectors(self) -> torch.Tensor | None:
+        """The fp32 vectors of an exact inner-product index (``Flat``, no re-rank: the
+        ``exact`` preset, and ``ivfpq``/``hnsw`` on a small corpus), viewed ``[N, d]`` in
+        faiss's own memory (no copy), for :meth:`search`; None for any other index.
+
+        Batches of :data:`FLAT_MIN_QUERIES` queries or more are searched with
+        :func:`exact_search` (a BLAS matmul and ``topk`` per block of :data:`FLAT_CHUNK`
+        vectors) rather than faiss's ``IndexFlatIP``, which scores one (query, vector) pair at
+        a time and ran 4.0x (2.6K vectors of 384) to 14x (200K and 1M of 768) slower for
+        batches of 128 queries on a 2-core Xeon (the exact rows of
+        ``benchmarks/results/cpu-index-full.json`` time both). Smaller batches stay with
+        faiss, whose per-pair scores depend neither on the batch nor on how the corpus is cut
+        into shards (a matmul's rounding may: one query alone and in a batch can score an ulp,
+        about 1e-7, apart). The same top-k by score; equal scores listed by descending id, as
+        faiss lists them (which of several vectors tied at the k-th place is kept is
+        unspecified, as with faiss: :func:`rag_fast.retrieval.sharded.search_exact_ties`
+        decides them). The view is taken anew for each search, never kept: faiss owns that
+        memory."""
+        base = self._base
+        if (self._refine is not None or not isinstance(base, faiss.IndexFlat)
+                or base.metric_type != faiss.METRIC_INNER_PRODUCT or base.ntotal == 0):
+            return None
+        n, d = int(base.ntotal), int(base.d)
+        raw = faiss.rev_swig_ptr(base.codes.data(), n * d * 4)  # uint8, faiss's memory
+        return torch.from_numpy(raw).view(torch.float32).view(n, d)
 
     # ---- GPU ------------------------------------------------------------------------------
     def to(self, device: str | torch.device) -> "DenseIndex":
