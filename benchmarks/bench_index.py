@@ -18,7 +18,8 @@ Data sets:
 Columns: ``recall@10`` and ``same top5`` (fraction of queries whose top 5 are exact search's)
 on the evaluation queries; ``QPS`` and ``x exact`` (> 1: faster than exact search: the fastest
 of faiss ``IndexFlatIP`` called directly, a torch matmul over the fp32 vectors and the exact
-preset, which searches faiss's vectors with that matmul, all timed in the same run)
+preset, which scores faiss's vectors with rag_fast's inner-product kernel, all timed in the
+same run)
 for batches of 128 queries and for single queries; ``B/vec``: bytes per vector of everything a search reads (the index, plus the fp16
 vectors when it re-ranks); ``overhead vs faiss``: ``DenseIndex.search`` over calling faiss
 directly with the same parameters. Each preset row carries its recall/QPS curve (``curve``:
@@ -289,7 +290,7 @@ def render(results: dict, source: str) -> str:
         f"exact search; queries/s for batches of {BATCH} and milliseconds for one query, {timing}; "
         "vs exact: against the fastest exact search timed in the same run (faiss `IndexFlatIP` "
         "called directly, a torch matmul over the fp32 vectors, or the exact preset, which "
-        "searches faiss's vectors with that matmul); "
+        "scores faiss's vectors with rag_fast's inner-product kernel); "
         "bytes per vector of everything a search reads (the index, plus the fp16 vectors when it "
         "re-ranks). Each index was built as `rag-fast index build` builds it, settings tuned to "
         "recall@10 and same top 5 >= 0.95 on stand-in questions (real text: a sentence of 1000 "

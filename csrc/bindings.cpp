@@ -45,6 +45,17 @@ PYBIND11_MODULE(_C, m) {
       },
       "out[i] = one (as bits) where bit i % 8 of bits[i / 8] is set, else 0 (see csrc/kernels.h).");
   m.def(
+      "inner_products",
+      [](uintptr_t q, int64_t B, int64_t ldq, uintptr_t x, int64_t N, int64_t ldx, int64_t d,
+         uintptr_t out, int64_t ldo) {
+        InnerProductsArgs a{ptr<const float>(q), B, ldq, ptr<const float>(x), N, ldx, d,
+                            ptr<float>(out), ldo};
+        py::gil_scoped_release release;
+        kernels().inner_products(a);
+      },
+      "out[b, n] = q[b] . x[n], float32, each score by the same instruction sequence whatever "
+      "the shapes (see csrc/kernels.h).");
+  m.def(
       "row_stats",
       [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
          int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t lse,

@@ -794,6 +794,7 @@ const KernelTable& table() {
       &by_dtype<TokenMarginalArgs, token_marginal_impl<float>, token_marginal_impl<uint16_t>>,
       &by_dtype<TokenMarginalGradArgs, token_marginal_grad_impl<float>,
                 token_marginal_grad_impl<uint16_t>>,
+      inner_products_fn(),
   };
   return t;
 }

@@ -125,6 +125,18 @@ struct TokenMarginalGradArgs {
   int64_t ob, ok, ot;
 };
 
+// out[b, n] = q[b] . x[n] (float32, rows of length d at strides ldq, ldx, ldo), each score by
+// the same instruction sequence whatever B, N and the pair's place (csrc/inner_products.cpp).
+struct InnerProductsArgs {
+  const float* q;
+  int64_t B, ldq;
+  const float* x;
+  int64_t N, ldx;
+  int64_t d;
+  float* out;
+  int64_t ldo;
+};
+
 using RowStatsFn = void (*)(const RowStatsArgs&);
 using RowGradFn = void (*)(const RowGradArgs&);
 using TokenSmoothForwardFn = void (*)(const TokenSmoothForwardArgs&);
@@ -132,6 +144,7 @@ using TokenSmoothStatsFn = void (*)(const TokenSmoothStatsArgs&);
 using TokenSmoothGradFn = void (*)(const TokenSmoothGradArgs&);
 using TokenMarginalFn = void (*)(const TokenMarginalArgs&);
 using TokenMarginalGradFn = void (*)(const TokenMarginalGradArgs&);
+using InnerProductsFn = void (*)(const InnerProductsArgs&);
 
 // One table of kernels per instruction-set variant (csrc/dispatch.cpp picks one).
 struct KernelTable {
@@ -144,11 +157,13 @@ struct KernelTable {
   TokenSmoothGradFn token_smooth_grad;
   TokenMarginalFn token_marginal;
   TokenMarginalGradFn token_marginal_grad;
+  InnerProductsFn inner_products;
 };
 
-#define RAG_FAST_DECLARE_VARIANT(v) \
-  namespace v {                     \
-  const KernelTable& table();       \
+#define RAG_FAST_DECLARE_VARIANT(v)      \
+  namespace v {                          \
+  const KernelTable& table();            \
+  InnerProductsFn inner_products_fn();   \
   }
 
 RAG_FAST_DECLARE_VARIANT(generic)

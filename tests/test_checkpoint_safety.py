@@ -380,8 +380,9 @@ def test_question_encoder_lr_param_groups(tmp_path):
     ({"log_every": -1}, "log_every must be >= 0, got -1"),
     ({"extra": []}, r"extra must be a dict \(a JSON object\), got \[\]"),
     ({"extra": {"a": float("inf")}}, "extra must be JSON-serialisable"),
-    ({"max_step": 3}, r"unknown training options \['max_step'\] \(did you mean 'max_step' -> "
-                      r"'max_steps'\?\); known: \[.*'max_steps'"),
+    ({"max_step": 3}, r"^unknown training option 'max_step' \(did you mean 'max_steps'\?\)$"),
+    ({"max_step": 3, "zzz": 1}, r"^unknown training options 'max_step' \(did you mean "
+                                r"'max_steps'\?\), 'zzz'; known: adam_eps, .*max_steps"),
 ])
 def test_bad_config_values_name_the_key(values, message):
     with pytest.raises(ValueError, match=message):

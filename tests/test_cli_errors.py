@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,6 +166,26 @@ def test_init_names_the_flag_of_a_bad_value(tmp_path, capsys, argv, message):
                      *argv])  # refused before any model is looked for
     assert code == 2
     assert capsys.readouterr().err.strip() == f"rag-fast: error: {message}"
+
+
+def test_init_refuses_more_passages_per_question_than_the_index_holds(tmp_path, capsys):
+    """Checked when init reads the index, before any model is looked for (generate would
+    otherwise be the first to fail, naming neither the flag nor the model)."""
+    from rag_fast import cli
+    from rag_fast.models.build import build_rag_model
+    from rag_fast.retrieval import DenseIndex
+
+    index_dir = tmp_path / "kb"
+    vectors = np.random.default_rng(0).standard_normal((7, 8)).astype(np.float32)
+    DenseIndex.build(vectors, "exact", progress=False).save(index_dir / "index")
+    argv = ["init", "--index", str(index_dir), "--generator", "facebook/bart-base",
+            "--out", str(tmp_path / "m")]
+    assert cli.main([*argv, "--n-docs", "8"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"rag-fast: error: --n-docs=8 is more passages per question than the index "
+        f"{str(index_dir)!r} holds (7)")
+    with pytest.raises(ValueError, match=r"^n_docs=9 is more passages per question"):
+        build_rag_model(generator="facebook/bart-base", index=str(index_dir), n_docs=9)
 
 
 def test_init_with_a_generator_config_asks_for_the_tokenizer_flag(tmp_path, capsys):

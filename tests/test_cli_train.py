@@ -160,3 +160,41 @@ def test_model_options_of_the_file_apply_when_model_comes_from_the_command_line(
                      "--index", str(index_dir), "--output-dir", str(out), "--device", "cpu"]) == 0
     options = RagModel.load(str(out / "model")).options()
     assert options["n_docs"] == 1 and options["lean_activations"] is False
+
+
+def test_train_resumes_only_the_run_its_model_started(setup, capsys):
+    """A checkpoint remembers the model directory its run started from (path and the SHA-256 of
+    its rag_fast.json): the same model resumes; another one, or the same folder holding other
+    weights, is refused with a one-line error instead of mixing the two; "resume": false starts
+    over."""
+    root, index_dir, data = setup
+    out = root / "resume_run"
+    other = root / "model_other"
+    m = RagModel.load(str(root / "model0"))
+    with torch.no_grad():
+        next(m.generator.parameters()).add_(0.5)
+    m.save(str(other))
+
+    def train(model, steps, **top):
+        config = {"model": str(model), "index": str(index_dir), "data": {"train": str(data)},
+                  "train": {"max_steps": steps, "micro_batch_size": 2, "output_dir": str(out),
+                            "checkpoint_every": 1, "progress": False}, **top}
+        path = root / "resume.json"
+        path.write_text(json.dumps(config))
+        capsys.readouterr()
+        code = cli.main(["train", "--config", str(path)])
+        return code, capsys.readouterr()
+
+    code, printed = train(root / "model0", 2)
+    assert code == 0 and "resumed" not in printed.out
+    code, printed = train(root / "model0", 3)
+    assert code == 0 and "resumed from step 2" in printed.out
+    code, printed = train(other, 4)
+    assert code == 2 and "resumed" not in printed.out
+    err = printed.err.strip()
+    assert "\n" not in err and "continues a run that started from" in err
+    assert str(root / "model0") in err and str(other) in err and '"resume": false' in err
+    code, printed = train(other, 1, resume=False)
+    assert code == 0 and "resumed" not in printed.out
+    code, printed = train(other, 2)  # its own run now
+    assert code == 0 and "resumed from step 1" in printed.out

@@ -8,13 +8,10 @@ RAG_FAST_SIMD set to it.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
-from utils import assert_close_rule, requires_ext, run_python
+from utils import SIMD_VARIANTS, assert_close_rule, requires_ext, run_in_simd_variant
 
 pytestmark = requires_ext
 IGNORE = -100
@@ -281,39 +278,20 @@ def test_nan_propagates(dtype):
     assert out[1, :, 1].isnan().all() and out.isnan().sum() == K * V
 
 
-# The instruction-set variants, weakest first; this CPU runs the best one (what simd_level
-# reports) and every weaker one (RAG_FAST_SIMD caps the choice).
-VARIANTS = ["generic", "avx2", "avx512"]
-
-
-def runnable_variants() -> list[str]:
-    import rag_fast._C as C
-
-    return VARIANTS[: VARIANTS.index(C.simd_level()) + 1]
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", SIMD_VARIANTS)
 def test_every_variant_on_long_rows(variant):
     # Each variant this CPU can run, forced with RAG_FAST_SIMD in a subprocess, on every shape
     # including V = 50265 (the long-row paths: block rescaling, many tiles, the vector tail)
     # and the peaked logits (the max-shifted path), in fp32 and bf16, under the tolerance rule.
-    if variant not in runnable_variants():
-        pytest.skip(f"this CPU cannot run the {variant} variant")
-    script = (
-        "import sys, torch, rag_fast._C as C, test_cpp_kernels as t\n"
-        "assert C.simd_level() == sys.argv[1], C.simd_level()\n"
+    run_in_simd_variant(variant, (
+        "import torch, test_cpp_kernels as t\n"
         "for dtype in (torch.float32, torch.bfloat16):\n"
         "    for shape in t.SHAPES:\n"
         "        t.check_launchers(shape, dtype)\n"
         "    t.test_peaked_logits((1, 5, 2, 50265), dtype)\n"
         "t.check_launchers((2, 3, 3, 37), torch.float32, strided=True)\n"
         "print('ok')\n"
-    )
-    here = str(Path(__file__).resolve().parent)
-    env = dict(os.environ, RAG_FAST_SIMD=variant,
-               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = run_python(["-c", script, variant], env=env, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    ))
 
 
 def _smooth_forward_outputs(x, a, y, threads):

@@ -70,11 +70,11 @@ def _calls(monkeypatch):
 
 
 @pytest.mark.parametrize("chunk", [1 << 16, 1000])  # one block; several, merged
-def test_exact_batches_search_by_matmul_as_faiss_does(data, exact, monkeypatch, chunk):
-    """From FLAT_MIN_QUERIES queries the exact preset searches faiss's own vectors with a torch
-    matmul: faiss IndexFlatIP's results (same ids wherever scores are not within rounding of
-    each other, scores to float32 rounding), in numpy and torch; smaller batches are faiss's
-    own search, bit for bit."""
+def test_exact_preset_searches_with_rag_fasts_kernel_as_faiss_does(data, exact, monkeypatch,
+                                                                    chunk):
+    """The exact preset scores faiss's own vectors with rag_fast's inner-product kernel:
+    faiss IndexFlatIP's results (the same ids wherever scores are not within rounding of each
+    other, scores to float32 rounding), for numpy and torch queries, a batch or one query."""
     import rag_fast.retrieval.index as index_module
 
     xb, q, _ = data
@@ -92,17 +92,31 @@ def test_exact_batches_search_by_matmul_as_faiss_does(data, exact, monkeypatch, 
     assert clear.mean() > 0.9 and np.array_equal(ids[clear], want_i[clear])
     t_scores, t_ids = exact.search(torch.from_numpy(q), k)
     assert torch.equal(t_ids, torch.from_numpy(ids)) and torch.equal(t_scores, torch.from_numpy(scores))
-    few = q[: index_module.FLAT_MIN_QUERIES - 1]
-    calls.clear()
-    s_few, i_few = exact.search(few, k)
-    assert calls == []
-    f_s, f_i = exact.faiss_index.search(few, k)
-    assert np.array_equal(s_few, f_s) and np.array_equal(i_few, f_i)
+    s_one, i_one = exact.search(q[7:8], k)  # a query alone: its row of the batch, bit for bit
+    assert len(calls) == 3 and np.array_equal(s_one, scores[7:8]) and np.array_equal(i_one, ids[7:8])
+
+
+def test_exact_scores_do_not_depend_on_the_batch_or_the_shard(data):
+    """A (question, passage) score is the same bit for bit whichever questions share the batch
+    and however the corpus is cut (pieces of one vector, of a partial tile, of thousands)."""
+    xb, q, _ = data
+    whole = DenseIndex.build(xb, "exact", progress=False)
+    s, i = whole.search(q[:60], len(xb))
+    full = np.empty((60, len(xb)), np.float32)
+    np.put_along_axis(full, i, s, 1)
+    for b0, b1 in ((0, 1), (3, 4), (5, 29), (0, 60)):
+        s_b, i_b = whole.search(q[b0:b1], 40)
+        assert np.array_equal(s_b, np.take_along_axis(full[b0:b1], i_b, 1))
+    for a, b in ((0, 1), (1, 8), (8, 1001), (1001, 3999), (3999, 4000)):
+        piece = DenseIndex.build(xb[a:b], "exact", progress=False)
+        s_p, i_p = piece.search(q[:60], b - a)
+        assert np.array_equal(s_p, np.take_along_axis(full[:, a:b], i_p, 1)), (a, b)
 
 
 def test_exact_batch_lists_ties_by_descending_id_as_faiss(monkeypatch):
-    """0/1 vectors tie in whole numbers, exactly in float32: the matmul search lists equal scores
-    by descending id, as faiss does, with faiss's scores; the other presets never take it."""
+    """0/1 vectors tie in whole numbers, exactly in float32: the exact preset lists equal scores
+    by descending id, as faiss does, with faiss's scores; the other presets never take its
+    path."""
     rng = np.random.default_rng(5)
     xb = (rng.random((700, 16)) < 0.3).astype(np.float32)
     q = (rng.random((40, 16)) < 0.3).astype(np.float32)
@@ -120,6 +134,12 @@ def test_exact_batch_lists_ties_by_descending_id_as_faiss(monkeypatch):
             assert sa > sb or (sa == sb and a > b), (row, ids[row], scores[row])
         kth = scores[row, -1]  # above the k-th score the lists hold the same ids
         assert np.array_equal(ids[row][scores[row] > kth], want_i[row][want_s[row] > kth])
+    from rag_fast import _ext
+
+    monkeypatch.setattr(_ext, "available", lambda: False)  # no compiled extension: faiss's own
+    calls.clear()
+    assert [a.tolist() for a in index.search(q, k)] == [want_s.tolist(), want_i.tolist()]
+    assert calls == []
     hnsw = DenseIndex.build(clustered(800, 3), "hnsw", progress=False)
     calls.clear()
     hnsw.search(clustered(40, 4), 5)

@@ -168,7 +168,7 @@ def test_bad_training_input():
         Trainer(make_model(), [], collate, loss_fn, config())
     with pytest.raises(ValueError, match="precision must be one of"):
         config(precision="fp8")
-    with pytest.raises(ValueError, match="unknown training options"):
+    with pytest.raises(ValueError, match="unknown training option 'max_step'"):
         TrainConfig.from_dict({"max_step": 3})
     with pytest.raises(ValueError, match="larger than the dataset"):
         Trainer(make_model(), make_dataset()[:3], collate, loss_fn, config())

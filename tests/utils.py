@@ -106,6 +106,28 @@ def run_python(args: list[str], **kwargs) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, **kwargs)
 
 
+# The C++ kernels' instruction-set variants, weakest first; a CPU runs the best one it supports
+# (what rag_fast._C.simd_level() reports) and every weaker one (RAG_FAST_SIMD caps the choice).
+SIMD_VARIANTS = ["generic", "avx2", "avx512"]
+
+
+def run_in_simd_variant(variant: str, script: str, timeout: float = 600) -> None:
+    """Run ``script`` (Python source; it must print ``ok`` last) in a child with
+    ``RAG_FAST_SIMD=variant`` and the tests folder importable; skips when this CPU cannot run
+    ``variant``, fails with the child's stderr otherwise unless it printed ``ok``."""
+    import rag_fast._C as C
+
+    if variant not in SIMD_VARIANTS[: SIMD_VARIANTS.index(C.simd_level()) + 1]:
+        pytest.skip(f"this CPU cannot run the {variant} variant")
+    here = os.path.dirname(os.path.abspath(__file__))
+    prelude = ("import sys, rag_fast._C as C\n"
+               "assert C.simd_level() == sys.argv[1], C.simd_level()\n")
+    env = dict(os.environ, RAG_FAST_SIMD=variant,
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = run_python(["-c", prelude + script, variant], env=env, timeout=timeout)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 def save_tiny_bert(root, words=()) -> str:
     """A tiny random BERT encoder and its word-level tokenizer saved in the folder ``root``
     (what ``--encoder`` takes), knowing ``words``; returns the folder as a string."""

@@ -61,6 +61,24 @@ def _index_query_encoder(index: str) -> dict:
     return manifest["query_encoder"]
 
 
+def _index_size(index: str) -> int | None:
+    """Passages in an index directory (its index manifest's count), None when unreadable (the
+    loader names what is wrong when the index is opened)."""
+    try:
+        with open(os.path.join(index, "index", "manifest.json"), encoding="utf-8") as f:
+            count = json.load(f).get("count")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return count if isinstance(count, int) else None
+
+
+def _check_n_docs(n_docs: int, index: str | None, name: str = "n_docs") -> None:
+    size = _index_size(index) if index is not None else None
+    if size is not None and n_docs > size:
+        raise ValueError(f"{name}={n_docs} is more passages per question than the index "
+                         f"{index!r} holds ({size})")
+
+
 def _special_ids(tokenizer: Any) -> dict:
     """pad / bos / eos ids of a tokenizer; BERT-style ones use [CLS] and [SEP]."""
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
@@ -176,7 +194,8 @@ def build_rag_model(
         ValueError: neither ``question_encoder`` nor ``index``; a config file without
             ``model_type`` or of a model that is neither encoder-decoder nor a causal LM; a
             tokenizer missing special tokens; a
-            question encoder whose dimension differs from the index's.
+            question encoder whose dimension differs from the index's; ``n_docs`` above the
+            number of passages in ``index``.
         OSError: a name or folder that ``transformers`` cannot open.
     """
     import transformers
@@ -184,6 +203,7 @@ def build_rag_model(
     # RagModel's own checks, before any model is downloaded or loaded
     check_arguments(mode=mode, n_docs=n_docs, epsilon=epsilon,
                     max_context_length=max_context_length, max_question_length=max_question_length)
+    _check_n_docs(n_docs, index)
     spec = _index_query_encoder(index) if index is not None else None
     if question_encoder is None:
         if spec is None:
@@ -258,6 +278,8 @@ def _run(args) -> int:
             check_arguments(**{name: value})
         except ValueError as e:
             raise ValueError(f"{flag}{str(e).removeprefix(name)}") from None
+    if args.index is not None:
+        _check_n_docs(args.n_docs, args.index, name="--n-docs")
     if (os.path.isfile(args.generator) and args.generator.endswith(".json")
             and args.generator_tokenizer is None):
         raise ValueError(f"--generator {args.generator!r} is a config file: give "

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rag_fast import _ext
 from rag_fast.retrieval._exact import exact_search
 from rag_fast.retrieval._files import (
     MANIFEST,
@@ -60,7 +61,6 @@ INDEX_KIND = "rag_fast.dense_index"
 FORMAT = 1
 PRESETS = ("exact", "hnsw", "ivfpq")
 FLAT_CHUNK = 1 << 16  # vectors per matmul of the exact preset's search (see _flat_vectors)
-FLAT_MIN_QUERIES = 20  # fewer queries: faiss's own exact search (see _flat_vectors)
 SMALL_CORPUS = 39 * 16  # below: every preset is exact search (k-means of 16 lists needs 624)
 GPU_MAX_K = 2048  # faiss GPU's largest k and nprobe
 RERANK_MIN_K = 10  # a re-ranking search fetches at least rerank * 10 candidates (the tuned k)
@@ -681,9 +681,10 @@ class DenseIndex:
         q_np = np.ascontiguousarray(q_np, dtype=np.float32)
         _check_finite("queries", q_np)
         params = self.search_parameters(k, nprobe, ef_search, rerank)
-        flat = self._flat_vectors() if len(q_np) >= FLAT_MIN_QUERIES else None
-        if flat is not None:  # the exact preset: a torch matmul over faiss's own vectors
-            s_t, i_t = exact_search(flat, torch.from_numpy(q_np), k, chunk=FLAT_CHUNK)
+        flat = self._flat_vectors()
+        if flat is not None:  # the exact preset: rag_fast's kernel over faiss's own vectors
+            s_t, i_t = exact_search(flat, torch.from_numpy(q_np), k, chunk=FLAT_CHUNK,
+                                    per_pair=True)
             del flat
             i_t, order = i_t.sort(dim=1, descending=True)  # equal scores by descending id,
             s_t = s_t.gather(1, order)                      # as faiss lists them
@@ -701,21 +702,23 @@ class DenseIndex:
         ``exact`` preset, and ``ivfpq``/``hnsw`` on a small corpus), viewed ``[N, d]`` in
         faiss's own memory (no copy), for :meth:`search`; None for any other index.
 
-        Batches of :data:`FLAT_MIN_QUERIES` queries or more are searched with
-        :func:`exact_search` (a BLAS matmul and ``topk`` per block of :data:`FLAT_CHUNK`
-        vectors) rather than faiss's ``IndexFlatIP``, which scores one (query, vector) pair at
-        a time and ran 4.0x (2.6K vectors of 384) to 14x (200K and 1M of 768) slower for
-        batches of 128 queries on a 2-core Xeon (the exact rows of
-        ``benchmarks/results/cpu-index-full.json`` time both). Smaller batches stay with
-        faiss, whose per-pair scores depend neither on the batch nor on how the corpus is cut
-        into shards (a matmul's rounding may: one query alone and in a batch can score an ulp,
-        about 1e-7, apart). The same top-k by score; equal scores listed by descending id, as
-        faiss lists them (which of several vectors tied at the k-th place is kept is
-        unspecified, as with faiss: :func:`rag_fast.retrieval.sharded.search_exact_ties`
-        decides them). The view is taken anew for each search, never kept: faiss owns that
-        memory."""
+        Searched with :func:`exact_search` and rag_fast's inner-product kernel
+        (:func:`rag_fast.retrieval._exact.inner_products`, ``per_pair=True``) per block of
+        :data:`FLAT_CHUNK` vectors, rather than faiss's ``IndexFlatIP``, which scores one
+        (query, vector) pair at a time: on a 2-core Xeon faiss took 2.3x (2.6K vectors of 384)
+        to 10x (200K and 1M of 768) as long for batches of 128 queries, 2.1x to 2.2x for one
+        query over 200K and 1M vectors; for one query over 2.6K, 0.12 ms against this path's
+        0.27 ms (the exact rows of ``benchmarks/results/cpu-index-full.json`` time both). Like faiss's, and unlike a
+        BLAS matrix product's on some CPUs, a pair's score does not depend on the batch it is
+        in or on how the corpus is cut into shards. The same top-k by score; equal scores
+        listed by descending id, as faiss lists them (which of several vectors tied at the
+        k-th place is kept is unspecified, as with faiss:
+        :func:`rag_fast.retrieval.sharded.search_exact_ties` decides them). None without the
+        compiled extension (faiss searches then). The view is taken anew for each search,
+        never kept: faiss owns that memory."""
         base = self._base
-        if (self._refine is not None or not isinstance(base, faiss.IndexFlat)
+        if (not _ext.available() or self._refine is not None
+                or not isinstance(base, faiss.IndexFlat)
                 or base.metric_type != faiss.METRIC_INNER_PRODUCT or base.ntotal == 0):
             return None
         n, d = int(base.ntotal), int(base.d)

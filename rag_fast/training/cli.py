@@ -24,7 +24,8 @@ The config file (paths in it are relative to the file's own folder)::
 ``--model``, ``--index``, ``--output-dir`` and ``--device`` on the command line replace the
 config's (relative to the current folder); the other options of the file's ``model`` and
 ``index`` sections still apply. The run writes into ``output_dir``: the resumable
-``checkpoint-last.pt`` (verified on resume), ``metrics.jsonl`` (loss, learning rate and speed
+``checkpoint-last.pt`` (verified on resume; refused when its run started from another
+model directory or from other weights in this one), ``metrics.jsonl`` (loss, learning rate and speed
 per logged step, eval metrics), ``training.png`` (their plot) and, at the end, the trained
 model directory ``model/`` (which ``rag-fast eval`` and ``generate`` take). With
 ``train.refresh_index_every`` (an index directory, not a sharded one) it also writes
@@ -219,6 +220,21 @@ def train_config(values: dict, path: str):
         raise ValueError(f"{path}: train: {e}") from None
 
 
+def _origin(model_dir: str) -> dict | None:
+    """What a run starts from, saved in each checkpoint (Trainer's ``origin``): the model
+    directory and the SHA-256 of its ``rag_fast.json``, which holds every other file's."""
+    import hashlib
+
+    from rag_fast.models.checkpoint import SIDE_FILE
+
+    path = os.path.join(model_dir, SIDE_FILE)
+    if not os.path.isfile(path):  # a bare transformers folder: nothing to compare
+        return None
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return {"model": os.path.abspath(model_dir), f"{SIDE_FILE} sha256": digest}
+
+
 def load_retriever(spec: dict | None, n_docs: int = 5):
     """The retriever of the config's ``index`` section, or None.
 
@@ -297,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     if config["data"].get("eval"):
         eval_data = load_qa(config["data"]["eval"])
         eval_fn = lambda m: evaluate(m, eval_data, progress=False).metrics  # noqa: E731
-    trainer = Trainer(model, train_data, rag_collate(model), rag_loss, tc, eval_fn)
+    trainer = Trainer(model, train_data, rag_collate(model), rag_loss, tc, eval_fn,
+                      origin=_origin(model_dir))
     if config["resume"] and trainer.resume():
         print(f"resumed from step {trainer.state.step} ({trainer.checkpoint_path()})")
     first_step = trainer.state.step

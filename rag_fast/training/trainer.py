@@ -66,6 +66,7 @@ CHECKPOINT_FORMAT = "rag_fast.training-checkpoint/1"
 _PAYLOAD_KEYS = {"format", "model", "optimizer", "scheduler", "scaler", "rng_torch", "rng_cuda",
                  "meta"}
 _META_KEYS = {"state", "config", "world_size", "rng_python", "rng_numpy"}
+_OPTIONAL_META = {"origin"}  # what the run started from (Trainer's origin=), when given
 
 
 class CheckpointError(ValueError):
@@ -194,9 +195,11 @@ class TrainConfig:
         unknown = sorted(str(k) for k in set(values) - set(known))
         if unknown:
             close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
-            hints = [f"{k!r} -> {m[0]!r}" for k, m in close.items() if m]
-            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-            raise ValueError(f"unknown training options {unknown}{hint}; known: {sorted(known)}")
+            named = ", ".join(f"{k!r} (did you mean {m[0]!r}?)" if m else repr(k)
+                              for k, m in close.items())
+            listed = "" if all(close.values()) else f"; known: {', '.join(sorted(known))}"
+            raise ValueError(f"unknown training option{'s' if len(unknown) > 1 else ''} "
+                             f"{named}{listed}")
         return cls(**values)
 
     @classmethod
@@ -563,7 +566,8 @@ def load_checkpoint(path: str) -> dict:
     Returns:
         ``{"model", "optimizer", "scheduler", "scaler"}`` state dicts, ``"rng"`` (``torch``,
         ``cuda``, ``python``, ``numpy`` states), ``"state"`` (TrainState fields), ``"config"``
-        (TrainConfig fields as saved) and ``"world_size"``.
+        (TrainConfig fields as saved), ``"world_size"`` and ``"origin"`` (the Trainer's
+        ``origin``, None if it had none).
 
     Raises:
         FileNotFoundError: neither the checkpoint nor its manifest exists.
@@ -585,7 +589,7 @@ def load_checkpoint(path: str) -> dict:
                 or payload["format"] != CHECKPOINT_FORMAT:
             raise ValueError(f"not a {CHECKPOINT_FORMAT} payload")
         meta = json.loads(payload["meta"])
-        if not isinstance(meta, dict) or set(meta) != _META_KEYS:
+        if not isinstance(meta, dict) or not _META_KEYS <= set(meta) <= _META_KEYS | _OPTIONAL_META:
             raise ValueError("its metadata lacks keys")
         if meta["state"]["step"] != record["step"]:
             raise ValueError(f"step {meta['state']['step']} but the manifest says "
@@ -597,7 +601,8 @@ def load_checkpoint(path: str) -> dict:
             "scheduler": payload["scheduler"], "scaler": payload["scaler"],
             "rng": {"torch": payload["rng_torch"], "cuda": payload["rng_cuda"],
                     "python": meta["rng_python"], "numpy": meta["rng_numpy"]},
-            "state": meta["state"], "config": meta["config"], "world_size": meta["world_size"]}
+            "state": meta["state"], "config": meta["config"], "world_size": meta["world_size"],
+            "origin": meta.get("origin")}
 
 
 _warned_no_matplotlib = False
@@ -669,6 +674,10 @@ class Trainer:
         passage_embedder: with ``refresh_index_every``, ``fn(store, lo, hi) -> [hi - lo, d]``
             vectors of store rows ``[lo, hi)`` used instead of ``refresh_encoder`` (see
             ``rag_fast.training.refresh``).
+        origin: JSON-able identity of what the run starts from (``rag-fast train`` passes the
+            model directory and the SHA-256 of its ``rag_fast.json``, which lists every file's
+            own), saved in each checkpoint: :meth:`resume` refuses a checkpoint whose origin
+            differs.
 
     Raises:
         ValueError: an empty dataset, a global batch larger than it, or a question-encoder
@@ -685,11 +694,12 @@ class Trainer:
         eval_fn: Callable[[nn.Module], dict] | None = None,
         on_step_end: Callable[[TrainState], None] | None = None,
         passage_embedder: Callable[[Any, int, int], Any] | None = None,
+        origin: dict | None = None,
     ) -> None:
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty")
         self.rank, self.world_size = world()
-        self.config = config
+        self.config, self.origin = config, origin
         self.global_batch = config.micro_batch_size * config.grad_accum * self.world_size
         if self.global_batch > len(dataset):
             raise ValueError(f"global batch {self.global_batch} (micro_batch_size x grad_accum x "
@@ -962,6 +972,8 @@ class Trainer:
             meta = {"state": asdict(self.state), "config": asdict(self.config),
                     "world_size": self.world_size, "rng_python": rng["python"],
                     "rng_numpy": rng["numpy"]}
+            if self.origin is not None:
+                meta["origin"] = self.origin
             _write_checkpoint({
                 "format": CHECKPOINT_FORMAT,
                 "model": self.model.state_dict(),
@@ -990,7 +1002,7 @@ class Trainer:
                 manifest without it), holding objects other than tensors and plain data, or not
                 fitting this model and optimizer.
             ValueError: a checkpoint from a different global batch size (its data position
-                would not match).
+                would not match), or from a run with another ``origin`` (both given).
         """
         path = path or self.checkpoint_path()
         if not os.path.isfile(path) and not os.path.isfile(_manifest_path(path)):
@@ -1001,6 +1013,13 @@ class Trainer:
         if global_batch != self.global_batch:
             raise ValueError(f"{path} was written with global batch {global_batch}, this run "
                              f"has {self.global_batch}: its data position would not match")
+        if self.origin is not None and ckpt["origin"] is not None \
+                and ckpt["origin"] != self.origin:
+            raise ValueError(
+                f"{path} continues a run that started from {_describe(ckpt['origin'])}, not from "
+                f"{_describe(self.origin)}: resuming would mix the two. Train into another "
+                "output directory, or set \"resume\": false to start over here (the checkpoint "
+                "is replaced)")
         try:
             self.model.load_state_dict(ckpt["model"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
@@ -1016,6 +1035,10 @@ class Trainer:
         self.state = TrainState(**state)
         _set_rng_state(ckpt["rng"])
         return True
+
+
+def _describe(origin: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(origin.items()))
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
