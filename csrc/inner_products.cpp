@@ -76,28 +76,43 @@ inline void tile(const float* const* q, const float* const* x, int64_t d, float 
 void inner_products(const InnerProductsArgs& a) {
   const std::vector<float> zeros(static_cast<size_t>(a.d) + kLanes, 0.0f);  // a missing row
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t n0 = blk * kBlock, n1 = std::min(a.N, n0 + kBlock);
-    for (int64_t b0 = 0; b0 < a.B;) {
-      const int mr = a.B - b0 >= kMR ? kMR : 1;  // whole tiles, then one query at a time
-      const float* q[kMR];
-      for (int i = 0; i < mr; ++i) q[i] = a.q + (b0 + i) * a.ldq;
-      for (int64_t n = n0; n < n1; n += kNR) {
-        const float* x[kNR];
-        for (int j = 0; j < kNR; ++j) x[j] = n + j < n1 ? a.x + (n + j) * a.ldx : zeros.data();
-        float s[kMR][kNR];
-        if (mr == kMR) {
-          tile<kMR>(q, x, a.d, s);
-        } else {
-          tile<1>(q, x, a.d, s);
+#if defined(__SSE__)
+  // The caller's floating-point mode (flush-to-zero, denormals-are-zero, rounding) in every
+  // thread, so that a score does not depend on which thread computed it.
+  const unsigned mode = _mm_getcsr();
+#endif
+#pragma omp parallel
+  {
+#if defined(__SSE__)
+    const unsigned saved = _mm_getcsr();
+    _mm_setcsr(mode);
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t n0 = blk * kBlock, n1 = std::min(a.N, n0 + kBlock);
+      for (int64_t b0 = 0; b0 < a.B;) {
+        const int mr = a.B - b0 >= kMR ? kMR : 1;  // whole tiles, then one query at a time
+        const float* q[kMR];
+        for (int i = 0; i < mr; ++i) q[i] = a.q + (b0 + i) * a.ldq;
+        for (int64_t n = n0; n < n1; n += kNR) {
+          const float* x[kNR];
+          for (int j = 0; j < kNR; ++j) x[j] = n + j < n1 ? a.x + (n + j) * a.ldx : zeros.data();
+          float s[kMR][kNR];
+          if (mr == kMR) {
+            tile<kMR>(q, x, a.d, s);
+          } else {
+            tile<1>(q, x, a.d, s);
+          }
+          const int nr = static_cast<int>(std::min<int64_t>(kNR, n1 - n));
+          for (int i = 0; i < mr; ++i)
+            std::memcpy(a.out + (b0 + i) * a.ldo + n, s[i], static_cast<size_t>(nr) * sizeof(float));
         }
-        const int nr = static_cast<int>(std::min<int64_t>(kNR, n1 - n));
-        for (int i = 0; i < mr; ++i)
-          std::memcpy(a.out + (b0 + i) * a.ldo + n, s[i], static_cast<size_t>(nr) * sizeof(float));
+        b0 += mr;
       }
-      b0 += mr;
     }
+#if defined(__SSE__)
+    _mm_setcsr(saved);
+#endif
   }
 }
 

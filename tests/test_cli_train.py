@@ -189,11 +189,17 @@ def test_train_resumes_only_the_run_its_model_started(setup, capsys):
     assert code == 0 and "resumed" not in printed.out
     code, printed = train(root / "model0", 3)
     assert code == 0 and "resumed from step 2" in printed.out
+    import shutil
+
+    moved = shutil.copytree(root / "model0", root / "model0_moved")  # the same files elsewhere
+    code, printed = train(moved, 3)
+    assert code == 0 and "resumed from step 3" in printed.out
     code, printed = train(other, 4)
     assert code == 2 and "resumed" not in printed.out
     err = printed.err.strip()
     assert "\n" not in err and "continues a run that started from" in err
     assert str(root / "model0") in err and str(other) in err and '"resume": false' in err
+    assert err.count("rag_fast.json sha256") == 2
     code, printed = train(other, 1, resume=False)
     assert code == 0 and "resumed" not in printed.out
     code, printed = train(other, 2)  # its own run now

@@ -76,6 +76,28 @@ def test_strided_inputs_and_output():
     assert_close_rule(got, q @ x.T, q.double() @ x.double().T, torch.float32, "strided")
 
 
+def test_every_thread_runs_in_the_callers_floating_point_mode():
+    """With flush-to-zero set on the calling thread (torch.set_flush_denormal), products below
+    float32's normal range are zero in every thread's share of the work, not only the caller's
+    (the scores would otherwise depend on which thread computed them)."""
+    import rag_fast._C as C
+
+    q = torch.full((3, 16), 1e-20)
+    x = torch.full((2000, 16), 1e-20)  # products 1e-40: subnormal
+    before = C.num_threads()
+    assert torch.set_flush_denormal(True), "this CPU has no flush-to-zero mode"
+    try:
+        C.set_num_threads(2)
+        two = _inner_products(q, x)
+        C.set_num_threads(1)
+        one = _inner_products(q, x)
+    finally:
+        torch.set_flush_denormal(False)
+        C.set_num_threads(before)
+    assert torch.equal(one, torch.zeros_like(one)) and torch.equal(two, one)
+    assert bool((_inner_products(q, x) > 0).all())  # the same inputs without flush-to-zero
+
+
 def test_bad_arguments_name_what_is_wrong():
     q, x = torch.randn(3, 8), torch.randn(5, 8)
     with pytest.raises(ValueError, match="queries must be a .*float32"):
@@ -86,6 +108,11 @@ def test_bad_arguments_name_what_is_wrong():
         _inner_products(q, torch.randn(5, 9))
     with pytest.raises(ValueError, match=r"out must be a \[3, 5\] float32"):
         _inner_products(q, x, out=torch.empty(3, 6))
+    with pytest.raises(ValueError, match="non-overlapping rows"):
+        _inner_products(q, x, out=torch.empty(20).as_strided((3, 5), (2, 1)))
+    with pytest.raises(ValueError, match="must not share memory with queries or vectors"):
+        both = torch.randn(3, 8)
+        _inner_products(both, x, out=both[:, :5])
     assert _inner_products(q[:0], x).shape == (0, 5)
 
 

@@ -94,6 +94,11 @@ def test_exact_preset_searches_with_rag_fasts_kernel_as_faiss_does(data, exact, 
     assert torch.equal(t_ids, torch.from_numpy(ids)) and torch.equal(t_scores, torch.from_numpy(scores))
     s_one, i_one = exact.search(q[7:8], k)  # a query alone: its row of the batch, bit for bit
     assert len(calls) == 3 and np.array_equal(s_one, scores[7:8]) and np.array_equal(i_one, ids[7:8])
+    import rag_fast.retrieval._exact as exact_module
+
+    monkeypatch.setattr(exact_module, "PER_PAIR_SCORE_BYTES", 4 * 1000 * 7)  # 7 queries at a time
+    s_blocks, i_blocks = exact.search(q, k)
+    assert np.array_equal(s_blocks, scores) and np.array_equal(i_blocks, ids)
 
 
 def test_exact_scores_do_not_depend_on_the_batch_or_the_shard(data):
@@ -136,10 +141,15 @@ def test_exact_batch_lists_ties_by_descending_id_as_faiss(monkeypatch):
         assert np.array_equal(ids[row][scores[row] > kth], want_i[row][want_s[row] > kth])
     from rag_fast import _ext
 
-    monkeypatch.setattr(_ext, "available", lambda: False)  # no compiled extension: faiss's own
-    calls.clear()
-    assert [a.tolist() for a in index.search(q, k)] == [want_s.tolist(), want_i.tolist()]
-    assert calls == []
+    for stale in (False, True):  # no compiled extension, or one built before the kernel
+        monkeypatch.setattr(_ext, "available", lambda: stale)
+        if stale:
+            monkeypatch.setattr(_ext, "get", lambda: object())
+        calls.clear()
+        assert [a.tolist() for a in index.search(q, k)] == [want_s.tolist(), want_i.tolist()]
+        assert calls == []
+    monkeypatch.undo()
+    calls = _calls(monkeypatch)
     hnsw = DenseIndex.build(clustered(800, 3), "hnsw", progress=False)
     calls.clear()
     hnsw.search(clustered(40, 4), 5)

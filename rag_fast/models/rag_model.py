@@ -145,7 +145,6 @@ def check_arguments(*, mode: str = "token", n_docs: int = 5, question_pooling: s
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    _pool.limit_bytes()  # the buffer pool's RAG_FAST_POOL_MB, before any model work
     if not _is_int(n_docs) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
     if question_pooling not in POOLINGS:
@@ -246,6 +245,7 @@ class RagModel(nn.Module):
         lean_activations: bool = True,
     ) -> None:
         super().__init__()
+        _pool.limit_bytes()  # the buffer pool's RAG_FAST_POOL_MB, before any model work
         check_arguments(mode=mode, n_docs=n_docs, question_pooling=question_pooling,
                         lm_head_loss=lm_head_loss, loss_impl=loss_impl,
                         max_context_length=max_context_length,

@@ -9,6 +9,10 @@ import numpy as np
 import torch
 
 
+# Scores held at a time by a per_pair search (queries x vectors of one chunk, float32).
+PER_PAIR_SCORE_BYTES = 64 << 20
+
+
 def exact_search(
     vectors: np.ndarray | torch.Tensor,
     queries: torch.Tensor,
@@ -32,7 +36,13 @@ def exact_search(
         if q.device.type != "cpu":
             raise ValueError(f"per_pair: the kernel runs on the CPU, queries are on {q.device}")
         q = q.contiguous()
-        buf = torch.empty((q.shape[0], min(chunk, len(vectors))), dtype=torch.float32)
+        width = max(1, min(chunk, len(vectors)))
+        rows = max(1, PER_PAIR_SCORE_BYTES // (4 * width))  # queries per pass over the vectors
+        if q.shape[0] > rows:  # each query's result is its own: blocks of them change nothing
+            parts = [exact_search(vectors, q[i : i + rows], k, chunk, per_pair=True)
+                     for i in range(0, q.shape[0], rows)]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        buf = torch.empty((q.shape[0], width), dtype=torch.float32)
     best_s = torch.full((q.shape[0], 0), -math.inf, device=q.device)
     best_i = torch.zeros((q.shape[0], 0), dtype=torch.int64, device=q.device)
     for start in range(0, len(vectors), chunk):
@@ -80,9 +90,14 @@ def inner_products(queries: torch.Tensor, vectors: torch.Tensor,
     if out is None:
         out = torch.empty((B, N), dtype=torch.float32)
     elif (out.dtype != torch.float32 or out.device.type != "cpu" or tuple(out.shape) != (B, N)
-          or (N > 1 and out.stride(1) != 1)):
-        raise ValueError(f"out must be a [{B}, {N}] float32 CPU tensor with contiguous rows, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+          or (N > 1 and out.stride(1) != 1) or (B > 1 and out.stride(0) < N)):
+        raise ValueError(f"out must be a [{B}, {N}] float32 CPU tensor with contiguous, "
+                         f"non-overlapping rows, got {tuple(out.shape)} {out.dtype} on "
+                         f"{out.device} (strides {out.stride()})")
+    elif B and N and any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                         for t in (queries, vectors)):
+        raise ValueError("out must not share memory with queries or vectors (the kernel reads "
+                         "them while it writes out)")
     if B and N:
         _ext.get().inner_products(queries.data_ptr(), B, queries.stride(0), vectors.data_ptr(), N,
                                   vectors.stride(0), d, out.data_ptr(), out.stride(0))

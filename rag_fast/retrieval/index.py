@@ -704,20 +704,22 @@ class DenseIndex:
 
         Searched with :func:`exact_search` and rag_fast's inner-product kernel
         (:func:`rag_fast.retrieval._exact.inner_products`, ``per_pair=True``) per block of
-        :data:`FLAT_CHUNK` vectors, rather than faiss's ``IndexFlatIP``, which scores one
-        (query, vector) pair at a time: on a 2-core Xeon faiss took 2.3x (2.6K vectors of 384)
-        to 10x (200K and 1M of 768) as long for batches of 128 queries, 2.1x to 2.2x for one
-        query over 200K and 1M vectors; for one query over 2.6K, 0.12 ms against this path's
-        0.27 ms (the exact rows of ``benchmarks/results/cpu-index-full.json`` time both). Like faiss's, and unlike a
-        BLAS matrix product's on some CPUs, a pair's score does not depend on the batch it is
-        in or on how the corpus is cut into shards. The same top-k by score; equal scores
-        listed by descending id, as faiss lists them (which of several vectors tied at the
-        k-th place is kept is unspecified, as with faiss:
+        :data:`FLAT_CHUNK` vectors, so that a pair's score depends neither on the batch it is
+        in nor on how the corpus is cut into shards. faiss's ``IndexFlatIP`` scores pair by
+        pair only below ``queries x d = faiss.cvar.distance_compute_blas_threshold`` (128 000
+        in faiss 1.15: 166 queries of 768) and by a BLAS product above it, whose rounding may
+        change with the shapes. Below the switch it is the slower: on a 2-core Xeon it took
+        2.3x (2.6K vectors of 384) to 10x (200K and 1M of 768) as long for 128 queries and
+        2.1x to 2.2x for one query over 200K and 1M vectors (the exact rows of
+        ``benchmarks/results/cpu-index-full.json``); for one query over 2.6K vectors it took
+        0.12 ms, this path 0.27 ms. Above it, faiss's BLAS is about as fast as the kernel. The
+        same top-k by score; equal scores listed by descending id, as faiss lists them (which
+        of several vectors tied at the k-th place is kept is unspecified, as with faiss:
         :func:`rag_fast.retrieval.sharded.search_exact_ties` decides them). None without the
-        compiled extension (faiss searches then). The view is taken anew for each search,
-        never kept: faiss owns that memory."""
+        kernel (no compiled extension, or one built from older sources): faiss searches then.
+        The view is taken anew for each search, never kept: faiss owns that memory."""
         base = self._base
-        if (not _ext.available() or self._refine is not None
+        if (not _has_inner_products() or self._refine is not None
                 or not isinstance(base, faiss.IndexFlat)
                 or base.metric_type != faiss.METRIC_INNER_PRODUCT or base.ntotal == 0):
             return None
@@ -1052,6 +1054,12 @@ def _time_ms(fn, repeats: int = 3) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return float(np.median(times))
+
+
+def _has_inner_products() -> bool:
+    """The compiled extension is loaded and has the exact preset's kernel (an extension built
+    from older sources lacks it until rebuilt)."""
+    return _ext.available() and hasattr(_ext.get(), "inner_products")
 
 
 def _check_finite(name: str, x: np.ndarray, offset: int = 0) -> None:

@@ -221,8 +221,9 @@ def train_config(values: dict, path: str):
 
 
 def _origin(model_dir: str) -> dict | None:
-    """What a run starts from, saved in each checkpoint (Trainer's ``origin``): the model
-    directory and the SHA-256 of its ``rag_fast.json``, which holds every other file's."""
+    """What a run starts from, saved in each checkpoint (Trainer's ``origin``): the SHA-256 of
+    the model directory's ``rag_fast.json``, which holds every other file's (the same weights
+    under another path, mount or symlink are the same origin), and the path, for messages."""
     import hashlib
 
     from rag_fast.models.checkpoint import SIDE_FILE
@@ -232,7 +233,7 @@ def _origin(model_dir: str) -> dict | None:
         return None
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
-    return {"model": os.path.abspath(model_dir), f"{SIDE_FILE} sha256": digest}
+    return {"id": f"{SIDE_FILE} sha256 {digest}", "model": os.path.abspath(model_dir)}
 
 
 def load_retriever(spec: dict | None, n_docs: int = 5):

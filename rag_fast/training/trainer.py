@@ -674,10 +674,11 @@ class Trainer:
         passage_embedder: with ``refresh_index_every``, ``fn(store, lo, hi) -> [hi - lo, d]``
             vectors of store rows ``[lo, hi)`` used instead of ``refresh_encoder`` (see
             ``rag_fast.training.refresh``).
-        origin: JSON-able identity of what the run starts from (``rag-fast train`` passes the
-            model directory and the SHA-256 of its ``rag_fast.json``, which lists every file's
-            own), saved in each checkpoint: :meth:`resume` refuses a checkpoint whose origin
-            differs.
+        origin: what the run starts from, a JSON-able dict saved in each checkpoint: its
+            ``"id"`` identifies it (``rag-fast train`` passes the SHA-256 of the model
+            directory's ``rag_fast.json``, which lists every file's own), the other keys
+            describe it in messages. :meth:`resume` refuses a checkpoint whose origin has
+            another ``"id"``.
 
     Raises:
         ValueError: an empty dataset, a global batch larger than it, or a question-encoder
@@ -1014,7 +1015,7 @@ class Trainer:
             raise ValueError(f"{path} was written with global batch {global_batch}, this run "
                              f"has {self.global_batch}: its data position would not match")
         if self.origin is not None and ckpt["origin"] is not None \
-                and ckpt["origin"] != self.origin:
+                and ckpt["origin"].get("id") != self.origin.get("id"):
             raise ValueError(
                 f"{path} continues a run that started from {_describe(ckpt['origin'])}, not from "
                 f"{_describe(self.origin)}: resuming would mix the two. Train into another "
@@ -1038,7 +1039,8 @@ class Trainer:
 
 
 def _describe(origin: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(origin.items()))
+    return ", ".join(str(v) for k, v in sorted(origin.items()) if k != "id") + \
+        f" ({origin.get('id')})"
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
