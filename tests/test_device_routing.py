@@ -230,8 +230,9 @@ def test_meta_tensors_never_reach_a_kernel(monkeypatch):
 def test_cpp_kernels_are_called_only_from_the_cpu_implementations():
     """Statically: the extension's kernels are called only in rag_fast/ops/_cpp.py (whose
     launchers trust their arguments), and those launchers are used only by the custom ops'
-    CPU implementations in rag_fast/ops/_custom_ops.py, after the checks."""
-    ext_users, cpp_users = set(), set()
+    CPU implementations in rag_fast/ops/_custom_ops.py and by the exact search's
+    inner_products in rag_fast/retrieval/_exact.py, after their checks."""
+    ext_users, cpp_users, exact_imports = set(), set(), []
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         rel = path.relative_to(PACKAGE).as_posix()
@@ -245,7 +246,13 @@ def test_cpp_kernels_are_called_only_from_the_cpu_implementations():
                 ext_users.add(rel)
             if isinstance(node, ast.ImportFrom) and any(a.name == "_cpp" for a in node.names):
                 cpp_users.add(rel)
+                if rel == "retrieval/_exact.py":  # imported inside the checked function only
+                    exact_imports.append(node.lineno)
             if isinstance(node, ast.ImportFrom) and node.module == "rag_fast.ops._cpp":
                 cpp_users.add(rel)
     assert ext_users == {"ops/_cpp.py"}
-    assert cpp_users == {"ops/_custom_ops.py"}
+    assert cpp_users == {"ops/_custom_ops.py", "retrieval/_exact.py"}
+    exact = ast.parse((PACKAGE / "retrieval/_exact.py").read_text(encoding="utf-8"))
+    checked = next(f for f in exact.body
+                   if isinstance(f, ast.FunctionDef) and f.name == "inner_products")
+    assert exact_imports and all(checked.lineno <= n <= checked.end_lineno for n in exact_imports)

@@ -25,10 +25,12 @@ are written once, in the logits' dtype, into ``out`` (which may be ``x`` itself 
         c = sum_v R * g_m; out = R * g_m - P * c
     beam_step(x, a, beam, bias, n)       -> scores, beams, tokens   each [B, n]
         x is [B, W, K, V] here; see rag_fast/ops/rag_token_beam_step.py
+    inner_products(q, v, out)            out[b, n] = q[b] . v[n]   (float32 [B, d], [N, d])
 
 ``a`` is the passage log-prior ``[B, K]`` float32 (``-inf`` for a missing passage).
 These launchers trust their arguments: only the CPU implementations of the custom ops
-(``rag_fast/ops/_custom_ops.py``), which check them first, call them.
+(``rag_fast/ops/_custom_ops.py``) and the exact search's ``inner_products``
+(``rag_fast/retrieval/_exact.py``), which check them first, call them.
 """
 from __future__ import annotations
 
@@ -243,3 +245,9 @@ def bits_unmask(bits: torch.Tensor, like: torch.Tensor, one: int) -> torch.Tenso
     out = torch.empty(like.shape, dtype=like.dtype)
     _ext.get().bits_unmask(bits.data_ptr(), out.element_size(), out.numel(), one, out.data_ptr())
     return out
+
+
+def inner_products(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    B, d = q.shape
+    _ext.get().inner_products(q.data_ptr(), B, q.stride(0), v.data_ptr(), v.shape[0],
+                              v.stride(0), d, out.data_ptr(), out.stride(0))

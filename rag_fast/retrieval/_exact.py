@@ -75,7 +75,7 @@ def inner_products(queries: torch.Tensor, vectors: torch.Tensor,
         ValueError: naming the argument whose dtype, device, shape or layout is wrong.
         ExtensionUnavailableError: the compiled extension did not load.
     """
-    from rag_fast import _ext
+    from rag_fast.ops import _cpp
 
     for name, t in (("queries", queries), ("vectors", vectors)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.ndim != 2 or (
@@ -99,6 +99,5 @@ def inner_products(queries: torch.Tensor, vectors: torch.Tensor,
         raise ValueError("out must not share memory with queries or vectors (the kernel reads "
                          "them while it writes out)")
     if B and N:
-        _ext.get().inner_products(queries.data_ptr(), B, queries.stride(0), vectors.data_ptr(), N,
-                                  vectors.stride(0), d, out.data_ptr(), out.stride(0))
+        _cpp.inner_products(queries, vectors, out)
     return out
