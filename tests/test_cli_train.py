@@ -204,3 +204,31 @@ def test_train_resumes_only_the_run_its_model_started(setup, capsys):
     assert code == 0 and "resumed" not in printed.out
     code, printed = train(other, 2)  # its own run now
     assert code == 0 and "resumed from step 1" in printed.out
+
+
+def test_a_model_with_more_passages_per_question_than_the_index_is_refused(setup, tmp_path,
+                                                                           capsys):
+    """train and eval open the index and refuse a model whose n_docs exceeds its passages,
+    naming the model, before any step (search would otherwise fail mid-run)."""
+    root, index_dir, data = setup
+    too_many = len(PASSAGES) + 1
+    with pytest.raises(ValueError, match=rf"^n_docs={too_many} \(from the model 'm'\) is more "
+                                         rf"passages per question than the index .* holds \(6\)"):
+        load_retriever(index_dir, n_docs=too_many, n_docs_from="the model 'm'")
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({
+        "model": {"path": str(root / "model0"), "n_docs": too_many}, "index": str(index_dir),
+        "data": {"train": str(data)}, "train": {"max_steps": 1, "progress": False}}))
+    assert cli.main(["train", "--config", str(config), "--output-dir",
+                     str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"rag-fast: error: n_docs={too_many} (from the model "
+                   f"{str(root / 'model0')!r}) is more passages per question than the index "
+                   f"{str(index_dir)!r} holds (6): use a model with fewer passages per question "
+                   "(`rag-fast init --n-docs`) or a larger index")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    big = tmp_path / "big"
+    RagModel.load(str(root / "model0"), n_docs=too_many).save(str(big))
+    assert cli.main(["eval", "--data", str(data), "--model", str(big), "--index", str(index_dir),
+                     "--out", str(tmp_path / "eval"), "--no-progress"]) == 2
+    assert f"n_docs={too_many} (from the model {str(big)!r})" in capsys.readouterr().err

@@ -61,7 +61,8 @@ def load_model_for_cli(model_dir: str, index: str | None, device: str | None,
         if not os.path.isdir(index):
             raise FileNotFoundError(f"index directory {index!r} does not exist (the model "
                                     "records it; pass --index DIR if it moved)")
-        model.retriever = load_retriever(index, n_docs=model.n_docs)
+        model.retriever = load_retriever(index, n_docs=model.n_docs,
+                                         n_docs_from=f"the model {model_dir!r}")
         model.index_path = index
     return model.to(device).eval()
 

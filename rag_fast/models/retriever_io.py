@@ -36,7 +36,8 @@ def read_bundle_manifest(path: str | Path) -> dict | None:
     return manifest
 
 
-def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True):
+def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
+                   n_docs_from: str | None = None):
     """A ``rag_fast.retrieval.Retriever`` over the index directory ``path``.
 
     Training, evaluation and serving open their index here, so by default every file's
@@ -51,10 +52,13 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True):
         n_docs: the Retriever's default K (RagModel passes its own ``n_docs`` per call).
         verify: check every file's SHA-256 (default); ``verify=False`` opts out and checks
             the sizes only, for huge indexes whose storage is trusted.
+        n_docs_from: where ``n_docs`` comes from (e.g. a model directory), named in the error
+            when it exceeds the index's passage count.
     Raises:
         FileNotFoundError: ``path`` is not a directory, or lacks ``passages/`` or ``index/``.
         ValueError: a manifest of another kind; an index whose dimension differs from the
-            encoder the manifest names, or whose size differs from the passage store's.
+            encoder the manifest names, or whose size differs from the passage store's;
+            ``n_docs`` above the index's passage count.
         rag_fast.retrieval.StorageError: missing, truncated or corrupt files.
     """
     from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
@@ -74,6 +78,11 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True):
     dim = manifest["encoder"]["dim"] if manifest and "encoder" in manifest else None
     store = PassageStore.load(root / "passages", verify=verify)
     index = DenseIndex.load(root / "index", verify=verify, expected_dim=dim)
+    if n_docs > len(index):
+        source = f" (from {n_docs_from})" if n_docs_from else ""
+        raise ValueError(f"n_docs={n_docs}{source} is more passages per question than the index "
+                         f"{str(root)!r} holds ({len(index)}): use a model with fewer passages "
+                         "per question (`rag-fast init --n-docs`) or a larger index")
     return Retriever(index, store, n_docs=n_docs, progress=False)
 
 

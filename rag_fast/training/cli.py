@@ -236,7 +236,7 @@ def _origin(model_dir: str) -> dict | None:
     return {"id": f"{SIDE_FILE} sha256 {digest}", "model": os.path.abspath(model_dir)}
 
 
-def load_retriever(spec: dict | None, n_docs: int = 5):
+def load_retriever(spec: dict | None, n_docs: int = 5, n_docs_from: str | None = None):
     """The retriever of the config's ``index`` section, or None.
 
     ``{"path": DIR, "verify": bool}``: a Retriever over an index directory. With
@@ -254,7 +254,7 @@ def load_retriever(spec: dict | None, n_docs: int = 5):
         return load_sharded_retriever(spec["path"], n_docs=n_docs, verify=verify,
                                       preset=spec.get("preset", "exact"),
                                       cache=bool(spec.get("cache", False)))
-    return load(spec["path"], n_docs=n_docs, verify=verify)
+    return load(spec["path"], n_docs=n_docs, verify=verify, n_docs_from=n_docs_from)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     if index.get("sharded") and not dist.is_initialized():
         raise ValueError(f"{args.config}: index.sharded: a sharded index needs one process per "
                          "shard: run under torchrun (--nproc-per-node = the number of shards)")
-    retriever = load_retriever(index, model.n_docs)
+    retriever = load_retriever(index, model.n_docs, n_docs_from=f"the model {model_dir!r}")
     if not index.get("sharded"):
         from rag_fast.models.retriever_io import TimedRetriever
 
