@@ -85,8 +85,14 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
         import torch
         import torch.distributed as dist
 
+        import rag_fast
         from rag_fast.retrieval import DenseIndex, ShardedIndex
+        from rag_fast.retrieval.index import _has_inner_products
 
+        if job.get("extension") and not _has_inner_products():
+            raise RuntimeError(f"rank {rank} imported rag_fast from {rag_fast.__file__} without "
+                               "the compiled kernels the parent process has: its timings would "
+                               "be the fallback's")
         threads = max(1, _cores() // world)
         torch.set_num_threads(threads)
         faiss.omp_set_num_threads(threads)
@@ -144,7 +150,11 @@ def run_group(world: int, job: dict) -> list[list[float]]:
     from rag_fast.training.distributed import free_port
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["rag_fast.retrieval.sharded", "bench_index"])
+    # only torch is preloaded: the fork server starts as `python -c`, with the current folder
+    # first on its path (Python 3.11 does not give it the parent's), so a rag_fast imported
+    # there would be the source checkout's (no compiled extension) when run from the repository
+    # root; the ranks import rag_fast themselves, with this process's path.
+    ctx.set_forkserver_preload(["torch"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, job, results), daemon=True)
@@ -214,6 +224,8 @@ def _build_saved(xb: np.ndarray, preset: str, where: str, worlds) -> float:
 def run(ctx: Context) -> list[Row]:
     import bench_index
 
+    from rag_fast.retrieval.index import _has_inner_products
+
     n, presets = SIZES[ctx.quick]
     rng = np.random.default_rng(0)
     centres = (np.repeat(bench_index._unit(rng, bench_index.TOPICS), bench_index.SUBTOPICS, 0)
@@ -233,7 +245,8 @@ def run(ctx: Context) -> list[Row]:
                     job = {"corpus": os.path.join(tmp, "corpus.npy"),
                            "centres": os.path.join(tmp, "centres.npy"), "dir": tmp,
                            "preset": preset, "steps": ctx.repeats, "passages": n,
-                           "layout": "sharded" if layout == "sharded" else "full"}
+                           "layout": "sharded" if layout == "sharded" else "full",
+                           "extension": _has_inner_products()}
                     table = run_group(world, job)
                     per_step = np.max(np.asarray([r[: ctx.repeats] for r in table]), axis=0)
                     m = Measurement.of(per_step.tolist())

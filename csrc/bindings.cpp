@@ -53,8 +53,9 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         kernels().inner_products(a);
       },
-      "out[b, n] = q[b] . x[n], float32, each score by the same instruction sequence whatever "
+      "out[b, n] = q[b] . x[n], float32, each score by the same sequence of operations whatever "
       "the shapes (see csrc/kernels.h).");
+  m.attr("INNER_PRODUCTS_PARALLEL_WORK") = kInnerProductsParallelWork;
   m.def(
       "row_stats",
       [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,

@@ -1,12 +1,13 @@
 // Exact inner products of queries and vectors for the exact index preset: every (query, vector)
-// score is computed by the same instruction sequence (one vector accumulator over d, fused
+// score is computed by the same sequence of operations (one vector accumulator over d, fused
 // multiply-adds where the variant has them, the d tail through a zero-padded vector, lanes
-// summed in order), whatever the number of queries or vectors and wherever the pair falls in a
+// summed by one fixed halving tree), whatever the number of queries or vectors and wherever the pair falls in a
 // tile. A BLAS matrix product does not promise that: its rounding may change with the shapes,
 // so a question's scores could depend on the batch it came in or on how the corpus is cut into
 // shards. Register tiles of MR queries x NR vectors give a matrix product's reuse of loads.
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -33,6 +34,31 @@ inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
 #else
   return a * b + c;
 #endif
+}
+
+// Halving-tree sums of kLanes accumulators at once: lane i of the result is the sum of the
+// lanes of v[i], by the same tree for every i (lane l plus lane l + kLanes/2, then the same on
+// the halves, down to one lane), so a pair's score does not depend on the slot it had in a tile.
+// One level: from a and b, each holding groups of G partial sums, the groups of G/2 sums
+// (a's groups, then b's).
+template <int G, size_t... J>
+inline vfloat halve(vfloat a, vfloat b, std::index_sequence<J...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, static_cast<int>((J / (G / 2)) * G + J % (G / 2))...) +
+         __builtin_shufflevector(a, b, static_cast<int>((J / (G / 2)) * G + J % (G / 2) + G / 2)...);
+#else
+  const vint lo = {static_cast<int32_t>((J / (G / 2)) * G + J % (G / 2))...};
+  const vint hi = lo + G / 2;
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+#endif
+}
+
+// v[0..count): count vectors of groups of G partial sums -> v[0..count/2) of groups of G/2.
+template <int G>
+inline void tree_sums(vfloat* v, int count) {
+  for (int m = 0; m < count / 2; ++m)
+    v[m] = halve<G>(v[2 * m], v[2 * m + 1], std::make_index_sequence<kLanes>());
+  if constexpr (G > 2) tree_sums<G / 2>(v, count / 2);
 }
 
 // Queries x vectors per register tile: accumulators, the queries' chunks and one vector's chunk
@@ -69,8 +95,16 @@ inline void tile(const float* const* q, const float* const* x, int64_t d, float 
       for (int i = 0; i < MR; ++i) acc[i][j] = vfma(qv[i], xv, acc[i][j]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kNR; ++j) out[i][j] = hsum(acc[i][j]);
+  // the MR x kNR accumulators' sums, kLanes at a time (zero vectors fill the last batch)
+  constexpr int kPairs = MR * kNR;
+  for (int p0 = 0; p0 < kPairs; p0 += kLanes) {
+    vfloat v[kLanes];
+    for (int m = 0; m < kLanes; ++m)
+      v[m] = p0 + m < kPairs ? acc[(p0 + m) / kNR][(p0 + m) % kNR] : vfloat{};
+    tree_sums<kLanes>(v, kLanes);
+    for (int m = 0; m < kLanes && p0 + m < kPairs; ++m)
+      out[(p0 + m) / kNR][(p0 + m) % kNR] = v[0][m];
+  }
 }
 
 void inner_products(const InnerProductsArgs& a) {
@@ -81,7 +115,8 @@ void inner_products(const InnerProductsArgs& a) {
   // thread, so that a score does not depend on which thread computed it.
   const unsigned mode = _mm_getcsr();
 #endif
-#pragma omp parallel
+  [[maybe_unused]] const bool parallel = a.B * a.N * a.d >= kInnerProductsParallelWork && blocks > 1;
+#pragma omp parallel if (parallel)
   {
 #if defined(__SSE__)
     const unsigned saved = _mm_getcsr();

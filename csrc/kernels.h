@@ -126,7 +126,15 @@ struct TokenMarginalGradArgs {
 };
 
 // out[b, n] = q[b] . x[n] (float32, rows of length d at strides ldq, ldx, ldo), each score by
-// the same instruction sequence whatever B, N and the pair's place (csrc/inner_products.cpp).
+// the same sequence of operations whatever B, N and the pair's place (csrc/inner_products.cpp).
+// Multiply-adds (B * N * d) below which inner_products runs on one thread: starting and joining
+// the thread team costs microseconds, more than such a product takes on one core (131 072
+// multiply-adds: one query against 341 vectors of 384). Above it even one query gains from the
+// threads: the vectors stream through every core's cache (measured on a 2-core Xeon, one query
+// against 2 654 vectors of 384: 140 us on one thread, 49 us on two). The scores are the same
+// with any number of threads.
+constexpr int64_t kInnerProductsParallelWork = int64_t{1} << 17;
+
 struct InnerProductsArgs {
   const float* q;
   int64_t B, ldq;

@@ -42,3 +42,8 @@ def rag_token_beam_step(
     log_prior: int, beam_scores: int, bias: int, n: int,
     out_scores: int, out_beams: int, out_tokens: int,
 ) -> None: ...
+def inner_products(
+    q: int, B: int, ldq: int, x: int, N: int, ldx: int, d: int, out: int, ldo: int,
+) -> None: ...
+
+INNER_PRODUCTS_PARALLEL_WORK: int

@@ -18,6 +18,10 @@ from harness import Context  # noqa: E402
 
 
 def test_rows_memory_and_render(monkeypatch):
+    # run from the repository root, as the README runs benchmarks/run.py: the ranks must still
+    # import the installed rag_fast (with its compiled kernels), not the source folder there
+    # (each rank raises if it lacks the kernels the parent has)
+    monkeypatch.chdir(BENCH.parent)
     monkeypatch.setattr(bench, "SIZES", {True: (3_000, ("exact", "ivfpq"))})
     monkeypatch.setattr(bench, "WORLDS", (1, 2))
     rows = bench.run(Context(device="cpu", quick=True, repeats=5, warmup=2))

@@ -257,3 +257,57 @@ def test_a_dataset_path_that_is_a_folder_says_so(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"rag-fast: error: {path}: data.train: {tmp_path / 'qa.jsonl'} is not a file "
                    "(a relative path is read from the config file's folder)"), err
+
+
+def test_init_names_the_flag_of_a_missing_path_or_an_unloadable_name(tmp_path, capsys,
+                                                                     monkeypatch):
+    """A mistyped generator path is "no such file or folder", not the hub's complaint about the
+    form of a repository id; a name that neither is a folder nor loads is one line naming the
+    flag, with the loader's reason."""
+    import transformers
+
+    from rag_fast import cli
+    from rag_fast.models.build import build_rag_model
+    from utils import save_tiny_bert
+
+    out = str(tmp_path / "m")
+    assert cli.main(["init", "--question-encoder", "bert", "--generator",
+                     "examples/workflow/generatr.json", "--out", out]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rag-fast: error: --generator 'examples/workflow/generatr.json': no such file or folder "
+        "(expected a model name, a folder holding a transformers model, or a JSON config for "
+        "random weights)")
+    assert cli.main(["init", "--question-encoder", "./no/such/encoder", "--generator",
+                     "facebook/bart-base", "--out", out]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        "rag-fast: error: --question-encoder './no/such/encoder': no such file or folder")
+    with pytest.raises(ValueError, match=r"^generator_tokenizer '/no/tok': no such file"):
+        build_rag_model(question_encoder="bert", generator="facebook/bart-base",
+                        generator_tokenizer="/no/tok")
+
+    (tmp_path / "enc").mkdir()
+    encoder = save_tiny_bert(tmp_path / "enc")
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def from_pretrained(name, *args, **kwargs):
+        if name == "no-such-model":  # what the hub client raises, offline or unknown
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load the files,\n"
+                          "and couldn't find them in the cached files.")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert cli.main(["init", "--question-encoder", encoder, "--generator", "no-such-model",
+                     "--out", out]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rag-fast: error: --generator 'no-such-model': not a model folder, and no model of that "
+        "name could be loaded: We couldn't connect to 'https://huggingface.co' to load the "
+        "files, and couldn't find them in the cached files.")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main(["init", "--question-encoder", encoder, "--generator", "facebook/bart-base",
+                     "--generator-tokenizer", "no-such-model", "--out", out]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        "rag-fast: error: --generator-tokenizer 'no-such-model': not a model folder, and no model "
+        "of that name could be loaded (HF_HUB_OFFLINE is set: only models already in the local "
+        "cache load by name): We couldn't connect")
+    assert not Path(out).exists()

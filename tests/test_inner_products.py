@@ -46,12 +46,18 @@ def check_invariance() -> None:
             assert torch.equal(_inner_products(q[b0:b1], x), whole[b0:b1]), (d, b0, b1)
         for n0, n1 in ((0, 1), (210, 211), (5, 6), (0, 7), (13, 200), (1, 211)):
             assert torch.equal(_inner_products(q, x[n0:n1]), whole[:, n0:n1]), (d, n0, n1)
-        before = C.num_threads()
+    # one thread or two: a product large enough that the kernel starts its thread team
+    q = torch.randn(23, 384, generator=gen)
+    x = torch.randn(C.INNER_PRODUCTS_PARALLEL_WORK // (23 * 384) + 1000, 384, generator=gen)
+    assert q.shape[0] * x.shape[0] * 384 >= C.INNER_PRODUCTS_PARALLEL_WORK
+    before = C.num_threads()
+    try:
+        C.set_num_threads(2)
+        two = _inner_products(q, x)
         C.set_num_threads(1)
-        try:
-            assert torch.equal(_inner_products(q, x), whole), d
-        finally:
-            C.set_num_threads(before)
+        assert torch.equal(_inner_products(q, x), two)
+    finally:
+        C.set_num_threads(before)
 
 
 def test_against_the_float64_oracle():
@@ -83,7 +89,8 @@ def test_every_thread_runs_in_the_callers_floating_point_mode():
     import rag_fast._C as C
 
     q = torch.full((3, 16), 1e-20)
-    x = torch.full((2000, 16), 1e-20)  # products 1e-40: subnormal
+    # products 1e-40: subnormal; enough of them for the kernel to start its thread team
+    x = torch.full((C.INNER_PRODUCTS_PARALLEL_WORK // 48 + 1000, 16), 1e-20)
     before = C.num_threads()
     assert torch.set_flush_denormal(True), "this CPU has no flush-to-zero mode"
     try:

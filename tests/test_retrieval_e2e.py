@@ -128,7 +128,9 @@ def test_cli_errors_are_one_clear_line(tmp_path, built, corpus, minilm, capsys):
     assert cli.main(["index", "search", str(built), "question", "-k", "11"]) == 2
     assert "k=11 must be <= the number of indexed vectors (10)" in capsys.readouterr().err
     assert cli.main(["index", "info", str(tmp_path / "nothing")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (
+        f"rag-fast: error: path {str(tmp_path / 'nothing')!r} is not a directory (expected an "
+        "index directory from `rag-fast index build`)")
     assert cli.main(["index", "build", "--passages", str(corpus), "--encoder", minilm, "--out",
                      str(built), "--no-progress"]) == 2
     assert "already exists" in capsys.readouterr().err

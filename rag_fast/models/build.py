@@ -144,6 +144,33 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
                          f"{model_type!r} model from it: {brief_error(e)}") from None
 
 
+def _check_source(value: str, what: str, config_ok: bool = False) -> None:
+    """A model name, folder (or, with ``config_ok``, JSON config) argument that can only be a
+    path (see ``_looks_like_path``; or a ``.json`` name) and does not exist: a ValueError naming
+    ``what`` (the argument or flag) instead of the hub's complaint about the name's form."""
+    from rag_fast.retrieval.encoders import _looks_like_path
+
+    if Path(value).expanduser().exists():
+        return
+    if _looks_like_path(value) or value.endswith(".json"):
+        config = ", or a JSON config for random weights" if config_ok else ""
+        raise ValueError(f"{what} {value!r}: no such file or folder (expected a model name, a "
+                         f"folder holding a transformers model{config})")
+
+
+def _loading(what: str, name: str, load):
+    """``load()``, its OSError (a name that is neither a folder nor loadable from the hub or
+    the local cache) as one ValueError line naming ``what``."""
+    try:
+        return load()
+    except OSError as e:
+        offline = os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes")
+        hint = (" (HF_HUB_OFFLINE is set: only models already in the local cache load by name)"
+                if offline else "")
+        raise ValueError(f"{what} {name!r}: not a model folder, and no model of that name could "
+                         f"be loaded{hint}: {brief_error(e, 200)}") from None
+
+
 def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
     """A seq2seq or decoder-only generator with weights, by name or folder (the config's
     ``is_encoder_decoder`` decides). A decoder-only one without a pad token gets the
@@ -210,12 +237,18 @@ def build_rag_model(
             raise ValueError("give question_encoder (a name or folder) or index (an index "
                              "directory whose question encoder to use)")
         question_encoder = spec["name"]
+    _check_source(generator, "generator", config_ok=True)
+    if generator_tokenizer is not None:
+        _check_source(generator_tokenizer, "generator_tokenizer")
+    if question_encoder is not None:
+        _check_source(question_encoder, "question_encoder")
     is_config = os.path.isfile(generator) and generator.endswith(".json")
     if is_config and generator_tokenizer is None:
         raise ValueError(f"generator {generator!r} is a config file: give generator_tokenizer "
                          "(a tokenizer name or folder) for its vocabulary")
     with quiet_transformers():
-        q_model, q_tok, pooling, normalize = _question_encoder(question_encoder)
+        q_model, q_tok, pooling, normalize = _loading(
+            "question_encoder", question_encoder, lambda: _question_encoder(question_encoder))
         if spec is not None and spec["name"] == question_encoder:
             pooling = spec.get("pooling", pooling)
             normalize = bool(spec.get("normalize", normalize))
@@ -226,11 +259,14 @@ def build_rag_model(
             if dim != int(spec["dim"]):
                 raise ValueError(f"question_encoder {question_encoder!r} gives {dim}-d vectors, "
                                  f"the index {index!r} holds {spec['dim']}-d passage vectors")
-        g_tok = transformers.AutoTokenizer.from_pretrained(generator_tokenizer or generator)
+        tok_name = generator_tokenizer or generator
+        g_tok = _loading("generator_tokenizer" if generator_tokenizer else "generator", tok_name,
+                         lambda: transformers.AutoTokenizer.from_pretrained(tok_name))
         if is_config:
             g_model = _generator_from_config(generator, g_tok, seed)
         else:
-            g_model = _pretrained_generator(generator, g_tok)
+            g_model = _loading("generator", generator,
+                               lambda: _pretrained_generator(generator, g_tok))
     model = RagModel(g_model, q_model, None, mode=mode, n_docs=n_docs,
                      generator_tokenizer=g_tok, question_tokenizer=q_tok, epsilon=epsilon,
                      question_pooling=pooling if pooling in ("cls", "mean") else "auto",
@@ -280,6 +316,11 @@ def _run(args) -> int:
             raise ValueError(f"{flag}{str(e).removeprefix(name)}") from None
     if args.index is not None:
         _check_n_docs(args.n_docs, args.index, name="--n-docs")
+    for flag, value, config_ok in (("--generator", args.generator, True),
+                                   ("--generator-tokenizer", args.generator_tokenizer, False),
+                                   ("--question-encoder", args.question_encoder, False)):
+        if value is not None:
+            _check_source(value, flag, config_ok)
     if (os.path.isfile(args.generator) and args.generator.endswith(".json")
             and args.generator_tokenizer is None):
         raise ValueError(f"--generator {args.generator!r} is a config file: give "
@@ -287,10 +328,17 @@ def _run(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
-    model = build_rag_model(generator=args.generator, question_encoder=args.question_encoder,
-                            index=args.index, generator_tokenizer=args.generator_tokenizer,
-                            mode=args.mode, n_docs=args.n_docs, epsilon=args.label_smoothing,
-                            max_context_length=args.max_context_length, seed=args.seed)
+    try:
+        model = build_rag_model(generator=args.generator, question_encoder=args.question_encoder,
+                                index=args.index, generator_tokenizer=args.generator_tokenizer,
+                                mode=args.mode, n_docs=args.n_docs, epsilon=args.label_smoothing,
+                                max_context_length=args.max_context_length, seed=args.seed)
+    except ValueError as e:  # an error about an argument, said as the flag that gave it
+        message = str(e)
+        for name in ("generator", "generator_tokenizer", "question_encoder"):
+            if message.startswith(f"{name} "):
+                raise ValueError("--" + name.replace("_", "-") + message[len(name):]) from None
+        raise
     model.save(str(out))
     params = sum(p.numel() for p in model.parameters())
     kind = "decoder-only " if model.is_causal else ""

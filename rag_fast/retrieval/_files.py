@@ -87,6 +87,12 @@ def _check_files_entry(manifest_path: Path, files: object) -> dict[str, dict]:
     return files
 
 
+# How errors name a kind of directory (the manifest's "kind" key) to a user.
+KIND_WORDS = {"rag_fast.index_bundle": "an index directory from `rag-fast index build`",
+              "rag_fast.passage_store": "a passage store (an index directory's passages/)",
+              "rag_fast.dense_index": "a saved index (an index directory's index/)"}
+
+
 def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
     """Read ``root/manifest.json`` of the given ``kind`` and check the files it lists.
 
@@ -100,13 +106,15 @@ def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
     root = Path(root)
     recover_directory(root)
     if not root.is_dir():
-        raise StorageError(f"path {str(root)!r} is not a directory (expected a saved {kind})")
+        raise StorageError(f"path {str(root)!r} is not a directory (expected "
+                           f"{KIND_WORDS.get(kind, f'a saved {kind}')})")
     try:
         with open(root / MANIFEST) as f:
             manifest = json.load(f)
     except FileNotFoundError:
         raise StorageError(
-            f"{str(root)!r} has no {MANIFEST}: not a saved {kind}, or its build was interrupted"
+            f"{str(root)!r} has no {MANIFEST}: not {KIND_WORDS.get(kind, f'a saved {kind}')}, or "
+            "its build was interrupted"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StorageError(f"{root / MANIFEST} is corrupt (not valid JSON: {exc})") from None

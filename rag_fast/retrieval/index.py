@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import threading
 import time
 import warnings
@@ -159,8 +160,12 @@ def _factory_index(preset: str, factory: str, d: int):
     try:
         return faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as exc:
+        # faiss says where in its sources it failed ("Error in ... at .../index_factory.cpp:N:
+        # could not parse index string X"): only the reason after the location is the user's
+        reason = str(exc).strip().splitlines()[-1]
+        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", reason)
         raise ValueError(f"preset {preset!r} is not a preset {PRESETS} nor a valid faiss "
-                         f"factory string: {str(exc).strip().splitlines()[-1]}") from None
+                         f"factory string: {reason}") from None
 
 
 def plan_factory(preset: str, n: int, d: int, on_disk: bool = False) -> str:
@@ -686,10 +691,12 @@ class DenseIndex:
             s_t, i_t = exact_search(flat, torch.from_numpy(q_np), k, chunk=FLAT_CHUNK,
                                     per_pair=True)
             del flat
-            i_t, order = i_t.sort(dim=1, descending=True)  # equal scores by descending id,
-            s_t = s_t.gather(1, order)                      # as faiss lists them
-            s_t, order = s_t.sort(dim=1, descending=True, stable=True)
-            scores, ids = s_t.numpy(), i_t.gather(1, order).numpy()
+            if bool((s_t[:, 1:] == s_t[:, :-1]).any()):  # equal scores by descending id,
+                i_t, order = i_t.sort(dim=1, descending=True)  # as faiss lists them
+                s_t = s_t.gather(1, order)
+                s_t, order = s_t.sort(dim=1, descending=True, stable=True)
+                i_t = i_t.gather(1, order)
+            scores, ids = s_t.numpy(), i_t.numpy()
         else:
             scores, ids = self.faiss_index.search(q_np, k, params=params)
         _mark_missing(scores, ids)
