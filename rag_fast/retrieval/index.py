@@ -716,10 +716,10 @@ class DenseIndex:
         pair only below ``queries x d = faiss.cvar.distance_compute_blas_threshold`` (128 000
         in faiss 1.15: 166 queries of 768) and by a BLAS product above it, whose rounding may
         change with the shapes. Below the switch it is the slower: on a 2-core Xeon it took
-        2.3x (2.6K vectors of 384) to 10x (200K and 1M of 768) as long for 128 queries and
-        2.1x to 2.2x for one query over 200K and 1M vectors (the exact rows of
+        2.4x (2.6K vectors of 384) to 10x-11x (200K and 1M of 768) as long for 128 queries and
+        2.2x to 2.3x for one query over 200K and 1M vectors (the exact rows of
         ``benchmarks/results/cpu-index-full.json``); for one query over 2.6K vectors it took
-        0.12 ms, this path 0.27 ms. Above it, faiss's BLAS is about as fast as the kernel. The
+        0.12 ms, this path 0.20 ms. Above it, faiss's BLAS is about 2x faster than the kernel. The
         same top-k by score; equal scores listed by descending id, as faiss lists them (which
         of several vectors tied at the k-th place is kept is unspecified, as with faiss:
         :func:`rag_fast.retrieval.sharded.search_exact_ties` decides them). None without the
