@@ -474,7 +474,34 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for register in COMMANDS.values():
         register(subparsers)
+    _mark_commands(parser)
     return parser
+
+
+def _mark_commands(parser: argparse.ArgumentParser) -> None:
+    """Give every command's own parser (``index build``, ``train``, ...) a default naming
+    itself, so that an option it does not know is reported with its usage, not the top level's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(_command_parser=sub)
+                _mark_commands(sub)
+
+
+def _unknown_options(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit as argparse does (status 2, the command's usage), naming the unknown arguments and
+    the command's closest option."""
+    import difflib
+
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1)
+            if close:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+    parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                 + (f" ({'; '.join(hints)})" if hints else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,7 +510,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from rag_fast._quiet import set_verbose
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unknown_options(getattr(args, "_command_parser", parser), extra)
     set_verbose(args.verbose)
     try:
         _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work

@@ -311,3 +311,24 @@ def test_init_names_the_flag_of_a_missing_path_or_an_unloadable_name(tmp_path, c
         "of that name could be loaded (HF_HUB_OFFLINE is set: only models already in the local "
         "cache load by name): We couldn't connect")
     assert not Path(out).exists()
+
+
+def test_an_unknown_option_is_reported_with_its_commands_usage_and_closest_option(capsys):
+    from rag_fast import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["init", "--ndocs", "3", "--generator", "g", "--out", "o"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: rag-fast init ")
+    assert err.strip().endswith("rag-fast init: error: unrecognized arguments: --ndocs 3 "
+                                "(--ndocs: did you mean --n-docs?)")
+    with pytest.raises(SystemExit):
+        cli.main(["index", "search", "kb", "a question", "--nprobes=3"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: rag-fast index search ")
+    assert "error: unrecognized arguments: --nprobes=3 (--nprobes: did you mean --nprobe?)" in err
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", "c.json", "stray"])
+    assert capsys.readouterr().err.strip().endswith(
+        "rag-fast train: error: unrecognized arguments: stray")
