@@ -1,10 +1,11 @@
 // Exact inner products of queries and vectors for the exact index preset: every (query, vector)
 // score is computed by the same sequence of operations (one vector accumulator over d, fused
 // multiply-adds where the variant has them, the d tail through a zero-padded vector, lanes
-// summed by one fixed halving tree), whatever the number of queries or vectors and wherever the pair falls in a
-// tile. A BLAS matrix product does not promise that: its rounding may change with the shapes,
-// so a question's scores could depend on the batch it came in or on how the corpus is cut into
-// shards. Register tiles of MR queries x NR vectors give a matrix product's reuse of loads.
+// summed by one fixed halving tree), whatever the number of queries or vectors and wherever the
+// pair falls in a tile. A BLAS matrix product does not promise that: its rounding may change
+// with the shapes, so a question's scores could depend on the batch it came in or on how the
+// corpus is cut into shards. Register tiles of MR queries x NR vectors give a matrix product's
+// reuse of loads.
 #include <algorithm>
 #include <cstring>
 #include <utility>
@@ -45,7 +46,8 @@ template <int G, size_t... J>
 inline vfloat halve(vfloat a, vfloat b, std::index_sequence<J...>) {
 #if defined(__clang__)
   return __builtin_shufflevector(a, b, static_cast<int>((J / (G / 2)) * G + J % (G / 2))...) +
-         __builtin_shufflevector(a, b, static_cast<int>((J / (G / 2)) * G + J % (G / 2) + G / 2)...);
+         __builtin_shufflevector(a, b,
+                                 static_cast<int>((J / (G / 2)) * G + J % (G / 2) + G / 2)...);
 #else
   const vint lo = {static_cast<int32_t>((J / (G / 2)) * G + J % (G / 2))...};
   const vint hi = lo + G / 2;
@@ -115,7 +117,8 @@ void inner_products(const InnerProductsArgs& a) {
   // thread, so that a score does not depend on which thread computed it.
   const unsigned mode = _mm_getcsr();
 #endif
-  [[maybe_unused]] const bool parallel = a.B * a.N * a.d >= kInnerProductsParallelWork && blocks > 1;
+  [[maybe_unused]] const bool parallel =
+      a.B * a.N * a.d >= kInnerProductsParallelWork && blocks > 1;
 #pragma omp parallel if (parallel)
   {
 #if defined(__SSE__)

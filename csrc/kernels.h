@@ -131,7 +131,7 @@ struct TokenMarginalGradArgs {
 // the thread team costs microseconds, more than such a product takes on one core (131 072
 // multiply-adds: one query against 341 vectors of 384). Above it even one query gains from the
 // threads: the vectors stream through every core's cache (measured on a 2-core Xeon, one query
-// against 2 654 vectors of 384: 140 us on one thread, 49 us on two). The scores are the same
+// against 2 654 vectors of 384: 140 us on one thread, 48 us on two). The scores are the same
 // with any number of threads.
 constexpr int64_t kInnerProductsParallelWork = int64_t{1} << 17;
 
