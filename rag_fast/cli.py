@@ -256,7 +256,8 @@ def _index_build(args) -> int:
 
     from rag_fast.retrieval._files import atomic_directory, describe_files, write_json
     from rag_fast.retrieval.encoders import encode_passages, parse_shard
-    from rag_fast.retrieval.index import SMALL_CORPUS, DenseIndex, plan_factory
+    from rag_fast.retrieval.index import (PRESETS, SMALL_CORPUS, DenseIndex, _factory_index,
+                                          plan_factory)
     from rag_fast.retrieval.passages import stand_in_questions
 
     out = Path(args.out)
@@ -274,6 +275,8 @@ def _index_build(args) -> int:
     query_encoder = _encoder("--query-encoder", args.query_encoder, pooling=args.pooling,
                              max_length=args.max_length,
                              device="cpu") if args.query_encoder else encoder
+    if args.preset not in PRESETS:  # a factory string faiss cannot parse fails here too
+        _factory_index(args.preset, args.preset, encoder.dim)
     staging = _staging(out)
     key = _staging_key(args)
     _claim_staging(staging, key, sharded=shard is not None)

@@ -119,6 +119,23 @@ def test_interrupted_build_leaves_nothing(tmp_path, corpus, minilm, monkeypatch,
     assert [p.name for p in tmp_path.iterdir()] == ["idx.staging"]  # resumable, not at --out
 
 
+def test_a_bad_preset_fails_before_the_passages_are_read(tmp_path, corpus, minilm, capsys,
+                                                        monkeypatch):
+    from rag_fast.retrieval.passages import PassageStore
+
+    def never(*args, **kwargs):
+        raise AssertionError("the passages were read")
+
+    monkeypatch.setattr(PassageStore, "from_file", never)
+    out = tmp_path / "idx"
+    assert cli.main(["index", "build", "--passages", str(corpus), "--encoder", minilm,
+                     "--preset", "ivpq", "--out", str(out), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rag-fast: error: preset 'ivpq' is not a preset ('exact', 'hnsw', 'ivfpq') nor a valid "
+        "faiss factory string: could not parse index string ivpq")
+    assert list(tmp_path.iterdir()) == []  # no staging folder left behind
+
+
 def test_cli_errors_are_one_clear_line(tmp_path, built, corpus, minilm, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
