@@ -161,14 +161,12 @@ def _check_source(value: str, what: str, config_ok: bool = False) -> None:
 def _loading(what: str, name: str, load):
     """``load()``, its OSError (a name that is neither a folder nor loadable from the hub or
     the local cache) as one ValueError line naming ``what``."""
+    from rag_fast.retrieval.encoders import unloadable
+
     try:
         return load()
     except OSError as e:
-        offline = os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes")
-        hint = (" (HF_HUB_OFFLINE is set: only models already in the local cache load by name)"
-                if offline else "")
-        raise ValueError(f"{what} {name!r}: not a model folder, and no model of that name could "
-                         f"be loaded{hint}: {brief_error(e, 200)}") from None
+        raise unloadable(what, name, e) from None
 
 
 def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
@@ -316,11 +314,6 @@ def _run(args) -> int:
             raise ValueError(f"{flag}{str(e).removeprefix(name)}") from None
     if args.index is not None:
         _check_n_docs(args.n_docs, args.index, name="--n-docs")
-    for flag, value, config_ok in (("--generator", args.generator, True),
-                                   ("--generator-tokenizer", args.generator_tokenizer, False),
-                                   ("--question-encoder", args.question_encoder, False)):
-        if value is not None:
-            _check_source(value, flag, config_ok)
     if (os.path.isfile(args.generator) and args.generator.endswith(".json")
             and args.generator_tokenizer is None):
         raise ValueError(f"--generator {args.generator!r} is a config file: give "

@@ -85,11 +85,17 @@ def _encoder_config(name: str):
     try:
         return transformers.AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:  # not on the hub, offline and not cached, a bad name
-        offline = os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes")
-        hint = (" (HF_HUB_OFFLINE is set: only models already in the local cache load by name)"
-                if offline else "")
-        raise ValueError(f"encoder {name!r}: not a model folder, and no model of that name "
-                         f"could be loaded{hint}: {brief_error(e)}") from None
+        raise unloadable("encoder", name, e) from None
+
+
+def unloadable(what: str, name: str, exc: BaseException) -> ValueError:
+    """The one-line error for a model ``name`` (given as ``what``) that is not a folder and did
+    not load by name (not on the hub, or offline and not in the local cache)."""
+    offline = os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes")
+    hint = (" (HF_HUB_OFFLINE is set: only models already in the local cache load by name)"
+            if offline else "")
+    return ValueError(f"{what} {name!r}: not a model folder, and no model of that name could be "
+                      f"loaded{hint}: {brief_error(exc)}")
 
 
 class Encoder:
