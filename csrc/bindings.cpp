@@ -45,6 +45,22 @@ PYBIND11_MODULE(_C, m) {
       },
       "out[i] = one (as bits) where bit i % 8 of bits[i / 8] is set, else 0 (see csrc/kernels.h).");
   m.def(
+      "dropout_keep_bits",
+      [](uintptr_t state, int64_t state_bytes, int64_t n, uint64_t threshold, uintptr_t bits) {
+        py::gil_scoped_release release;
+        return dropout_keep_bits(ptr<uint8_t>(state), state_bytes, n, threshold,
+                                 ptr<uint8_t>(bits));
+      },
+      "torch's CPU dropout mask as bits, drawn from and advancing a generator state (see "
+      "csrc/kernels.h).");
+  m.def(
+      "masked_scale",
+      [](uintptr_t src, uintptr_t bits, int64_t n, float scale, uintptr_t out) {
+        py::gil_scoped_release release;
+        masked_scale(ptr<const float>(src), ptr<const uint8_t>(bits), n, scale, ptr<float>(out));
+      },
+      "out[i] = src[i] * (bit i set ? scale : 0), float32 (see csrc/kernels.h).");
+  m.def(
       "inner_products",
       [](uintptr_t q, int64_t B, int64_t ldq, uintptr_t x, int64_t N, int64_t ldx, int64_t d,
          uintptr_t out, int64_t ldo) {

@@ -176,4 +176,65 @@ bool bits_unmask(const uint8_t* bits, int elem_bytes, int64_t n, uint64_t one, v
   }
 }
 
+namespace {
+
+// Byte offsets in the state tensor torch's CPU generator gets and sets (its legacy layout:
+// initial seed u64, left i32, seeded i32, next u64, then 624 state words as u64 each).
+constexpr int64_t kLeftAt = 8, kNextAt = 16, kWordsAt = 24;
+
+}  // namespace
+
+bool dropout_keep_bits(uint8_t* generator_state, int64_t state_bytes, int64_t n,
+                       uint64_t threshold, uint8_t* bits) {
+  if (state_bytes < kWordsAt + 8 * kMtStateWords || n < 0) return false;
+  int32_t left;
+  uint64_t next;
+  std::memcpy(&left, generator_state + kLeftAt, sizeof left);
+  std::memcpy(&next, generator_state + kNextAt, sizeof next);
+  if (left < 1 || left > kMtStateWords || next > kMtStateWords ||
+      (left > 1 && next + left - 1 > kMtStateWords))
+    return false;
+  MtState e;
+  for (int i = 0; i < kMtStateWords; ++i) {
+    uint64_t w;
+    std::memcpy(&w, generator_state + kWordsAt + 8 * i, sizeof w);
+    e.words[i] = static_cast<uint32_t>(w);
+  }
+  e.left = left;
+  e.next = static_cast<int64_t>(next);
+  kernels().dropout_bits(e, n, threshold, bits);
+  left = static_cast<int32_t>(e.left);
+  next = static_cast<uint64_t>(e.next);
+  std::memcpy(generator_state + kLeftAt, &left, sizeof left);
+  std::memcpy(generator_state + kNextAt, &next, sizeof next);
+  for (int i = 0; i < kMtStateWords; ++i) {
+    const uint64_t v = e.words[i];
+    std::memcpy(generator_state + kWordsAt + 8 * i, &v, sizeof v);
+  }
+  return true;
+}
+
+void masked_scale(const float* src, const uint8_t* bits, int64_t n, float scale, float* out) {
+  // the eight factors of each byte of bits, from a 256-entry table (8 KiB): src * 0 where the
+  // bit is clear (not 0 itself), so that -0, inf and nan multiply as torch's x * mask does
+  float table[256][8];
+  for (int b = 0; b < 256; ++b)
+    for (int j = 0; j < 8; ++j) table[b][j] = ((b >> j) & 1) ? scale : 0.0f;
+  constexpr int64_t kChunk = 1 << 16;  // elements per thread's chunk (whole bytes of bits)
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#ifdef RAG_FAST_WITH_OPENMP
+#pragma omp parallel for schedule(static) if (chunks > 1)
+#endif
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk;
+    const int64_t end = begin + kChunk < n ? begin + kChunk : n;
+    const int64_t whole = begin + (end - begin) / 8 * 8;
+    for (int64_t i = begin; i < whole; i += 8) {
+      const float* f = table[bits[i >> 3]];
+      for (int j = 0; j < 8; ++j) out[i + j] = src[i + j] * f[j];
+    }
+    for (int64_t i = whole; i < end; ++i) out[i] = src[i] * table[bits[i >> 3]][i & 7];
+  }
+}
+
 }  // namespace rag_fast

@@ -468,8 +468,27 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ---- entry point ---------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a command given an option it does not know reports that
+    option first: in ``index build --encoderr x`` the mistake is the typo, not the ``--encoder``
+    argparse then finds missing. :func:`main` hands every command's parser the arguments
+    (``argv``) before parsing."""
+
+    argv: list[str] | None = None
+    top_options: frozenset[str] = frozenset()
+
+    def error(self, message: str):
+        if message.startswith("the following arguments are required") and self.argv:
+            known = self.top_options | {s for a in self._actions for s in a.option_strings}
+            unknown = [a for a in self.argv
+                       if a.startswith("--") and a.split("=", 1)[0] not in known]
+            if unknown:
+                _unknown_options(self, unknown)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rag-fast", description="Fast Retrieval-Augmented Generation. The workflow: "
         "index build -> init -> train -> eval -> generate, each reading what the one before wrote.")
     parser.add_argument("--verbose", action="store_true",
@@ -489,6 +508,16 @@ def _mark_commands(parser: argparse.ArgumentParser) -> None:
             for sub in action.choices.values():
                 sub.set_defaults(_command_parser=sub)
                 _mark_commands(sub)
+
+
+def _give_argv(parser: argparse.ArgumentParser, argv: list[str], top: frozenset[str]) -> None:
+    """Hand every command's parser the command line (see :class:`_Parser`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if isinstance(sub, _Parser):
+                    sub.argv, sub.top_options = argv, top
+                _give_argv(sub, argv, top)
 
 
 def _unknown_options(parser: argparse.ArgumentParser, extra: list[str]) -> None:
@@ -514,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     from rag_fast._quiet import set_verbose
 
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _give_argv(parser, argv, frozenset(s for a in parser._actions for s in a.option_strings))
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unknown_options(getattr(args, "_command_parser", parser), extra)

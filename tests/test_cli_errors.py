@@ -328,6 +328,19 @@ def test_an_unknown_option_is_reported_with_its_commands_usage_and_closest_optio
     err = capsys.readouterr().err
     assert err.startswith("usage: rag-fast index search ")
     assert "error: unrecognized arguments: --nprobes=3 (--nprobes: did you mean --nprobe?)" in err
+    # a typo of a required option is the typo, not the required option missing
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--verbose", "index", "build", "--encoderr", "x", "--passages", "p.jsonl",
+                  "--out", "kb"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: rag-fast index build ")
+    assert err.strip().endswith("rag-fast index build: error: unrecognized arguments: "
+                                "--encoderr (--encoderr: did you mean --encoder?)")
+    # a required option that is simply missing is still reported as missing
+    with pytest.raises(SystemExit):
+        cli.main(["index", "build", "--passages", "p.jsonl", "--out", "kb"])
+    assert "the following arguments are required: --encoder" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["train", "--config", "c.json", "stray"])
     assert capsys.readouterr().err.strip().endswith(

@@ -26,6 +26,10 @@ are written once, in the logits' dtype, into ``out`` (which may be ``x`` itself 
     beam_step(x, a, beam, bias, n)       -> scores, beams, tokens   each [B, n]
         x is [B, W, K, V] here; see rag_fast/ops/rag_token_beam_step.py
     inner_products(q, v, out)            out[b, n] = q[b] . v[n]   (float32 [B, d], [N, d])
+    dropout_keep_bits(state, n, threshold) -> bits or None
+        torch's CPU dropout mask of n elements as bits, drawn from the generator state bytes
+        ``state`` (advanced in place); None if the kernel cannot read the state
+    masked_scale(src, bits, scale, out)  out = src * (bit set ? scale : 0)   (float32)
 
 ``a`` is the passage log-prior ``[B, K]`` float32 (``-inf`` for a missing passage).
 These launchers trust their arguments: only the CPU implementations of the custom ops
@@ -245,6 +249,25 @@ def bits_unmask(bits: torch.Tensor, like: torch.Tensor, one: int) -> torch.Tenso
     out = torch.empty(like.shape, dtype=like.dtype)
     _ext.get().bits_unmask(bits.data_ptr(), out.element_size(), out.numel(), one, out.data_ptr())
     return out
+
+
+def dropout_keep_bits(state: torch.Tensor, n: int, threshold: int) -> torch.Tensor | None:
+    """The kept elements of torch's CPU dropout mask over ``n`` elements, eight per byte
+    (element ``i`` in bit ``i % 8`` of byte ``i // 8``): those whose double from the generator
+    is below ``threshold * 2**-53``. ``state``: a CPU generator's ``get_state()`` bytes
+    (contiguous uint8), advanced in place past the ``2 * n`` words drawn; None (``state``
+    unchanged) if the kernel does not recognise it."""
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    if not _ext.get().dropout_keep_bits(state.data_ptr(), state.numel(), n, threshold,
+                                        bits.data_ptr()):
+        return None
+    return bits
+
+
+def masked_scale(src: torch.Tensor, bits: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """``out = src * (bit set ? scale : 0)`` elementwise (float32, contiguous, ``out`` may be
+    ``src``); ``bits`` as :func:`dropout_keep_bits` gives them."""
+    _ext.get().masked_scale(src.data_ptr(), bits.data_ptr(), src.numel(), scale, out.data_ptr())
 
 
 def inner_products(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:

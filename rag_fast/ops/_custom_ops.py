@@ -43,6 +43,7 @@ values would become their own gradient).
 """
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Callable
 
@@ -594,6 +595,68 @@ def bits_unmask(bits: Tensor, like: Tensor, one: int) -> Tensor:
     from rag_fast.ops import _cpp
 
     return _cpp.bits_unmask(bits, like, one)
+
+
+# ---- dropout masks (plain functions: no autograd; rag_fast/models/_dropout.py) ----------------
+
+
+def dropout_keep_bits(state: Tensor, n: int, keep: float) -> Tensor | None:
+    """The bits of torch's CPU dropout mask over ``n`` elements, as ``bernoulli_(keep)`` on a
+    float tensor draws it from a generator whose ``get_state()`` is ``state``: a uint8 tensor of
+    ``ceil(n / 8)`` bytes, element ``i`` kept where bit ``i % 8`` of byte ``i // 8`` is set.
+    ``state`` is advanced in place as that draw advances the generator (``set_state`` it
+    back). None, with ``state`` unchanged, for a state the kernel does not recognise. Raises
+    ValueError for a ``state`` that is no contiguous CPU uint8 tensor, an ``n`` below 0 or a
+    ``keep`` outside (0, 1)."""
+    if (not isinstance(state, Tensor) or state.device.type != "cpu"
+            or state.dtype != torch.uint8 or not state.is_contiguous() or state.dim() != 1):
+        raise ValueError("rag_fast dropout_keep_bits: state must be a CPU generator's "
+                         "get_state() (a contiguous 1-D uint8 CPU tensor), got "
+                         f"{_describe(state)}")
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"rag_fast dropout_keep_bits: n must be an int >= 0, got {n!r}")
+    if not (isinstance(keep, float) and 0.0 < keep < 1.0):
+        raise ValueError(f"rag_fast dropout_keep_bits: keep must be a float in (0, 1), "
+                         f"got {keep!r}")
+    _ext.get()
+    from rag_fast.ops import _cpp
+
+    # u < keep for u = k * 2**-53 (k an integer below 2**53) exactly when k < ceil(keep * 2**53)
+    return _cpp.dropout_keep_bits(state, n, math.ceil(math.ldexp(keep, 53)))
+
+
+def masked_scale(t: Tensor, bits: Tensor, scale: float, out: Tensor | None = None) -> Tensor:
+    """``t * (scale where the element's bit is set, else 0)``: a contiguous float32 CPU tensor
+    of ``t``'s shape (``out``, if given, which may be ``t``). ``bits`` as
+    :func:`dropout_keep_bits` gives them. Raises ValueError for tensors the kernel cannot
+    read."""
+    if (not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != torch.float32
+            or not t.is_contiguous()):
+        raise ValueError(f"rag_fast masked_scale: t must be a contiguous float32 CPU tensor, "
+                         f"got {_describe(t)}")
+    n = (t.numel() + 7) // 8
+    if (not isinstance(bits, Tensor) or bits.device.type != "cpu" or bits.dtype != torch.uint8
+            or not bits.is_contiguous() or bits.numel() != n):
+        raise ValueError(f"rag_fast masked_scale: bits must be a contiguous CPU uint8 tensor "
+                         f"of {n} bytes, got {_describe(bits)}")
+    if out is None:
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    elif (out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous()
+          or out.shape != t.shape):
+        raise ValueError(f"rag_fast masked_scale: out must be a contiguous float32 CPU tensor "
+                         f"of shape {tuple(t.shape)}, got {_describe(out)}")
+    _ext.get()
+    from rag_fast.ops import _cpp
+
+    _cpp.masked_scale(t, bits, float(scale), out)
+    return out
+
+
+def _describe(t) -> str:
+    if not isinstance(t, Tensor):
+        return type(t).__name__
+    return (f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            + ("" if t.is_contiguous() else ", not contiguous"))
 
 
 def _check_bits_operand(t: Tensor, one: int, name: str, contiguous: bool = True) -> None:
