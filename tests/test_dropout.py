@@ -91,8 +91,10 @@ def test_keep_bits_refuse_bad_arguments():
         _custom_ops.dropout_keep_bits(state.float(), 8, 0.9)
     with pytest.raises(ValueError, match="n must be an int >= 0, got -1"):
         _custom_ops.dropout_keep_bits(state, -1, 0.9)
-    with pytest.raises(ValueError, match=r"keep must be a float in \(0, 1\), got 1.0"):
-        _custom_ops.dropout_keep_bits(state, 8, 1.0)
+    with pytest.raises(ValueError, match=r"keep must be a float in \(0, 1\], got 1.5"):
+        _custom_ops.dropout_keep_bits(state, 8, 1.5)
+    with pytest.raises(ValueError, match=r"keep must be a float in \(0, 1\], got 0.0"):
+        _custom_ops.dropout_keep_bits(state, 8, 0.0)
     # a state whose position is impossible (left = 0) is not read, and left unchanged
     broken = state.clone()
     broken[8:12] = 0
@@ -200,7 +202,10 @@ def test_torch_dropout_runs_where_the_route_does_not_apply():
         assert got.grad_fn is None or type(got.grad_fn).__name__ != "_CpuDropoutBackward"
 
 
-def test_double_backward_matches_torch():
+@pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
+def test_double_backward_matches_torch(default_dtype):
+    """A double backward multiplies by the float mask as torch does, whatever the default
+    dtype when the backward runs."""
     x0 = torch.randn(100, 100)
 
     def second(route: bool):
@@ -208,8 +213,13 @@ def test_double_backward_matches_torch():
         torch.manual_seed(3)
         with _dropout.cpu_dropout(enabled=route):
             y = nn.functional.dropout(x, 0.2)
-        (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
-        (gg,) = torch.autograd.grad(g.sum(), x)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default_dtype)
+        try:
+            (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+            (gg,) = torch.autograd.grad(g.sum(), x)
+        finally:
+            torch.set_default_dtype(previous)
         return g.detach(), gg
 
     want, got = second(False), second(True)
@@ -348,3 +358,81 @@ def test_torch_func_transforms_run_torch_dropout():
     want = torch.func.vmap(lambda r: nn.functional.dropout(r, 0.1), randomness="different")(x)
     torch.manual_seed(6)
     assert torch.equal(torch.func.vmap(inner, randomness="different")(x), want)
+
+
+def test_tiny_drop_probabilities_keep_everything_as_torch_does():
+    """A drop probability below 2^-53 makes the keep probability 1.0: every element kept,
+    and still two words drawn for each, as torch's draw does."""
+    x = torch.randn(10_000, requires_grad=True)
+    for p in (1e-17, 5e-324):
+        torch.manual_seed(2)
+        want = nn.functional.dropout(x, p)
+        after = torch.get_rng_state()
+        torch.manual_seed(2)
+        with _dropout.cpu_dropout():
+            got = nn.functional.dropout(x, p)
+        assert type(got.grad_fn).__name__ == "_CpuDropoutBackward"
+        assert torch.equal(want, got) and torch.equal(torch.get_rng_state(), after)
+
+
+def test_the_check_seeds_only_the_cpu_generator(monkeypatch):
+    """exact() reseeds the default CPU generator (and restores it), never another device's:
+    a GPU run's dropout masks must not all start from the check's seed."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: seeded.append(s))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: seeded.append(s))
+    _dropout.exact.cache_clear()
+    try:
+        assert _dropout.exact() is True
+    finally:
+        _dropout.exact.cache_clear()
+    assert seeded == []
+
+
+def test_forward_mode_ad_and_negated_views_run_torch_dropout():
+    import torch.autograd.forward_ad as fwAD
+
+    x, t = torch.randn(10_000), torch.randn(10_000)
+
+    def dual():
+        with fwAD.dual_level():
+            out = nn.functional.dropout(fwAD.make_dual(x, t), 0.1)
+            primal, tangent = fwAD.unpack_dual(out)
+            return primal.clone(), tangent.clone()
+
+    def negated():
+        return nn.functional.dropout(torch._neg_view(x), 0.1)
+
+    for fn in (dual, negated):
+        torch.manual_seed(9)
+        want = fn()
+        torch.manual_seed(9)
+        with _dropout.cpu_dropout():
+            got = fn()
+        for a, b in zip(want if isinstance(want, tuple) else (want,),
+                        got if isinstance(got, tuple) else (got,)):
+            assert torch.equal(a, b)
+
+
+def test_the_environment_switch(monkeypatch):
+    monkeypatch.setenv("RAG_FAST_CPU_DROPOUT", "0")
+    with _dropout.cpu_dropout() as active:
+        assert active is False
+    monkeypatch.setenv("RAG_FAST_CPU_DROPOUT", "1")
+    with _dropout.cpu_dropout() as active:
+        assert active is True
+    monkeypatch.setenv("RAG_FAST_CPU_DROPOUT", "yes")
+    with pytest.raises(ValueError, match="RAG_FAST_CPU_DROPOUT must be 0 .* or 1 .*, got 'yes'"):
+        with _dropout.cpu_dropout():
+            pass
+
+
+def test_rag_model_off_the_cpu_does_not_enter_the_route(monkeypatch):
+    """A generator whose parameters are not on the CPU never enters the mode (no check, no
+    Python call per op)."""
+    from rag_fast.models import rag_model
+
+    hf = tiny_hf_rag("token", n_docs=3, vocab_size=60, layers=2)
+    assert rag_model._on_cpu(hf.rag.generator) is True
+    assert rag_model._on_cpu(hf.rag.generator.to("meta")) is False
+    assert rag_model._on_cpu(nn.Module()) is False

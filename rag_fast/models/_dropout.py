@@ -24,17 +24,23 @@ a process checks it (:func:`exact`, on 4,099 elements with ``-0``, ``inf`` and `
 outputs and gradients compared as bits, the generator restored afterwards); if torch draws
 differently (another version, another kernel), torch's own dropout runs as before. Anything
 else (another dtype or device, a non-contiguous or small tensor, ``inplace=True``, under
-``torch.compile`` or a ``torch.func`` transform) also runs torch's own dropout.
+``torch.compile``, a ``torch.func`` transform, forward-mode AD) also runs torch's own
+dropout.
 
-The generator is read and written back (``get_state`` / ``set_state``) around the draw. Like
-torch's draw, this is not meant to share the default generator with another thread drawing at
-the same moment.
+The generator is read and written back (``get_state`` / ``set_state``) around the draw,
+without the lock torch's own draw holds: a thread that draws from the default CPU generator
+at the same moment as a routed dropout would see some of its numbers again. Training loops
+(and data-loader worker processes, which have generators of their own) do not do that; where
+something does, ``RAG_FAST_CPU_DROPOUT=0`` in the environment keeps torch's own dropout
+everywhere.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
+import os
+import threading
 import warnings
 
 import torch
@@ -81,7 +87,8 @@ class _CpuDropout(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         if torch.is_grad_enabled() or g.dtype != torch.float32:
             # a double backward (or another dtype): g times the float mask, as torch does
-            mask = _custom_ops.masked_scale(torch.ones(g.shape), ctx.bits, ctx.scale)
+            ones = torch.ones(g.shape, dtype=torch.float32, device="cpu")
+            mask = _custom_ops.masked_scale(ones, ctx.bits, ctx.scale)
             return g * mask, None, None
         return _custom_ops.masked_scale(g.contiguous(), ctx.bits, ctx.scale), None, None
 
@@ -90,9 +97,12 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor | None:
     """Training-mode dropout of ``x`` through :class:`_CpuDropout`, or None where torch's own
     dropout must run (see the module docstring): the caller then calls it."""
     if (type(x) is not torch.Tensor or x.device.type != "cpu" or x.dtype != torch.float32
-            or not x.is_contiguous() or x.numel() < MIN_ELEMENTS
+            or x.layout != torch.strided or not x.is_contiguous() or x.is_neg()
+            or x.numel() < MIN_ELEMENTS
             or not isinstance(p, (int, float)) or not 0.0 < p < 1.0
-            or torch.compiler.is_compiling() or _transformed(x) or not exact()):
+            or torch.compiler.is_compiling() or _transformed(x)
+            or torch.autograd.forward_ad.unpack_dual(x).tangent is not None  # forward-mode AD
+            or not exact()):
         return None
     drawn = _draw(x, float(p))
     if drawn is None:
@@ -133,19 +143,44 @@ def cpu_dropout(enabled: bool = True):
     whether it is active: not when ``enabled`` is False, under ``torch.compile`` or a
     ``torch.func`` transform, without the
     C++ extension, or where :func:`exact` finds that torch draws its masks differently."""
-    if not enabled or torch.compiler.is_compiling() or _transformed() or not exact():
+    if (not enabled or not switched_on() or torch.compiler.is_compiling() or _transformed()
+            or not exact()):
         yield False
         return
     with _DropoutMode():
         yield True
 
 
-@functools.lru_cache(maxsize=None)
+SWITCH_ENV = "RAG_FAST_CPU_DROPOUT"
+
+
+def switched_on() -> bool:
+    """False where the environment variable ``RAG_FAST_CPU_DROPOUT`` is ``0`` (torch's own
+    dropout everywhere); ``1`` or unset: on. Raises ValueError naming the variable for any
+    other value."""
+    value = os.environ.get(SWITCH_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{SWITCH_ENV} must be 0 (torch's own CPU dropout) or 1 (rag_fast's, "
+                         f"the default), got {value!r}")
+    return value == "1"
+
+
+_exact_lock = threading.Lock()
+
+
 def exact() -> bool:
-    """Whether :class:`_CpuDropout` gives torch's dropout bit for bit here: outputs and
-    gradients compared as bits on 4,099 elements (with ``-0``, ``inf`` and ``nan`` among them),
-    and the generator's state after the draw. Checked once per process; the default
-    generator's state is restored afterwards."""
+    """Whether :class:`_CpuDropout` gives torch's dropout bit for bit here (see
+    :func:`_exact`); checked once per process, one thread at a time."""
+    with _exact_lock:
+        return _exact()
+
+
+@functools.lru_cache(maxsize=None)
+def _exact() -> bool:
+    """:func:`exact`'s check: outputs and gradients compared as bits on 4,099 elements (with
+    ``-0``, ``inf`` and ``nan`` among them), and the generator's state after the draw. Only
+    the default CPU generator is seeded (other devices' generators are not touched), and its
+    state is restored afterwards."""
     if not _ext.available():
         return False
     saved = torch.get_rng_state()
@@ -169,11 +204,11 @@ def _matches_torch() -> bool:
     grad = torch.randn(4099, generator=g)
     p = 0.1
     want_x = x.clone().requires_grad_()
-    torch.manual_seed(20261203)
+    torch.default_generator.manual_seed(20261203)
     want = torch.ops.aten.dropout(want_x, p, True)  # torch's own, not this module's route
     want.backward(grad)
     want_state = torch.get_rng_state()
-    torch.manual_seed(20261203)
+    torch.default_generator.manual_seed(20261203)
     drawn = _draw(x, p)
     if drawn is None:
         return False
@@ -183,3 +218,6 @@ def _matches_torch() -> bool:
     return (torch.equal(got.detach().view(torch.int32), want.detach().view(torch.int32))
             and torch.equal(got_x.grad.view(torch.int32), want_x.grad.view(torch.int32))
             and torch.equal(torch.get_rng_state(), want_state))
+
+
+exact.cache_clear = _exact.cache_clear  # type: ignore[attr-defined]

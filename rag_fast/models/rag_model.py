@@ -122,6 +122,12 @@ def _from_retrieved_passages(retriever: Any, found: Any) -> Retrieved:
     return Retrieved(passages, embeddings)
 
 
+def _on_cpu(module: nn.Module) -> bool:
+    """Whether ``module``'s first parameter (if any) is on the CPU."""
+    first = next(module.parameters(), None)
+    return first is not None and first.device.type == "cpu"
+
+
 def _tokenizer_size(tokenizer: Any) -> int:
     return len(tokenizer)
 
@@ -563,7 +569,8 @@ class RagModel(nn.Module):
         B, K = self._check_batch(context_input_ids, doc_scores, labels)
         if self.lean_activations:
             _lean.prepare(self.generator)  # modules added since (a no-op for the others)
-        with _lean.lean_activations(self.lean_activations), _dropout.cpu_dropout():
+        on_cpu = _on_cpu(self.generator)
+        with _lean.lean_activations(self.lean_activations), _dropout.cpu_dropout(on_cpu):
             return self._loss_from_contexts(context_input_ids, context_attention_mask,
                                             doc_scores, labels, reduction, B, K)
 

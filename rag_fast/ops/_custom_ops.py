@@ -607,7 +607,8 @@ def dropout_keep_bits(state: Tensor, n: int, keep: float) -> Tensor | None:
     ``state`` is advanced in place as that draw advances the generator (``set_state`` it
     back). None, with ``state`` unchanged, for a state the kernel does not recognise. Raises
     ValueError for a ``state`` that is no contiguous CPU uint8 tensor, an ``n`` below 0 or a
-    ``keep`` outside (0, 1)."""
+    ``keep`` outside (0, 1] (``keep`` is 1.0 for a drop probability below 2^-53: every
+    element kept, two words drawn for each as torch draws them)."""
     if (not isinstance(state, Tensor) or state.device.type != "cpu"
             or state.dtype != torch.uint8 or not state.is_contiguous() or state.dim() != 1):
         raise ValueError("rag_fast dropout_keep_bits: state must be a CPU generator's "
@@ -615,8 +616,8 @@ def dropout_keep_bits(state: Tensor, n: int, keep: float) -> Tensor | None:
                          f"{_describe(state)}")
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"rag_fast dropout_keep_bits: n must be an int >= 0, got {n!r}")
-    if not (isinstance(keep, float) and 0.0 < keep < 1.0):
-        raise ValueError(f"rag_fast dropout_keep_bits: keep must be a float in (0, 1), "
+    if not (isinstance(keep, float) and 0.0 < keep <= 1.0):
+        raise ValueError(f"rag_fast dropout_keep_bits: keep must be a float in (0, 1], "
                          f"got {keep!r}")
     _ext.get()
     from rag_fast.ops import _cpp
