@@ -124,13 +124,15 @@ bool bits_mask_impl(const U* src, int64_t n, U one, uint8_t* out) {
   return bad == 0;
 }
 
-// out[i] = one where bit i % 8 of bits[i / 8] is set, else 0 (the inverse of bits_mask_impl):
-// the eight elements of each byte copied from a 256-entry table (8 KiB for 4-byte elements).
-template <typename U>
-void bits_unmask_impl(const uint8_t* bits, int64_t n, U one, U* out) {
+// Walks n elements by the bytes of `bits` (bit i % 8 of bits[i / 8] for element i) in chunks of
+// 64 Ki elements (whole bytes) per thread, with a 256-entry table of eight values per byte
+// (`one` where the bit is set, else 0; 8 KiB for 4-byte elements): eight(i, row) for each full
+// byte, from element i, and single(i, value) for each element of a last, partial byte.
+template <typename U, typename Eight, typename Single>
+void by_bit_table(const uint8_t* bits, int64_t n, U one, Eight eight, Single single) {
   U table[256][8];
   for (int b = 0; b < 256; ++b)
-    for (int j = 0; j < 8; ++j) table[b][j] = static_cast<U>(((b >> j) & 1) ? one : 0);
+    for (int j = 0; j < 8; ++j) table[b][j] = ((b >> j) & 1) ? one : static_cast<U>(0);
   constexpr int64_t kChunk = 1 << 16;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
 #ifdef RAG_FAST_WITH_OPENMP
@@ -140,9 +142,17 @@ void bits_unmask_impl(const uint8_t* bits, int64_t n, U one, U* out) {
     const int64_t begin = c * kChunk;
     const int64_t end = begin + kChunk < n ? begin + kChunk : n;
     const int64_t whole = begin + (end - begin) / 8 * 8;
-    for (int64_t i = begin; i < whole; i += 8) std::memcpy(out + i, table[bits[i >> 3]], sizeof(table[0]));
-    for (int64_t i = whole; i < end; ++i) out[i] = table[bits[i >> 3]][i & 7];
+    for (int64_t i = begin; i < whole; i += 8) eight(i, table[bits[i >> 3]]);
+    for (int64_t i = whole; i < end; ++i) single(i, table[bits[i >> 3]][i & 7]);
   }
+}
+
+// out[i] = one where bit i % 8 of bits[i / 8] is set, else 0 (the inverse of bits_mask_impl).
+template <typename U>
+void bits_unmask_impl(const uint8_t* bits, int64_t n, U one, U* out) {
+  by_bit_table(
+      bits, n, one, [out](int64_t i, const U* row) { std::memcpy(out + i, row, 8 * sizeof(U)); },
+      [out](int64_t i, U v) { out[i] = v; });
 }
 
 }  // namespace
@@ -215,26 +225,14 @@ bool dropout_keep_bits(uint8_t* generator_state, int64_t state_bytes, int64_t n,
 }
 
 void masked_scale(const float* src, const uint8_t* bits, int64_t n, float scale, float* out) {
-  // the eight factors of each byte of bits, from a 256-entry table (8 KiB): src * 0 where the
-  // bit is clear (not 0 itself), so that -0, inf and nan multiply as torch's x * mask does
-  float table[256][8];
-  for (int b = 0; b < 256; ++b)
-    for (int j = 0; j < 8; ++j) table[b][j] = ((b >> j) & 1) ? scale : 0.0f;
-  constexpr int64_t kChunk = 1 << 16;  // elements per thread's chunk (whole bytes of bits)
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#ifdef RAG_FAST_WITH_OPENMP
-#pragma omp parallel for schedule(static) if (chunks > 1)
-#endif
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t begin = c * kChunk;
-    const int64_t end = begin + kChunk < n ? begin + kChunk : n;
-    const int64_t whole = begin + (end - begin) / 8 * 8;
-    for (int64_t i = begin; i < whole; i += 8) {
-      const float* f = table[bits[i >> 3]];
-      for (int j = 0; j < 8; ++j) out[i + j] = src[i + j] * f[j];
-    }
-    for (int64_t i = whole; i < end; ++i) out[i] = src[i] * table[bits[i >> 3]][i & 7];
-  }
+  // src * 0 where the bit is clear (not 0 itself), so that -0, inf and nan multiply as torch's
+  // x * mask does
+  by_bit_table(
+      bits, n, scale,
+      [src, out](int64_t i, const float* row) {
+        for (int j = 0; j < 8; ++j) out[i + j] = src[i + j] * row[j];
+      },
+      [src, out](int64_t i, float v) { out[i] = src[i] * v; });
 }
 
 }  // namespace rag_fast
