@@ -32,9 +32,13 @@ that no provider's allocations shape another's (glibc's heap, the CPU buffer poo
 buffers), with glibc's allocator as it is by default, as in a user's training process
 (``RAG_FAST_BENCH_TIME_ALLOCATOR=fixed`` times them with the memory measurement's fixed 1 MiB
 mmap threshold instead, under which every large temporary is fresh pages the kernel zeroes).
-``ROUNDS`` rounds in which the providers take turns, each process one warm-up step then
-``STEPS_PER_PROCESS`` timed ones (6 timed steps per provider), so that a machine whose speed
-drifts slows every provider alike; ratios ``speedup vs eager`` / ``speedup vs compiled``
+``ROUNDS`` rounds in which the providers take turns, each process ``WARMUP_STEPS`` warm-up
+steps then ``STEPS_PER_PROCESS`` timed ones (6 timed steps per provider), so that a machine
+whose speed drifts slows every provider alike. Three warm-up steps, because a fresh process's
+allocations take that long to settle: measured on the BART-base-sized case, `transformers`
+eager's steps 2 and 3 still took 5.8 and 4.9 s (656K and 412K minor page faults) against
+3.8 s (450K) from step 5 on, and rag_fast's second step paid 1.4 s of system time against
+0.3-0.5 s later; with one warm-up step, a process's first timed step was its slowest; ratios ``speedup vs eager`` / ``speedup vs compiled``
 flagged noisy as :func:`harness.add_ratio` flags them. Each row also has the median minor page
 faults and system CPU seconds of its timed steps (``page faults/step``, ``system s/step``).
 Denormal floats are flushed to zero in the timing processes (``torch.set_flush_denormal``): the
@@ -69,8 +73,8 @@ NAME = "training"
 EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
 OURS_MATERIALISED = "rag_fast materialised"
 PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALISED)
-# timed steps per provider: ROUNDS fresh processes each, STEPS_PER_PROCESS after a warm-up step
-ROUNDS, STEPS_PER_PROCESS = 2, 3
+# timed steps per provider: ROUNDS fresh processes each, STEPS_PER_PROCESS after WARMUP_STEPS
+ROUNDS, STEPS_PER_PROCESS, WARMUP_STEPS = 2, 3, 3
 GEMM_N, GEMM_CALLS = 4096, 5  # the square fp32 matmul whose best rate sets the GEMM floor
 
 B, K, CONTEXT, TARGET, VOCAB = 4, 5, 64, 32, 50265
@@ -373,9 +377,10 @@ def _counted(fn, into: list):
 
 def time_case(mode: str, size_name: str, target: int, providers: list[str], device: str,
               allocator: str = "default", rounds: int = ROUNDS,
-              steps: int = STEPS_PER_PROCESS) -> dict:
+              steps: int = STEPS_PER_PROCESS, warmup: int = WARMUP_STEPS) -> dict:
     """Each provider timed in fresh processes (:func:`time_provider`), ``rounds`` rounds in
-    which the providers take turns, ``steps`` timed steps after a warm-up one per process.
+    which the providers take turns, ``steps`` timed steps after ``warmup`` untimed ones per
+    process.
     Returns ``{"times_ms": {provider: [...]}, "gflop": {provider: GFLOP}, "compile_s": the
     first round's, "allocator": the processes' setting, "faults": {provider: median per timed
     step}, "system_s": {provider: median}}``."""
@@ -388,7 +393,8 @@ def time_case(mode: str, size_name: str, target: int, providers: list[str], devi
     for r in range(rounds):
         for p in providers:
             got = memory.call_fresh(
-                f"{__name__}:time_provider", mode, size_name, target, p, device, steps, 1, r == 0,
+                f"{__name__}:time_provider", mode, size_name, target, p, device, steps, warmup,
+                r == 0,
                 env={ALLOCATOR_ENV: allocator}, timeout=3600,
                 label=f"training {size_name} {mode} {p} (round {r + 1})")
             times[p] += got["times_ms"]
@@ -435,6 +441,7 @@ def run(ctx: Context) -> list[Row]:
                 row.extra["time allocator"] = TIME_ALLOCATOR_WORDS[timed["allocator"]]
                 row.extra["page faults/step"] = round(timed["faults"][row.provider])
                 row.extra["system s/step"] = round(timed["system_s"][row.provider], 3)
+                row.extra["warm-up steps"] = WARMUP_STEPS
             rows += case_rows
     return rows
 
@@ -559,8 +566,12 @@ def _time_process_words(rows: list[dict]) -> str:
                                               "user's training process",
              TIME_ALLOCATOR_WORDS["fixed"]: "glibc made to unmap freed blocks of 1 MiB or more"}
     if len(allocators) == 1 and next(iter(allocators)) in where:
+        # files measured before the warm-up count was recorded ran one warm-up step
+        counts = {r["extra"].get("warm-up steps", 1) for r in rows}
+        n = counts.pop() if len(counts) == 1 else None
+        warm = "one warm-up step" if n == 1 else f"{n} warm-up steps" if n else "warm-up steps"
         return (f", each provider alone in fresh processes ({ROUNDS} rounds in which the "
-                f"providers take turns, one warm-up step then {STEPS_PER_PROCESS} timed ones per "
+                f"providers take turns, {warm} then {STEPS_PER_PROCESS} timed ones per "
                 f"process) with {where[next(iter(allocators))]}, and denormal floats flushed to "
                 "zero (docs/benchmarks.md, \"Time and glibc's allocator\")")
     return " after a warm-up step, the providers' steps alternating in one process"

@@ -162,8 +162,15 @@ def test_training_caption_says_how_the_steps_were_timed():
                         ("glibc, 1 MiB mmap threshold", "unmap freed blocks of 1 MiB or more")):
         for r in results["rows"]:
             r["extra"]["time allocator"] = words
+            r["extra"].pop("warm-up steps", None)
         text = bench_training.render(results, "x.json")
         assert said in text and "each provider alone in fresh processes (2 rounds" in text
+        # a file without the warm-up count ran one warm-up step; a newer one says its count
+        assert "take turns, one warm-up step then 3 timed ones" in text
+        for r in results["rows"]:
+            r["extra"]["warm-up steps"] = 3
+        assert "take turns, 3 warm-up steps then 3 timed ones" in bench_training.render(
+            results, "x.json")
 
 
 def test_a_case_is_timed_provider_by_provider_in_fresh_processes(monkeypatch):
@@ -175,7 +182,7 @@ def test_a_case_is_timed_provider_by_provider_in_fresh_processes(monkeypatch):
 
     def fake(function, mode, size, target, provider, device, steps, warmup, first, *, env,
              timeout, label):
-        calls.append((provider, first, env))
+        calls.append((provider, first, env, warmup))
         n = len(calls)
         return {"times_ms": [float(n)] * steps, "gflop": 7.0 if first else None,
                 "compile_s": (3.0 if first else 1.0) if provider == "transformers compiled"
@@ -188,6 +195,10 @@ def test_a_case_is_timed_provider_by_provider_in_fresh_processes(monkeypatch):
                                    steps=3)
     assert [c[0] for c in calls] == providers * 2
     assert [c[1] for c in calls] == [True] * 3 + [False] * 3
+    # every process settles for WARMUP_STEPS untimed steps (3: a fresh process's allocations
+    # took that long to settle)
+    assert [c[3] for c in calls] == [bench_training.WARMUP_STEPS] * 6
+    assert bench_training.WARMUP_STEPS == 3
     assert got["times_ms"]["rag_fast"] == [3.0] * 3 + [6.0] * 3
     assert got["faults"]["transformers"] == 2.5 and got["system_s"]["rag_fast"] == 0.5
     assert got["compile_s"] == 3.0 and got["gflop"] == {p: 7.0 for p in providers}

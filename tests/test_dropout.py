@@ -425,6 +425,11 @@ def test_the_environment_switch(monkeypatch):
     with pytest.raises(ValueError, match="RAG_FAST_CPU_DROPOUT must be 0 .* or 1 .*, got 'yes'"):
         with _dropout.cpu_dropout():
             pass
+    # a bad value is named when the model is made, before any training step
+    from rag_fast.models.rag_model import RagModel
+
+    with pytest.raises(ValueError, match="RAG_FAST_CPU_DROPOUT must be 0 .* or 1 .*, got 'yes'"):
+        RagModel(None, None, None)  # before anything looks at the models
 
 
 def test_rag_model_off_the_cpu_does_not_enter_the_route(monkeypatch):

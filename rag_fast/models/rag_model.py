@@ -257,6 +257,7 @@ class RagModel(nn.Module):
     ) -> None:
         super().__init__()
         _pool.limit_bytes()  # the buffer pool's RAG_FAST_POOL_MB, before any model work
+        _dropout.switched_on()  # RAG_FAST_CPU_DROPOUT, named now rather than at the first step
         check_arguments(mode=mode, n_docs=n_docs, question_pooling=question_pooling,
                         lm_head_loss=lm_head_loss, loss_impl=loss_impl,
                         max_context_length=max_context_length,
