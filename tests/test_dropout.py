@@ -430,6 +430,11 @@ def test_the_environment_switch(monkeypatch):
 
     with pytest.raises(ValueError, match="RAG_FAST_CPU_DROPOUT must be 0 .* or 1 .*, got 'yes'"):
         RagModel(None, None, None)  # before anything looks at the models
+    # loading a saved model names the variable itself, not the saved options, before any file
+    from rag_fast.models.checkpoint import load_rag_model
+
+    with pytest.raises(ValueError, match="^RAG_FAST_CPU_DROPOUT must be 0 .* or 1 .*, got 'yes'$"):
+        load_rag_model("no-such-model-directory")
 
 
 def test_rag_model_off_the_cpu_does_not_enter_the_route(monkeypatch):
