@@ -37,8 +37,9 @@ steps then ``STEPS_PER_PROCESS`` timed ones (6 timed steps per provider), so tha
 whose speed drifts slows every provider alike. Three warm-up steps, because a fresh process's
 allocations take that long to settle: measured on the BART-base-sized case, `transformers`
 eager's steps 2 and 3 still took 5.8 and 4.9 s (656K and 412K minor page faults) against
-3.8 s (450K) from step 5 on, and rag_fast's second step paid 1.4 s of system time against
-0.3-0.5 s later; with one warm-up step, a process's first timed step was its slowest; ratios ``speedup vs eager`` / ``speedup vs compiled``
+3.8 s (450K) from step 5 on, and in one process rag_fast's second step paid 1.4 s of system
+time against 0.3-0.9 s in its later steps; with one warm-up step, a process's first timed step
+was its slowest. Ratios ``speedup vs eager`` / ``speedup vs compiled`` are
 flagged noisy as :func:`harness.add_ratio` flags them. Each row also has the median minor page
 faults and system CPU seconds of its timed steps (``page faults/step``, ``system s/step``).
 Denormal floats are flushed to zero in the timing processes (``torch.set_flush_denormal``): the
