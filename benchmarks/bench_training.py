@@ -24,8 +24,8 @@ of rag_fast's); only the loss path differs. Providers:
   place, at the end of the backward pass. :func:`render` shows, per case, the path
   ``RagModel``'s default (``"auto"``) takes there (:func:`default_path`) and the other one;
   in the rows (the table ``run.py`` prints) their ``LM-head path`` column names the path each
-  ran and marks the default's (materialised at every ``--quick`` shape: plain ``rag_fast`` is
-  the fused path, not what ``RagModel()`` runs there).
+  ran and marks the default's. ``--quick`` times only the default's path
+  (:func:`quick_providers`: materialised at every ``--quick`` shape).
 
 Time (:func:`time_case`): each provider alone in fresh processes (:func:`time_provider`), so
 that no provider's allocations shape another's (glibc's heap, the CPU buffer pool, inductor's
@@ -34,7 +34,8 @@ buffers), with glibc's allocator as it is by default, as in a user's training pr
 mmap threshold instead, under which every large temporary is fresh pages the kernel zeroes).
 ``ROUNDS`` rounds in which the providers take turns, each process ``WARMUP_STEPS`` warm-up
 steps then ``STEPS_PER_PROCESS`` timed ones (6 timed steps per provider), so that a machine
-whose speed drifts slows every provider alike. Three warm-up steps, because a fresh process's
+whose speed drifts slows every provider alike (``--quick``: ``QUICK_ROUNDS`` round of
+``QUICK_STEPS`` timed steps, half the processes; each row records its rounds and steps). Three warm-up steps, because a fresh process's
 allocations take that long to settle: measured on the BART-base-sized case, `transformers`
 eager's steps 2 and 3 still took 5.8 and 4.9 s (656K and 412K minor page faults) against
 3.8 s (450K) from step 5 on, and in one process rag_fast's second step paid 1.4 s of system
@@ -76,6 +77,7 @@ OURS_MATERIALISED = "rag_fast materialised"
 PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALISED)
 # timed steps per provider: ROUNDS fresh processes each, STEPS_PER_PROCESS after WARMUP_STEPS
 ROUNDS, STEPS_PER_PROCESS, WARMUP_STEPS = 2, 3, 3
+QUICK_ROUNDS, QUICK_STEPS = 1, 5  # --quick: one process per provider (each pays the imports)
 GEMM_N, GEMM_CALLS = 4096, 5  # the square fp32 matmul whose best rate sets the GEMM floor
 
 B, K, CONTEXT, TARGET, VOCAB = 4, 5, 64, 32, 50265
@@ -418,7 +420,6 @@ def run(ctx: Context) -> list[Row]:
 
     time_allocator = allocator_setting(TIME_ALLOCATOR_ENV, "default")
     sizes = QUICK_SIZES if ctx.quick else FULL_SIZES
-    providers = [EAGER, OURS, OURS_MATERIALISED] if ctx.quick else list(PROVIDERS)
     rows = []
     rate = gemm_rate(ctx.device)  # GFLOP/s, for every case's GEMM floor
     for size_name in sizes:
@@ -426,16 +427,20 @@ def run(ctx: Context) -> list[Row]:
         for mode in ("token", "sequence"):
             if causal:
                 target = CAUSAL_TARGET // 2 if ctx.quick else CAUSAL_TARGET
-                memory.call_fresh(f"{__name__}:check_case", mode, size_name, target, providers,
-                                  ctx.device, label=f"training {size_name} {mode} loss check")
             else:
                 target = TARGET // 2 if ctx.quick else TARGET
-            timed = time_case(mode, size_name, target, providers, ctx.device, time_allocator)
+            case = f"{size_name} {mode} B={CAUSAL_B if causal else B} K={K} L={CONTEXT} T={target}"
+            providers = quick_providers(case) if ctx.quick else list(PROVIDERS)
+            if causal:
+                memory.call_fresh(f"{__name__}:check_case", mode, size_name, target, providers,
+                                  ctx.device, label=f"training {size_name} {mode} loss check")
+            rounds, steps = (QUICK_ROUNDS, QUICK_STEPS) if ctx.quick else (ROUNDS, STEPS_PER_PROCESS)
+            timed = time_case(mode, size_name, target, providers, ctx.device, time_allocator,
+                              rounds=rounds, steps=steps)
             measured = {p: Measurement.of(t) for p, t in timed["times_ms"].items()}
             mem = {p: memory.step_memory(f"{__name__}:memory_step", mode, size_name, target, p,
                                          ctx.device, imports=IMPORTS)
                    for p in providers} if ctx.device == "cpu" and not ctx.quick else {}
-            case = f"{size_name} {mode} B={CAUSAL_B if causal else B} K={K} L={CONTEXT} T={target}"
             case_rows = _rows(case, measured, mem, timed["compile_s"], CAUSAL_B if causal else B,
                               GemmFloor(timed["gflop"], rate))
             for row in case_rows:
@@ -443,12 +448,22 @@ def run(ctx: Context) -> list[Row]:
                 row.extra["page faults/step"] = round(timed["faults"][row.provider])
                 row.extra["system s/step"] = round(timed["system_s"][row.provider], 3)
                 row.extra["warm-up steps"] = WARMUP_STEPS
+                row.extra["rounds"] = rounds
+                row.extra["timed steps/process"] = steps
             rows += case_rows
     return rows
 
 
 # the LM-head path each rag_fast provider runs (its ``lm_head_loss``)
 PATHS = {OURS: "fused", OURS_MATERIALISED: "materialized"}
+
+
+def quick_providers(case: str) -> list[str]:
+    """What ``--quick`` times at ``case``: `transformers` eager and the rag_fast provider of the
+    LM-head path ``RagModel``'s default takes there (``--full`` times both paths and the
+    compiled baseline)."""
+    ours = next(p for p, path in PATHS.items() if path == default_path(case))
+    return [EAGER, ours]
 
 
 def path_label(case: str, provider: str) -> str | None:
@@ -559,6 +574,12 @@ def _floor_words(rows: list[dict]) -> str:
             "eager cannot exceed eager's time over the floor.")
 
 
+def _one(rows: list[dict], key: str, default: int) -> int | str:
+    """The value every row records under ``key`` (``default`` where none does), or a range."""
+    values = sorted({r["extra"].get(key, default) for r in rows})
+    return values[0] if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
 def _time_process_words(rows: list[dict]) -> str:
     """How the steps were timed: the caption's clause (files that predate the timing processes:
     the providers alternating in the benchmark's own process)."""
@@ -571,9 +592,13 @@ def _time_process_words(rows: list[dict]) -> str:
         counts = {r["extra"].get("warm-up steps", 1) for r in rows}
         n = counts.pop() if len(counts) == 1 else None
         warm = "one warm-up step" if n == 1 else f"{n} warm-up steps" if n else "warm-up steps"
-        return (f", each provider alone in fresh processes ({ROUNDS} rounds in which the "
-                f"providers take turns, {warm} then {STEPS_PER_PROCESS} timed ones per "
-                f"process) with {where[next(iter(allocators))]}, and denormal floats flushed to "
+        # files measured before rounds and steps were recorded ran ROUNDS x STEPS_PER_PROCESS
+        rounds = _one(rows, "rounds", ROUNDS)
+        steps = _one(rows, "timed steps/process", STEPS_PER_PROCESS)
+        turns = (f"{rounds} rounds in which the providers take turns" if rounds != 1 else
+                 "one process per provider, the providers taking turns")
+        return (f", each provider alone in fresh processes ({turns}, {warm} then {steps} timed "
+                f"ones per process) with {where[next(iter(allocators))]}, and denormal floats flushed to "
                 "zero (docs/benchmarks.md, \"Time and glibc's allocator\")")
     return " after a warm-up step, the providers' steps alternating in one process"
 

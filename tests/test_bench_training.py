@@ -162,7 +162,8 @@ def test_training_caption_says_how_the_steps_were_timed():
                         ("glibc, 1 MiB mmap threshold", "unmap freed blocks of 1 MiB or more")):
         for r in results["rows"]:
             r["extra"]["time allocator"] = words
-            r["extra"].pop("warm-up steps", None)
+            for key in ("warm-up steps", "rounds", "timed steps/process"):
+                r["extra"].pop(key, None)
         text = bench_training.render(results, "x.json")
         assert said in text and "each provider alone in fresh processes (2 rounds" in text
         # a file without the warm-up count ran one warm-up step; a newer one says its count
@@ -170,6 +171,12 @@ def test_training_caption_says_how_the_steps_were_timed():
         for r in results["rows"]:
             r["extra"]["warm-up steps"] = 3
         assert "take turns, 3 warm-up steps then 3 timed ones" in bench_training.render(
+            results, "x.json")
+        # a quick run's rows record one round of 5 timed steps, and the caption says so
+        for r in results["rows"]:
+            r["extra"].update({"rounds": 1, "timed steps/process": 5})
+        assert ("fresh processes (one process per provider, the providers taking turns, "
+                "3 warm-up steps then 5 timed ones per process)") in bench_training.render(
             results, "x.json")
 
 
@@ -264,6 +271,14 @@ def test_quick_rows_name_the_lm_head_path_each_ran():
     case = "qwen2-0.5b-2l token B=2 K=5 L=64 T=1000"
     assert bench_training.path_label(case, "rag_fast") == "fused (RagModel default)"
     assert bench_training.path_label(case, "rag_fast materialised") == "materialized"
+
+
+def test_quick_mode_times_the_default_path_only():
+    """--quick times eager and the rag_fast provider of RagModel's default path at the case."""
+    assert bench_training.quick_providers("small token B=4 K=5 L=64 T=16") == [
+        "transformers", "rag_fast materialised"]
+    assert bench_training.quick_providers("qwen2-0.5b-2l token B=2 K=5 L=64 T=1000") == [
+        "transformers", "rag_fast"]
 
 
 def test_gemm_floor_rows_cell_and_caption():

@@ -449,6 +449,19 @@ def test_ops_end_to_end(kind, kw):
         assert_close_rule(a_, p_, o_, F32, f"{kind}/{name}")
 
 
+def test_interpreter_tile_covers_several_tiles_and_a_tail():
+    """The interpreter's tile: 32 wide up to chunks of 8 tiles (the tests' small shapes), then
+    about an eighth of the chunk, at most 1024 wide; a BART-sized chunk stays several tiles
+    with a ragged tail."""
+    from rag_fast.kernels.rag_losses import interpreter_block
+
+    assert [interpreter_block(c) for c in (0, 1, 35, 256)] == [32, 32, 32, 32]
+    assert [interpreter_block(c) for c in (257, 512, 513, 8192, 10**6)] == [64, 64, 128, 1024, 1024]
+    chunk = -(-50265 // 8)
+    tiles = -(-chunk // interpreter_block(chunk))
+    assert tiles >= 4 and chunk % interpreter_block(chunk) != 0
+
+
 def test_ops_flat_layout_one_passage_one_position():
     # [B*K, T, V] with n_docs, K = 1, T = 1, V = 1.
     for V in (1, 7):

@@ -6,7 +6,7 @@ passages of each (b, j), an online logsumexp over k tile by tile) and writes one
 candidate score per (b, j, v), K times smaller than the logits; the top-n selection is a
 stable sort of those scores, which gives the documented tie order (lower flat index first)
 without a custom in-kernel top-k. Offsets are int64 (B*W*K*V may exceed 2^31); tiles are
-autotuned on a GPU, fixed under the interpreter.
+autotuned on a GPU, set by the chunk length under the interpreter.
 """
 from __future__ import annotations
 
@@ -65,6 +65,6 @@ def beam_step(
     grid = (B * W, triton.cdiv(V, chunk))
     _launch(_candidates_kernel, grid, x, hi, shift.contiguous(), beam_scores, bias if bias is not None else cand,
             cand, W, K, V, chunk, x.stride(0), x.stride(1), x.stride(2),
-            HAS_BIAS=bias is not None)
+            HAS_BIAS=bias is not None, chunk=chunk)
     scores, flat = select_top(cand.view(B, W * V), n)
     return scores, flat // V, flat % V

@@ -25,7 +25,7 @@
 # The (b, t) programs loop over the K passages (an online logsumexp over k per tile, then a
 # second sweep over k, from cache, for R and the gradient): no row is padded, whatever K is.
 # Tile sizes and warps are autotuned on a GPU (keyed on the chunk length); the interpreter
-# uses one small fixed tile. Everything accumulates in float32; nothing allocates a
+# uses a fixed tile for the chunk length. Everything accumulates in float32; nothing allocates a
 # [B, K, T, V] temporary; no launcher reads a tensor value on the host; offsets are int64.
 #
 # Edge cases: a missing passage (a = -inf) gets R = 0 and no NaN; a position where every
@@ -42,22 +42,23 @@ import triton.language as tl
 from rag_fast.kernels import interpreter_enabled
 
 # GPU: programs per multiprocessor the vocabulary split aims for, and the shortest chunk worth
-# a program of its own. Interpreter: one small tile, and few programs, so that the tests' tiny
-# shapes still cover several tiles, ragged tails and split rows (V = 70: two chunks of 35).
+# a program of its own. Interpreter: a small tile, and few programs, so that the tests' tiny
+# shapes still cover several tiles, ragged tails and split rows (V = 70: two chunks of 35);
+# long chunks get a wider tile (interpreter_block).
 _PROGRAMS_PER_SM = 4
 _MIN_CHUNK_GPU = 256
 _GPU_CONFIGS = [
     triton.Config({"BLOCK_V": block_v}, num_warps=warps)
     for block_v, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8))
 ]
-_INTERPRETER_BLOCK_V = 32
+_INTERPRETER_BLOCK_V, _INTERPRETER_BLOCK_V_MAX = 32, 1024
 _INTERPRETER_PROGRAMS = 8
 _MIN_CHUNK_INTERPRETER = 16
 
 
 def _tuned(*restore: str):
     """Autotune a kernel's BLOCK_V and warps on a GPU (keyed on CHUNK); under the interpreter
-    the kernel is left as is and :func:`_launch` gives it the fixed tile. ``restore`` names
+    the kernel is left as is and :func:`_launch` gives it the interpreter's tile. ``restore`` names
     outputs the tuning runs must put back (a gradient written over the logits)."""
 
     def wrap(kernel):
@@ -379,12 +380,23 @@ def _grid(groups: int, V: int, device: torch.device, num_splits: int | None):
     return (groups, triton.cdiv(V, chunk)), chunk
 
 
-def _launch(kernel, grid, *args, **meta) -> None:
+def interpreter_block(chunk: int) -> int:
+    """The interpreter's tile for rows (chunks) of ``chunk`` entries: :data:`_INTERPRETER_BLOCK_V`
+    up to chunks of 8 such tiles, so that small test shapes cover several tiles and ragged
+    tails; then about an eighth of the chunk (a power of two, at most 1024), so that a chunk of
+    a real vocabulary is still several tiles with a ragged tail but the interpreter, whose cost
+    is per tile, does not run thousands of them (BART's 50265 split in 8: 7 tiles of 1024)."""
+    eighth = triton.next_power_of_2(triton.cdiv(max(chunk, 1), 8))
+    return max(_INTERPRETER_BLOCK_V, min(_INTERPRETER_BLOCK_V_MAX, eighth))
+
+
+def _launch(kernel, grid, *args, chunk: int, **meta) -> None:
     """Launch on the first tensor argument's GPU (Triton launches on the current device); the
-    interpreter gets the fixed tile, a GPU the autotuned one."""
+    interpreter gets its tile for ``chunk`` (:func:`interpreter_block`), a GPU the autotuned
+    one."""
     device = args[0].device
     if interpreter_enabled():
-        meta["BLOCK_V"] = _INTERPRETER_BLOCK_V
+        meta["BLOCK_V"] = interpreter_block(chunk)
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
         kernel[grid](*args, **meta)
@@ -442,7 +454,7 @@ def row_stats(
     lse_part, sum_part = _stats(x, grid[1], dtype=torch.float64), _stats(x, grid[1])
     y_arg = x if y is None else y.contiguous()  # x: an unread placeholder when HAS_Y is off
     _launch(_row_stats_kernel, grid, x, y_arg, lse_part, x_tgt, sum_part,
-            K, T, V, chunk, *_x_strides(x), ignore_index, HAS_Y=y is not None)
+            K, T, V, chunk, *_x_strides(x), ignore_index, HAS_Y=y is not None, chunk=chunk)
     if grid[1] == 1:
         return lse_part[..., 0], x_tgt, sum_part[..., 0]
     return torch.logsumexp(lse_part, -1), x_tgt, sum_part.sum(-1)
@@ -472,7 +484,7 @@ def row_grad(
     hi, lo = _split_lse(lse)
     _launch(_row_grad_kernel, grid, x, y_arg, hi, lo, _f32(c_p), _f32(c_y), _f32(c_1), out,
             K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index,
-            HAS_Y=y is not None)
+            HAS_Y=y is not None, chunk=chunk)
     return out
 
 
@@ -512,7 +524,7 @@ def token_smooth_stats(
     rho = _stats(x, grid[1])
     hi, _, shift = _hi_shift(a, lse)
     _launch(_token_smooth_stats_kernel, grid, x, hi, shift, sum_m, rho,
-            K, T, V, chunk, *_x_strides(x), BLOCK_K=triton.next_power_of_2(K))
+            K, T, V, chunk, *_x_strides(x), BLOCK_K=triton.next_power_of_2(K), chunk=chunk)
     return sum_m.sum(-1), rho.sum(-1)
 
 
@@ -541,7 +553,7 @@ def token_smooth_grad(
     grid, chunk = _grid(B * T, V, x.device, num_splits)
     hi, lo, shift = _hi_shift(a, lse)
     _launch(_token_smooth_grad_kernel, grid, x, y.contiguous(), hi, lo, shift, _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r), out,
-            K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index)
+            K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index, chunk=chunk)
     return out
 
 
@@ -559,7 +571,7 @@ def token_marginal(
     grid, chunk = _grid(B * T, V, x.device, num_splits)
     hi, _, shift = _hi_shift(a, lse)
     _launch(_token_marginal_kernel, grid, x, hi, shift, marginal,
-            K, T, V, chunk, *_x_strides(x))
+            K, T, V, chunk, *_x_strides(x), chunk=chunk)
     return marginal
 
 
@@ -590,8 +602,8 @@ def token_marginal_grad(
     args = (K, T, V, chunk, *_x_strides(x), m.stride(0), m.stride(1), g.stride(0), g.stride(1))
     block_k = triton.next_power_of_2(K)
     _launch(_token_marginal_grad_kernel, grid, x, hi, lo, shift, m, g, c_part, out, *args,
-            *_x_strides(out), WRITE_GRAD=False, BLOCK_K=block_k)
+            *_x_strides(out), WRITE_GRAD=False, BLOCK_K=block_k, chunk=chunk)
     c = c_part.sum(-1)
     _launch(_token_marginal_grad_kernel, grid, x, hi, lo, shift, m, g, c, out, *args,
-            *_x_strides(out), WRITE_GRAD=True, BLOCK_K=block_k)
+            *_x_strides(out), WRITE_GRAD=True, BLOCK_K=block_k, chunk=chunk)
     return c
