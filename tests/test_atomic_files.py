@@ -35,9 +35,13 @@ def read(out) -> str:
 
 
 _KILLED_SAVE = r"""
-import os, signal, sys
+import importlib.util, os, signal, sys
 from pathlib import Path
-from rag_fast.retrieval import _files
+# the module alone, from its file (it needs only the standard library and numpy): a child that
+# imported the rag_fast package would spend seconds importing torch before every kill
+spec = importlib.util.spec_from_file_location("rag_fast_files", sys.argv[5])
+_files = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(_files)
 out, where, n, exchange = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 calls = {"replace": 0}
 real_replace = os.replace
@@ -88,7 +92,8 @@ def test_killed_save_leaves_old_or_new_and_no_leftovers(tmp_path, where, n, exch
     in ``.DIR.old-*``), and killed saves left ``.DIR.tmp-*`` folders forever."""
     out = tmp_path / "out"
     save(out, "old", overwrite=False)
-    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(out), where, str(n), str(int(exchange))],
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(out), where, str(n),
+                           str(int(exchange)), _files.__file__],
                           capture_output=True, text=True, timeout=120)
     # (with the exchange the save makes no n-th rename: it is not killed and installs "new")
     completed = proc.returncode == 0 and "not killed" in proc.stdout
