@@ -35,8 +35,9 @@ mmap threshold instead, under which every large temporary is fresh pages the ker
 ``ROUNDS`` rounds in which the providers take turns, each process ``WARMUP_STEPS`` warm-up
 steps then ``STEPS_PER_PROCESS`` timed ones (6 timed steps per provider), so that a machine
 whose speed drifts slows every provider alike (``--quick``: ``QUICK_ROUNDS`` round of
-``QUICK_STEPS`` timed steps, half the processes; each row records its rounds and steps). Three warm-up steps, because a fresh process's
-allocations take that long to settle: measured on the BART-base-sized case, `transformers`
+``QUICK_STEPS`` timed steps, one process per provider; each row records its rounds, steps and
+warm-up steps). Three warm-up steps, because a fresh process's allocations take that long to
+settle: measured on the BART-base-sized case, `transformers`
 eager's steps 2 and 3 still took 5.8 and 4.9 s (656K and 412K minor page faults) against
 3.8 s (450K) from step 5 on, and in one process rag_fast's second step paid 1.4 s of system
 time against 0.3-0.9 s in its later steps; with one warm-up step, a process's first timed step
@@ -588,18 +589,16 @@ def _time_process_words(rows: list[dict]) -> str:
                                               "user's training process",
              TIME_ALLOCATOR_WORDS["fixed"]: "glibc made to unmap freed blocks of 1 MiB or more"}
     if len(allocators) == 1 and next(iter(allocators)) in where:
-        # files measured before the warm-up count was recorded ran one warm-up step
-        counts = {r["extra"].get("warm-up steps", 1) for r in rows}
-        n = counts.pop() if len(counts) == 1 else None
-        warm = "one warm-up step" if n == 1 else f"{n} warm-up steps" if n else "warm-up steps"
-        # files measured before rounds and steps were recorded ran ROUNDS x STEPS_PER_PROCESS
+        # files that predate these fields ran one warm-up step and ROUNDS x STEPS_PER_PROCESS
+        n = _one(rows, "warm-up steps", 1)
+        warm = "one warm-up step" if n == 1 else f"{n} warm-up steps"
         rounds = _one(rows, "rounds", ROUNDS)
         steps = _one(rows, "timed steps/process", STEPS_PER_PROCESS)
         turns = (f"{rounds} rounds in which the providers take turns" if rounds != 1 else
                  "one process per provider, the providers taking turns")
         return (f", each provider alone in fresh processes ({turns}, {warm} then {steps} timed "
-                f"ones per process) with {where[next(iter(allocators))]}, and denormal floats flushed to "
-                "zero (docs/benchmarks.md, \"Time and glibc's allocator\")")
+                f"ones per process) with {where[next(iter(allocators))]}, and denormal floats "
+                "flushed to zero (docs/benchmarks.md, \"Time and glibc's allocator\")")
     return " after a warm-up step, the providers' steps alternating in one process"
 
 

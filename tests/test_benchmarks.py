@@ -307,3 +307,33 @@ def test_compile_seconds_waits_for_steady_calls(times, expected):
     got = compile_seconds(None, "cpu", clock=lambda: next(it))
     assert got == pytest.approx(expected)
     assert next(it, None) is None  # every call was used, no more made
+
+
+def test_prose_every_keeps_every_query_and_samples_indexed_documents(monkeypatch):
+    """``prose.build(every=k)`` (the index bench's --quick corpus): the passages of every k-th
+    indexed document, the queries of every held-out one, and a clear error for a bad k."""
+    import prose
+
+    words = " ".join(f"w{i}" for i in range(prose.WORDS))
+    docs = [(f"doc{i}", f"Sentence number {i} of this document is here now. Filler {words}")
+            for i in range(40)]  # one passage each; documents 9, 19, 29 and 39 are held out
+    monkeypatch.setattr(prose, "_documents", lambda: docs)
+    whole, third = prose.build(), prose.build(every=3)
+    assert third.queries == whole.queries and len(whole.queries) == 4
+    indexed = [t for i, (t, _) in enumerate(docs) if i % prose.HELD_OUT_EVERY != 9]
+    assert whole.titles == indexed and third.titles == indexed[::3]
+    assert third.sha256 != whole.sha256  # the embedding cache tells them apart
+    for bad in (0, -1, 1.5, "3"):
+        with pytest.raises(ValueError, match="every must be a positive int"):
+            prose.build(every=bad)
+
+
+def test_quick_real_text_corpus_is_large_enough_for_the_approximate_presets():
+    """--quick's real-text corpus stays above the 624 passages an IVF-PQ preset needs (below,
+    `rag-fast index build` makes every preset exact) and has a full batch of queries."""
+    import bench_index
+    import prose
+
+    corpus = prose.build(every=bench_index.QUICK_EVERY)
+    assert len(corpus) > 624 and len(corpus.queries) >= bench_index.BATCH, (
+        len(corpus), len(corpus.queries))
