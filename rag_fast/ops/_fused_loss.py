@@ -21,12 +21,26 @@ from typing import Callable
 
 import torch
 
-from rag_fast.ops import _custom_ops  # noqa: F401  (registers torch.ops.rag_fast.*)
+from rag_fast.ops import _custom_ops  # registers torch.ops.rag_fast.*
 from rag_fast.ops._common import PreparedLoss
 
 # small_graph(lse, x_tgt, x_sum, sum_m, log_prior) -> loss (reduced)
 #   lse, x_tgt, x_sum: [B, K, T]; sum_m: [B, T] or None; log_prior: [B, K] float32
 SmallGraph = Callable[..., torch.Tensor]
+
+
+def check_inplace_grad(op: str, logits: torch.Tensor, inplace_grad: bool) -> None:
+    """Refuse ``inplace_grad=True`` (ValueError naming ``rag_fast.<op>``) for the logits a public
+    loss was given when they are a leaf that requires grad or a view of one (any layout, any
+    chain of views), whichever impl then runs: the reference writes nothing, but it refuses
+    the same logits, so a call does not pass on one machine and fail on another. The
+    statistics ops, which do the write, check again and also compare storages
+    (``_custom_ops.inplace_grad_refusal``). Nothing is checked where no backward will run
+    (grad disabled, logits that do not require grad) or under ``torch.compile``, where
+    ``inplace_grad`` is ignored."""
+    if (inplace_grad and isinstance(logits, torch.Tensor) and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):
+        _custom_ops.check_inplace_grad_target(f"rag_fast.{op}", logits, True, storage=False)
 
 
 def fused_rag_loss(
@@ -35,7 +49,9 @@ def fused_rag_loss(
     """The loss of the prepared inputs ``p`` (impl "cpp" or "triton") through the statistics
     ops. Statistics only the backward uses (``rho``) are computed only when a gradient will be
     asked for. Under ``torch.compile`` ``inplace_grad`` is ignored: the compiler plans the
-    gradient's memory itself, and a compiled backward cannot write into its saved inputs."""
+    gradient's memory itself, and a compiled backward cannot write into its saved inputs.
+    Elsewhere the statistics ops refuse it for logits whose memory is a leaf's
+    (``_custom_ops.inplace_grad_refusal``)."""
     x, y, ignore = p.logits, p.targets, p.ignore_index
     inplace_grad = inplace_grad and not torch.compiler.is_compiling()
     a = torch.log_softmax(p.doc_scores.float(), dim=1)  # [B, K] passage log-prior

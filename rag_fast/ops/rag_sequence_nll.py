@@ -16,7 +16,7 @@ import torch
 from rag_fast import reference
 from rag_fast._validation import reduce
 from rag_fast.ops._common import prepare_loss
-from rag_fast.ops._fused_loss import fused_rag_loss
+from rag_fast.ops._fused_loss import check_inplace_grad, fused_rag_loss
 
 
 def _sequence_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
@@ -47,10 +47,14 @@ def rag_sequence_nll(
 ) -> torch.Tensor:
     """RAG-Sequence negative log-likelihood with optional label smoothing, fused.
 
-    Same arguments, shapes, return value and errors as :func:`rag_fast.rag_token_nll`.
+    Same arguments, shapes, return value and errors as :func:`rag_fast.rag_token_nll`;
+    ``inplace_grad=True`` is likewise refused (ValueError) for logits that are a leaf, a view
+    of a leaf that requires grad (a ``[B*K, T, V]`` leaf included), or (impl "cpp" /
+    "triton") share their storage with one.
     """
     p = prepare_loss(logits, doc_scores, targets, n_docs, epsilon, ignore_index, exclude_bos,
                      reduction, impl)
+    check_inplace_grad("rag_sequence_nll", logits, inplace_grad)
     if p.impl == "torch":
         return reference.rag_sequence_nll(p.logits, p.doc_scores, p.targets, epsilon=epsilon,
                                           ignore_index=ignore_index, exclude_bos=exclude_bos,

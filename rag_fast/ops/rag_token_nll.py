@@ -14,7 +14,7 @@ import torch
 from rag_fast import reference
 from rag_fast._validation import reduce
 from rag_fast.ops._common import prepare_loss
-from rag_fast.ops._fused_loss import fused_rag_loss
+from rag_fast.ops._fused_loss import check_inplace_grad, fused_rag_loss
 
 
 def _token_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
@@ -56,20 +56,27 @@ def rag_token_nll(
         reduction: ``"none"`` -> ``[B]``; ``"sum"`` / ``"mean"`` (over B) -> scalar.
         impl: ``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"`` (the reference).
         inplace_grad: write the logits' gradient into the logits' storage (saves one
-            logits-sized buffer; the logits hold the gradient after backward). Any later use
-            of the overwritten logits by autograd (a second loss on them, ``retain_graph``)
-            raises; ignored under ``torch.compile``.
+            logits-sized buffer; the logits hold the gradient after backward). For logits an
+            op computed (``logits = lm_head(h)``), never for a leaf: refused when the logits
+            require grad and are a leaf, a view of a leaf that requires grad (e.g. a
+            ``[B*K, T, V]`` leaf, which is split into ``[B, K, T, V]``; any reshape, slice,
+            transpose or other chain of views), or (impl "cpp" / "triton") share their storage
+            with a leaf that requires grad in their autograd graph. Any later use of the
+            overwritten logits by autograd (a second loss on them, ``retain_graph``) raises;
+            ignored under ``torch.compile``.
 
     Returns:
         float32 loss (float64 for float64 logits under impl="torch").
 
     Raises:
         ValueError: bad shapes, dtypes, devices, options, or targets outside ``[0, V)``;
-            ``inplace_grad`` on logits that overlap in memory (expanded) or on leaf logits.
+            ``inplace_grad`` on logits that overlap in memory (expanded), or whose memory is
+            a leaf's (see ``inplace_grad``).
         RuntimeError: a backward that needs logits an ``inplace_grad`` backward overwrote.
     """
     p = prepare_loss(logits, doc_scores, targets, n_docs, epsilon, ignore_index, exclude_bos,
                      reduction, impl)
+    check_inplace_grad("rag_token_nll", logits, inplace_grad)
     if p.impl == "torch":
         return reference.rag_token_nll(p.logits, p.doc_scores, p.targets, epsilon=epsilon,
                                        ignore_index=ignore_index, exclude_bos=exclude_bos,
