@@ -76,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
     examples = load_qa(args.data)
     answers = [list(e.answers) for e in examples]
     if args.predictions is not None:
-        with open(args.predictions, encoding="utf-8") as f:
-            predictions = [line.rstrip("\n") for line in f]
+        from rag_fast._jsonl import decoded_lines
+
+        predictions = [line.rstrip("\r\n") for _, line in decoded_lines(args.predictions)]
         if len(predictions) != len(examples):
             raise ValueError(f"{args.predictions} has {len(predictions)} lines for "
                              f"{len(examples)} examples in {args.data}")

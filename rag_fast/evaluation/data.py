@@ -3,9 +3,12 @@
 JSONL: one object per line with ``question`` (str) and ``answers`` (list of str, or one str;
 ``answer`` is accepted too), optionally ``label``; blank lines are skipped.
 TSV: ``question<TAB>answers`` where answers is a JSON list (as DPR's NQ files) or the remaining
-columns, one answer each; a first line ``question<TAB>answers...`` is a header and skipped.
+columns, one answer each; a first non-blank line ``question<TAB>answers...`` is a header and
+skipped.
 
-Errors name the file and the line: a malformed JSONL line, a missing field, an empty dataset.
+Both are UTF-8 (a BOM at the start is dropped). Errors name the file and the line: bytes that
+are not UTF-8, a malformed line, a missing field, a string that is not valid Unicode (a lone
+surrogate from a JSON escape), an empty dataset.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from rag_fast._jsonl import read_objects
+from rag_fast._jsonl import check_unicode, decoded_lines, read_objects
 
 
 @dataclass(frozen=True)
@@ -59,25 +62,37 @@ def _from_jsonl(path: str) -> list[QAExample]:
 
 def _from_tsv(path: str) -> list[QAExample]:
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            line = line.rstrip("\n\r")
-            if not line.strip():
+    header_checked = False
+    for number, line in decoded_lines(path, DatasetError):
+        line = line.rstrip("\n\r")
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        if "\r" in line:
+            raise DatasetError(f"{where}: a carriage return inside the line (a file with old Mac "
+                               "line endings?); expected lines ending in \\n or \\r\\n")
+        cols = line.split("\t")
+        if not header_checked:
+            header_checked = True
+            if cols[0].strip().lower() == "question":
                 continue
-            where = f"{path}:{number}"
-            cols = line.split("\t")
-            if number == 1 and cols[0].strip().lower() == "question":
-                continue
-            if len(cols) < 2 or not cols[0].strip():
-                raise DatasetError(f"{where}: expected 'question<TAB>answers', got {len(cols)} column(s)")
-            if cols[1].lstrip().startswith("["):
-                try:
-                    raw = json.loads(cols[1])
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{where}: malformed JSON answer list ({e.msg})") from None
-            else:
-                raw = [c for c in cols[1:] if c.strip()]
-            examples.append(QAExample(cols[0], _answers(raw, where)))
+        if len(cols) < 2 or not cols[0].strip():
+            raise DatasetError(f"{where}: expected 'question<TAB>answers', got {len(cols)} column(s)")
+        if cols[1].lstrip().startswith("["):
+            try:
+                raw = json.loads(cols[1])
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: malformed JSON answer list ({e.msg})") from None
+            except RecursionError:
+                raise DatasetError(f"{where}: malformed JSON answer list (nested too deeply to "
+                                   "read)") from None
+            except ValueError as e:  # a number too long for Python's int conversion
+                raise DatasetError(f"{where}: malformed JSON answer list "
+                                   f"({str(e).split(';')[0]})") from None
+            check_unicode(raw, where, '"answers"', DatasetError)
+        else:
+            raw = [c for c in cols[1:] if c.strip()]
+        examples.append(QAExample(cols[0], _answers(raw, where)))
     return examples
 
 
@@ -86,9 +101,13 @@ def load_qa(path: str, fmt: str | None = None) -> list[QAExample]:
     -> JSONL, .tsv/.txt -> TSV).
 
     Raises:
-        DatasetError: unreadable format, a malformed line (with its line number), or no examples.
+        DatasetError: unreadable format, a malformed line (with its line number), bytes that
+            are not UTF-8 or a string that is not valid Unicode (file, line and field), no
+            examples, or a directory.
         FileNotFoundError: no such file.
     """
+    if os.path.isdir(path):
+        raise DatasetError(f"{path}: is a directory; expected a dataset file (.jsonl or .tsv)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
     if fmt is None:

@@ -113,6 +113,19 @@ def _read_text(path: Path) -> str:
     return "".join(line for _, line in _decoded_lines(path))
 
 
+def _document_name(path: Path) -> str:
+    """The stem of a raw document's file, its passages' id and title.
+
+    Raises:
+        PassageFormatError: a file name that is not UTF-8 (Python holds its bytes as lone
+            surrogates, which the store cannot write).
+    """
+    if lone_surrogate(path.name) is not None:
+        raise PassageFormatError(f"{ascii(str(path))}: the file name is not valid UTF-8 (it "
+                                 "becomes the passages' id and title); rename the file")
+    return path.stem
+
+
 def _unique(path: str | Path, rows: Iterable[tuple[int, Passage]], dedupe: bool) -> Iterator[Passage]:
     """The passages of ``rows`` (``(line, passage)``), checking that ids are unique.
 
@@ -244,7 +257,8 @@ def read_jsonl(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
     Raises:
         PassageFormatError: (a ValueError) naming the file and line: a line that is not a JSON
             object with a string ``text``, a field of another type, bytes that are not UTF-8,
-            a duplicate id (unless ``dedupe``: keep the first).
+            a string that is not valid Unicode (a lone surrogate from a JSON escape such as
+            ``"\\ud800"``, naming the field), a duplicate id (unless ``dedupe``: keep the first).
     """
     return _unique(path, _jsonl_rows(path), dedupe)
 
@@ -273,7 +287,7 @@ def read_passages(path: str | Path, split: int | None = None, dedupe: bool = Fal
         raise FileNotFoundError(f"passages: {str(path)!r} does not exist")
     if path.is_dir() or path.suffix == ".txt":
         files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
-        docs = (Passage(f.stem, f.stem.replace("_", " "), _read_text(f)) for f in files)
+        docs = (Passage(_document_name(f), f.stem.replace("_", " "), _read_text(f)) for f in files)
         return _split_all(docs, split or PAPER_PASSAGE_WORDS)
     readers = {".tsv": read_dpr_tsv, ".jsonl": read_jsonl, ".json": read_jsonl}
     if path.suffix not in readers:

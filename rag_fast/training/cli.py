@@ -153,11 +153,19 @@ def load_config(path: str, model: str | None = None, index: str | None = None) -
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        config = json.loads(data.decode("utf-8-sig"))  # (a BOM at the start is dropped)
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte offset {e.start}); expected a "
+                         "UTF-8 JSON file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    except (RecursionError, ValueError) as e:  # nested too deeply, a number too long
+        raise ValueError(f"{path}: not a config rag_fast can read "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
     if not isinstance(config, dict):
         raise _fail(path, "(top level)", "a JSON object", type(config).__name__)
     unknown = sorted(set(config) - set(TOP_LEVEL))

@@ -146,6 +146,9 @@ class TrainConfig:
                      "refresh_index_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.seed <= 2**32 - 1:  # np.random.seed takes no other value
+            raise ValueError(f"seed must be an int in [0, 2**32 - 1] (NumPy's seed range), "
+                             f"got {self.seed!r}")
         if self.refresh_encoder not in REFRESH_ENCODERS:
             raise ValueError(f"refresh_encoder must be one of {REFRESH_ENCODERS}, got "
                              f"{self.refresh_encoder!r}")
@@ -164,8 +167,18 @@ class TrainConfig:
             raise ValueError("question_encoder_lr must be None when freeze_question_encoder is "
                              "true (a frozen question encoder is not optimized)")
         for name in ("output_dir", "metrics_file", "plot_file"):
-            if getattr(self, name) == "":
-                raise ValueError(f"{name} must be a non-empty path or None, got ''")
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not value.strip():  # "" is not the current folder: say where, or None
+                raise ValueError(f"{name} must be a non-empty path or None, got {value!r}")
+            if "\0" in value:
+                raise ValueError(f"{name} must be a path without NUL characters, got {value!r}")
+            try:
+                os.fsencode(value)
+            except UnicodeEncodeError:
+                raise ValueError(f"{name} is not a valid path (not valid Unicode: a lone "
+                                 f"surrogate), got {value!r}") from None
         if self.plot_file is not None and not self.plot_file.lower().endswith(".png"):
             raise ValueError(f"plot_file must end in .png (a PNG is written), got "
                              f"{self.plot_file!r}")
