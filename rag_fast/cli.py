@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -143,6 +144,17 @@ def _staging_key(args) -> dict:
             "normalize": getattr(args, "normalize", None), "max_length": args.max_length}
 
 
+def _staging_leftovers_only(staging: Path) -> bool:
+    """Whether ``staging`` holds only what a staging of rag_fast holds (passages, shard
+    embeddings and their temporaries): one whose key file was lost may be discarded."""
+    names = re.compile(r"(passages|\.passages\.tmp-.*|\.?embeddings-\d+-of-\d+\.npy(\.tmp-.*)?|"
+                       rf"\.?{re.escape(STAGING_KEY)}(\.tmp-.*)?)")
+    try:
+        return all(names.fullmatch(p.name) for p in staging.iterdir())
+    except OSError:
+        return False
+
+
 def _claim_staging(staging: Path, key: dict, sharded: bool) -> None:
     """Make ``staging`` hold data made with ``key``: reuse it if its key matches; else discard
     it (one line says so) and start afresh. The key is published atomically (a hard link of a
@@ -173,8 +185,12 @@ def _claim_staging(staging: Path, key: dict, sharded: bool) -> None:
                 os.unlink(tmp)
         try:
             staged = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            staged = None  # an older version's staging, without a key
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            staged = None
+        if staged is None and not path.exists() and not _staging_leftovers_only(staging):
+            raise ValueError(
+                f"{staging} (the staging folder of --out) holds files rag_fast did not write (no "
+                f"{STAGING_KEY}); refused: move them away or choose another --out")
         if staged == key:
             return
         differ = (sorted(k for k in key if staged.get(k) != key[k]) if isinstance(staged, dict)
@@ -254,7 +270,8 @@ def _encoder(flag: str, name: str, **kwargs):
 def _index_build(args) -> int:
     import numpy as np
 
-    from rag_fast.retrieval._files import atomic_directory, describe_files, write_json
+    from rag_fast.retrieval._files import (atomic_directory, check_apart, check_output_folder,
+                                           describe_files, write_manifest)
     from rag_fast.retrieval.encoders import encode_passages, parse_shard
     from rag_fast.retrieval.index import (PRESETS, SMALL_CORPUS, DenseIndex, _factory_index,
                                           plan_factory)
@@ -265,8 +282,13 @@ def _index_build(args) -> int:
     on_disk = bool(getattr(args, "on_disk", False))
     if not 0.0 < args.target_recall <= 1.0:
         raise ValueError(f"--target-recall must be in (0, 1], got {args.target_recall}")
-    if out.exists() and not args.overwrite:
-        raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
+    # before anything is read: the output (and its staging folder) apart from every input, and
+    # only ever an empty folder or an index directory (replaced with --overwrite)
+    inputs = {"--passages": args.passages, "--encoder": args.encoder,
+              "--query-encoder": args.query_encoder, "--queries": args.queries}
+    check_apart(out, "--out", inputs)
+    check_apart(_staging(out), "--out's staging folder", inputs)
+    check_output_folder(out, BUNDLE_KIND, overwrite=args.overwrite, flag="--out")
     shard = parse_shard(args.shard) if args.shard is not None else None
     questions = _tuning_questions(args.queries) if args.queries is not None else None
     # the encoders first: a wrong name fails before the passages are read
@@ -312,11 +334,11 @@ def _index_build(args) -> int:
         queries = query_encoder.encode_queries(questions).numpy()
     index = DenseIndex.build(embeddings, args.preset, progress=progress, on_disk=on_disk,
                              target_recall=args.target_recall, queries=queries, query_source=source)
-    with atomic_directory(out, overwrite=args.overwrite) as tmp:
+    with atomic_directory(out, overwrite=args.overwrite, kind=BUNDLE_KIND) as tmp:
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
         index.save(tmp / "index")
         files = ["passages/manifest.json", "index/manifest.json"]
-        write_json(tmp / "manifest.json", {
+        write_manifest(tmp / "manifest.json", {
             "kind": BUNDLE_KIND, "format": 1, "passages_source": str(args.passages),
             "passages_sha256": key["passages_sha256"],
             "encoder": encoder.describe(), "query_encoder": query_encoder.describe(),
@@ -438,6 +460,34 @@ def _index_info(args) -> int:
     return 0
 
 
+# ---- reseal ----------------------------------------------------------------------------------
+@command("reseal")
+def _register_reseal(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "reseal", help="accept hand edits of a model's rag_fast.json or an index's manifests",
+        description="Every manifest rag_fast writes (an index directory's manifest.json and those "
+        "of its passages/ and index/, a model directory's rag_fast.json) is sealed: an edit is "
+        "refused on load. After editing one on purpose, reseal the folder to accept the edit. "
+        "The other files must still match their recorded size and SHA-256: a corrupt data file "
+        "is never sealed over.")
+    p.add_argument("dir", metavar="DIR", help="an index directory, one of its parts, or a model "
+                   "directory")
+    p.set_defaults(func=_reseal)
+
+
+def _reseal(args) -> int:
+    from rag_fast.retrieval._files import reseal
+
+    if not Path(args.dir).is_dir():
+        raise FileNotFoundError(f"reseal: no such directory {args.dir}")
+    written = reseal(args.dir)
+    if written:
+        print("resealed " + ", ".join(str(p) for p in written))
+    else:
+        print(f"{args.dir}: every seal already matches; nothing to do")
+    return 0
+
+
 # ---- init, train, eval, generate: registrars live beside their code ------------------------
 @command("init")
 def _register_init(subparsers: argparse._SubParsersAction) -> None:
@@ -536,7 +586,59 @@ def _unknown_options(parser: argparse.ArgumentParser, extra: list[str]) -> None:
                  + (f" ({'; '.join(hints)})" if hints else ""))
 
 
+def _end_progress_bars() -> None:
+    """Close the progress bars a failed command left open, so that its error starts a line."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    for bar in list(getattr(tqdm, "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001  (a bar that cannot close is no reason to fail)
+            pass
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: an OSError as its reason and the file it names, anything
+    else as its message with line breaks folded."""
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    else:
+        text = str(exc) or type(exc).__name__
+    if isinstance(exc, KeyError):  # str(KeyError) is the key's repr
+        text = f"missing key {text}"
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _report_unexpected(exc: BaseException, verbose: bool) -> int:
+    """An exception rag_fast did not expect: one line, and the traceback in a file (or on
+    stderr with --verbose). Exit status 1."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    where = None
+    if verbose:
+        print(text, file=sys.stderr, end="")
+    else:
+        try:
+            fd, where = tempfile.mkstemp(prefix="rag-fast-error-", suffix=".txt")
+            with open(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError:
+            where = None
+    tail = (f"; the full traceback is in {where}" if where else
+            "" if verbose else "; run with `rag-fast --verbose ...` for the traceback")
+    print(f"rag-fast: unexpected error: {type(exc).__name__}: {one_line(exc)}{tail} (please "
+          "report it)", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. Exit status: 0 done; 2 an expected failure (bad argument, input, file or
+    artefact, no space left), said in one line naming the file, line or key; 1 an unexpected
+    error (one line, the traceback in a file); 130 interrupted."""
     from rag_fast import _pool
     from rag_fast.retrieval._files import StorageError
 
@@ -553,11 +655,19 @@ def main(argv: list[str] | None = None) -> int:
         _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
         return int(args.func(args) or 0)
     except (ValueError, OSError, StorageError) as exc:
-        print(f"rag-fast: error: {exc}", file=sys.stderr)
+        _end_progress_bars()
+        print(f"rag-fast: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("rag-fast: interrupted; nothing was written at the output path", file=sys.stderr)
+        _end_progress_bars()
+        said = ("the run's last checkpoint (if one was written) is kept: the same command "
+                "resumes from it" if args.command == "train" else
+                "nothing was written at the output path")
+        print(f"rag-fast: interrupted; {said}", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001  (a bug: said in one line, traceback kept)
+        _end_progress_bars()
+        return _report_unexpected(exc, args.verbose)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,18 @@ import pytest
 
 from rag_fast.retrieval import DenseIndex, StorageError
 from rag_fast.retrieval import _files
-from rag_fast.retrieval._files import atomic_directory, describe_files, read_manifest, write_json
+from rag_fast.retrieval._files import atomic_directory, describe_files, read_manifest, write_manifest
 
-KIND = "test.payload"
+KIND = "rag_fast.test_payload"
 
 
 def write_payload(tmp, value: str) -> None:
     (tmp / "v.txt").write_text(value)
-    write_json(tmp / "manifest.json", {"kind": KIND, "files": describe_files(tmp, ["v.txt"])})
+    write_manifest(tmp / "manifest.json", {"kind": KIND, "files": describe_files(tmp, ["v.txt"])})
 
 
 def save(out, value: str, overwrite: bool = True) -> None:
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, overwrite=overwrite, kind=KIND) as tmp:
         write_payload(tmp, value)
 
 
@@ -63,9 +63,9 @@ if hasattr(_files, "_exchange"):
             die()
         return real_exchange(a, b) if exchange else False
     _files._exchange = exchange_or_die
-with _files.atomic_directory(out, overwrite=True) as tmp:
+with _files.atomic_directory(out, overwrite=True, kind="rag_fast.test_payload") as tmp:
     (tmp / "v.txt").write_text("new")
-    _files.write_json(tmp / "manifest.json", {"kind": "test.payload",
+    _files.write_manifest(tmp / "manifest.json", {"kind": "rag_fast.test_payload",
                                               "files": _files.describe_files(tmp, ["v.txt"])})
     if where == "write":
         die()

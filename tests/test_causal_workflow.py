@@ -99,6 +99,8 @@ def test_save_load_round_trip(tmp_path, family, mode):
 
 
 def test_load_names_a_corrupt_or_missing_file(tmp_path):
+    from rag_fast.retrieval._files import sealed
+
     _model().save(str(tmp_path / "m"))
     weights = tmp_path / "m" / "generator" / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -111,7 +113,7 @@ def test_load_names_a_corrupt_or_missing_file(tmp_path):
         RagModel.load(str(tmp_path / "m"))
     side_path = tmp_path / "m" / "rag_fast.json"
     side = json.loads(side_path.read_text())
-    side_path.write_text(json.dumps({**side, "layout": "mystery"}))
+    side_path.write_text(json.dumps(sealed({**side, "layout": "mystery"})))  # accepted edit
     with pytest.raises(CheckpointError, match="unknown layout 'mystery'"):
         RagModel.load(str(tmp_path / "m"))
 

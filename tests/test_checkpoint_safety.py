@@ -70,7 +70,8 @@ def metrics_lines(out_dir: Path) -> list[dict]:
 def test_checkpoint_files_and_manifest(tmp_path):
     trainer, path = trained(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-last.json", "checkpoint-last.pt",
-                                            "metrics.jsonl", "training.png"]
+                                            "metrics.jsonl", "rag_fast-output.json",
+                                            "training.png"]
     record = json.loads((tmp_path / "checkpoint-last.json").read_text())
     data = Path(path).read_bytes()
     assert record["size"] == len(data) and record["step"] == 2
@@ -188,7 +189,9 @@ def test_save_killed_between_renames_is_completed_on_resume(tmp_path):
 def test_stale_temporaries_are_removed_by_the_next_save(tmp_path):
     stale = ["checkpoint-last.pt.tmp-99999", "checkpoint-last.json.tmp-99998",
              "checkpoint-last.pt.tmp-1"]
-    tmp_path.mkdir(exist_ok=True)
+    from rag_fast.retrieval._files import RUN_KIND, write_marker
+
+    write_marker(tmp_path, RUN_KIND)  # a run's folder, where the user keeps a file of theirs
     for name in stale + ["other.tmp-1"]:
         (tmp_path / name).write_bytes(b"partial")
     trainer, path = trained(tmp_path)
@@ -268,7 +271,8 @@ def test_metrics_file_restarts_with_a_fresh_run_and_can_be_off(tmp_path):
     assert [r["step"] for r in metrics_lines(tmp_path)] == [1, 2]
     other = tmp_path / "off"
     trained(other, metrics_file=None, plot_file=None)
-    assert sorted(os.listdir(other)) == ["checkpoint-last.json", "checkpoint-last.pt"]
+    assert sorted(os.listdir(other)) == ["checkpoint-last.json", "checkpoint-last.pt",
+                                         "rag_fast-output.json"]
 
 
 def test_plot_is_a_png_with_an_eval_panel(tmp_path):

@@ -29,14 +29,17 @@ def saved(tmp_path_factory):
 
 
 def edited(saved, tmp_path, preset: str, edit) -> str:
-    """A copy of the saved ``preset`` index whose manifest went through ``edit(manifest)``."""
+    """A copy of the saved ``preset`` index whose manifest went through ``edit(manifest)`` and
+    was sealed again (as ``rag-fast reseal`` accepts an edit): loading still checks every key."""
     import shutil
+
+    from rag_fast.retrieval._files import sealed
 
     path = tmp_path / f"{preset}-edited"
     shutil.copytree(saved[preset], path)
     manifest = json.loads((path / "manifest.json").read_text())
     edit(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_text(json.dumps(sealed(manifest)))
     return str(path)
 
 
@@ -185,14 +188,14 @@ def index_dir(tmp_path):
     """An index directory as `rag-fast index build` lays it out, bundle manifest included."""
     from rag_fast.models.retriever_io import BUNDLE_KIND
     from rag_fast.retrieval import Passage, PassageStore
-    from rag_fast.retrieval._files import describe_files, write_json
+    from rag_fast.retrieval._files import describe_files, write_manifest
 
     root = tmp_path / "kb"
     PassageStore.create([Passage(f"p{i}", f"title {i}", f"text {i}") for i in range(50)],
                         root / "passages", progress=False)
     vectors = np.random.default_rng(0).standard_normal((50, D)).astype(np.float32)
     DenseIndex.build(vectors, "exact", progress=False).save(root / "index")
-    write_json(root / "manifest.json", {
+    write_manifest(root / "manifest.json", {
         "kind": BUNDLE_KIND, "format": 1, "encoder": {"dim": D}, "query_encoder": {"dim": D},
         "files": describe_files(root, ["passages/manifest.json", "index/manifest.json"])})
     return root

@@ -103,6 +103,8 @@ def test_transformers_folder_loads_and_generates_the_same_tokens(mode, settings,
 
 
 def test_every_file_is_verified(tmp_path):
+    from rag_fast.retrieval._files import sealed
+
     path = tmp_path / "m"
     _ours("token").save(str(path))
     RagModel.load(str(path))
@@ -125,13 +127,16 @@ def test_every_file_is_verified(tmp_path):
     fails("corrupt: config.json")
     (path / "config.json").write_text(config)
     side = json.loads((path / "rag_fast.json").read_text())
-    (path / "rag_fast.json").write_text(json.dumps({**side, "format": 99}))
+    (path / "rag_fast.json").write_text(json.dumps({**side, "format": 99}))  # not resealed
+    fails("rag_fast.json was changed after rag_fast wrote it")
+    # edits accepted with `rag-fast reseal` (sealed again) are still checked key by key
+    (path / "rag_fast.json").write_text(json.dumps(sealed({**side, "format": 99})))
     fails("rag_fast.json: unknown format 99")
     (path / "rag_fast.json").write_text("{not json")
     fails("rag_fast.json is not valid JSON")
     # a hand-edited option RagModel refuses: named with the file
-    (path / "rag_fast.json").write_text(json.dumps(
-        {**side, "options": {**side["options"], "epsilon": 1.5}}))
+    (path / "rag_fast.json").write_text(json.dumps(sealed(
+        {**side, "options": {**side["options"], "epsilon": 1.5}})))
     fails(r"rag_fast.json: options do not fit RagModel: epsilon must be a float in \[0, 1\]")
     (path / "rag_fast.json").write_text(json.dumps(side))
     os.remove(path / "generation_config.json")

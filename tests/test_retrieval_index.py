@@ -239,6 +239,8 @@ def test_truncated_file_is_a_clear_error(tmp_path, exact):
 
 
 def test_dimension_mismatch_is_a_clear_error(tmp_path, exact):
+    from rag_fast.retrieval._files import sealed
+
     path = _saved(tmp_path, exact)
     with pytest.raises(ValueError, match="expected_dim=384 does not match the index dimension 64"):
         DenseIndex.load(path, expected_dim=384)
@@ -247,7 +249,7 @@ def test_dimension_mismatch_is_a_clear_error(tmp_path, exact):
     other.save(tmp_path / "other")
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"] = json.loads((tmp_path / "other" / "manifest.json").read_text())["files"]
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_text(json.dumps(sealed(manifest)))  # resealed, as if accepted
     for name in ("index.faiss", "vectors.faiss"):
         os.replace(tmp_path / "other" / name, path / name)
     with pytest.raises(StorageError, match="dimension mismatch"):

@@ -193,10 +193,12 @@ def test_small_corpus_is_exact_without_lists(data, tmp_path):
 
 
 def _edit_manifest(src, dst, edit):
+    from rag_fast.retrieval._files import sealed
+
     shutil.copytree(src, dst)
     manifest = json.loads((dst / "manifest.json").read_text())
     edit(manifest)
-    (dst / "manifest.json").write_text(json.dumps(manifest))
+    (dst / "manifest.json").write_text(json.dumps(sealed(manifest)))  # as `rag-fast reseal` does
     return dst
 
 
@@ -248,13 +250,15 @@ def test_mapped_file_descriptors_are_closed(saved, tmp_path):
     import gc
     import os
 
+    from rag_fast.retrieval._files import sealed
+
     lying = _edit_manifest(saved, tmp_path / "lying", lambda m: m.update(factory="HNSW32"))
     shutil.copy(DenseIndex.build(_clustered(1000, D, 5), "hnsw", progress=False).save(
         tmp_path / "hnsw") / "index.faiss", lying / "index.faiss")
     manifest = json.loads((lying / "manifest.json").read_text())
     manifest["files"] = json.loads((tmp_path / "hnsw" / "manifest.json").read_text())["files"] | {
         "vectors.faiss": manifest["files"]["vectors.faiss"]}
-    (lying / "manifest.json").write_text(json.dumps(manifest))
+    (lying / "manifest.json").write_text(json.dumps(sealed(manifest)))
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):

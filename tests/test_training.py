@@ -85,7 +85,8 @@ def test_killed_run_resumes_to_same_parameters(tmp_path):
     proc.join(300)
     assert proc.exitcode == 17
     # atomic: no temporaries left; a logged step is yet to come (log_every 10)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-last.json", "checkpoint-last.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-last.json", "checkpoint-last.pt",
+                                            "rag_fast-output.json"]
 
     resumed = make_model()
     trainer = Trainer(resumed, make_dataset(), collate, loss_fn,

@@ -34,12 +34,24 @@ def _print_metrics(metrics: dict, as_json: bool = False) -> None:
 
 def _write_atomic(path: Path, text: str) -> None:
     """``text`` to a temporary file beside ``path``, then renamed over it (never half written)."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    from rag_fast.retrieval._files import atomic_write_bytes
+
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+_EVAL_FILES = {"predictions.jsonl", "metrics.json"}
+
+
+def _check_out(out: Path, args) -> None:
+    """``--out`` apart from the inputs, and empty or an evaluation's own folder (an earlier
+    rag_fast's, holding only its two files, included)."""
+    from rag_fast.retrieval._files import EVAL_KIND, check_apart, check_output_folder, folder_kind
+
+    check_apart(out, "--out", {"--data": args.data, "--model": args.model, "--index": args.index})
+    legacy = (out.is_dir() and folder_kind(out) is None
+              and {p.name for p in out.iterdir()} <= _EVAL_FILES)
+    if not legacy:
+        check_output_folder(out, EVAL_KIND, reuse=True, flag="--out")
 
 
 def load_model_for_cli(model_dir: str, index: str | None, device: str | None,
@@ -70,9 +82,16 @@ def load_model_for_cli(model_dir: str, index: str | None, device: str | None,
 def run(args: argparse.Namespace) -> int:
     from rag_fast.evaluation import answer_metrics, evaluate, label_accuracy, load_qa
     from rag_fast.evaluation.metrics import exact_match_one, f1_one
+    from rag_fast.retrieval._files import EVAL_KIND, check_apart, write_marker
 
     if (args.predictions is None) == (args.model is None):
         raise ValueError("give exactly one of --predictions FILE and --model DIR")
+    out = Path(args.out or f"eval-{Path(args.data).stem}")
+    if args.model is not None:  # before anything is read (a bad --device first: no I/O)
+        from rag_fast.training.trainer import resolve_device
+
+        resolve_device(args.device, "--device")
+        _check_out(out, args)
     examples = load_qa(args.data)
     answers = [list(e.answers) for e in examples]
     if args.predictions is not None:
@@ -89,10 +108,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     model = load_model_for_cli(args.model, args.index, args.device)
+    check_apart(out, "--out", {"the model's index": getattr(model, "index_path", None)})
     result = evaluate(model, examples, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
-    out = Path(args.out or f"eval-{Path(args.data).stem}")
-    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, EVAL_KIND)
     rows = []
     for e, prediction, passages, scores in zip(examples, result.predictions, result.passages,
                                                result.doc_scores):

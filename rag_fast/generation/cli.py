@@ -17,6 +17,7 @@ generators alike. One JSON line per question is printed (or written to ``--out``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -61,6 +62,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="FILE", default=None, help="write JSONL here (default stdout)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def _check_out(args) -> None:
+    """``--out`` apart from the inputs, and missing, empty or an earlier answers file of
+    ``rag-fast generate`` (every line an object with "question" and "answer"): a file it did not
+    write is never replaced."""
+    from rag_fast.retrieval._files import check_apart
+
+    check_apart(args.out, "--out", {"--questions": args.questions, "--model": args.model,
+                                    "--index": args.index, "--tokenizer": args.tokenizer})
+    path = Path(args.out)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():
+        raise FileExistsError(f"--out {args.out!r} exists and is not a file; refused")
+    try:
+        with open(path, encoding="utf-8") as f:
+            ours = all(isinstance(row := json.loads(line), dict) and {"question", "answer"} <= set(row)
+                       for line in f if line.strip())
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"--out {args.out!r} exists and is not an answers file of "
+                              "`rag-fast generate`; refused (it is never replaced): choose "
+                              "another path")
 
 
 def read_questions(args) -> list[dict]:
@@ -133,6 +159,8 @@ def run(args) -> int:
                         ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.out:
+        _check_out(args)
     rows = read_questions(args)
     model = _load(args)
     settings = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
@@ -152,7 +180,8 @@ def run(args) -> int:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
-    out = open(args.out + f".tmp-{os.getpid()}", "w", encoding="utf-8") if args.out else sys.stdout
+    out = open(os.path.join(os.path.dirname(args.out), f".{os.path.basename(args.out)}.tmp-{os.getpid()}"),
+               "w", encoding="utf-8") if args.out else sys.stdout
     try:
         for start in range(0, len(rows), args.batch_size):
             batch = rows[start:start + args.batch_size]
@@ -175,14 +204,16 @@ def run(args) -> int:
                 }, ensure_ascii=False) + "\n")
             if bar is not None:
                 bar.update(len(batch))
+        if args.out:
+            out.close()  # (a full disk may fail here: the temporary is removed below)
+            os.replace(out.name, args.out)
     except BaseException:
         if args.out:
-            out.close()
-            os.remove(out.name)
+            with contextlib.suppress(OSError):
+                out.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(out.name)
         raise
-    if args.out:
-        out.close()
-        os.replace(out.name, args.out)
     if bar is not None:
         bar.close()
         print(f"{len(rows)} answers -> {args.out}", file=sys.stderr)

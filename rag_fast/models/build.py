@@ -303,6 +303,15 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
+    from rag_fast.models.checkpoint import KIND
+    from rag_fast.retrieval._files import check_apart, check_output_folder
+
+    # before anything is read: --out apart from every input, and only ever an empty folder or a
+    # model directory (replaced with --overwrite)
+    check_apart(args.out, "--out", {"--index": args.index, "--generator": args.generator,
+                                    "--generator-tokenizer": args.generator_tokenizer,
+                                    "--question-encoder": args.question_encoder})
+    check_output_folder(args.out, KIND, overwrite=args.overwrite, flag="--out")
     # build_rag_model's checks (RagModel's), named as the flags that gave the values
     flags = {"n_docs": ("--n-docs", args.n_docs), "epsilon": ("--label-smoothing",
                                                               args.label_smoothing),
@@ -319,8 +328,6 @@ def _run(args) -> int:
         raise ValueError(f"--generator {args.generator!r} is a config file: give "
                          "--generator-tokenizer (a tokenizer name or folder) for its vocabulary")
     out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise FileExistsError(f"--out {str(out)!r} already exists (pass --overwrite to replace it)")
     try:
         model = build_rag_model(generator=args.generator, question_encoder=args.question_encoder,
                                 index=args.index, generator_tokenizer=args.generator_tokenizer,

@@ -36,7 +36,6 @@ Each model is re-created from its ``config.json`` (the ``transformers`` class it
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Any
@@ -45,6 +44,7 @@ import torch
 
 from rag_fast._quiet import quiet_transformers
 from rag_fast.models.rag_model import RagModel
+from rag_fast.retrieval._files import sha256_file
 
 FORMAT = 2
 KIND = "rag_fast.model"
@@ -62,14 +62,6 @@ QUESTION_ENCODER_DIR = "question_encoder"
 
 class CheckpointError(ValueError):
     """A model directory that is missing, incomplete, corrupt or of an unknown format."""
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_tree(root: str) -> None:
@@ -127,7 +119,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
     Raises:
         CheckpointError: a model without a transformers generator and question encoder.
     """
-    from rag_fast.retrieval._files import atomic_directory
+    from rag_fast.retrieval._files import atomic_directory, disk_errors, sealed
 
     causal = bool(getattr(model, "is_causal", False))
     if causal:
@@ -136,7 +128,8 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
     else:
         config = rag_config(model)
     index = index if index is not None else model.index_path
-    with atomic_directory(os.path.abspath(path), overwrite=True) as tmp:
+    with disk_errors(path), atomic_directory(os.path.abspath(path), overwrite=True,
+                                             kind=KIND) as tmp:
         tmp = str(tmp)
         with quiet_transformers():
             if causal:
@@ -156,7 +149,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
             "files": _describe(tmp),
         }
         with open(os.path.join(tmp, SIDE_FILE), "w", encoding="utf-8") as f:
-            json.dump(side, f, indent=1)
+            json.dump(sealed(side), f, indent=1)
         _fsync_tree(tmp)
 
 
@@ -199,6 +192,8 @@ def _read_side_json(side_path: str) -> Any:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{side_path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"{side_path} cannot be read: {e.strerror or e}") from None
 
 
 def read_side_file(path: str) -> dict | None:
@@ -208,6 +203,8 @@ def read_side_file(path: str) -> dict | None:
         CheckpointError: invalid JSON, an unknown kind or format, a missing file, or a file
             whose size or SHA-256 differs from the record (named in the message).
     """
+    from rag_fast.retrieval._files import StorageError, check_files_entry, check_seal
+
     side_path = os.path.join(path, SIDE_FILE)
     if not os.path.isfile(side_path):
         return None
@@ -215,6 +212,12 @@ def read_side_file(path: str) -> dict | None:
     if not isinstance(side, dict) or side.get("kind") != KIND:
         raise CheckpointError(f"{side_path}: not a rag_fast model side file (kind "
                               f"{side.get('kind') if isinstance(side, dict) else None!r})")
+    try:
+        side = check_seal(side_path, side, path)
+        if "files" in side:
+            check_files_entry(side_path, side["files"], path)
+    except StorageError as e:
+        raise CheckpointError(str(e)) from None
     if side.get("format") != FORMAT:
         raise CheckpointError(f"{side_path}: unknown format {side.get('format')!r} (this rag_fast "
                               f"reads format {FORMAT}; save the model again with it)")
@@ -296,8 +299,9 @@ def _load_causal(path: str, side: dict, retriever: Any, overrides: dict) -> RagM
         folder = os.path.join(path, sub)
         cls = _pretrained_class(folder, what, fallback)
         try:
-            models[what] = cls.from_pretrained(folder, use_safetensors=True)
-        except (OSError, RuntimeError, ValueError) as e:
+            models[what] = cls.from_pretrained(folder, use_safetensors=True,
+                                                 trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001  (whatever fails: one line)
             raise CheckpointError(f"{folder}: the {what}'s weights do not load: {e}") from None
     tokenizers = _load_tokenizers(path)
     options = {**side["options"], **overrides}
@@ -331,18 +335,29 @@ def _rag_architecture(path: str) -> str:
     return arch
 
 
-def _load_tokenizers(path: str) -> dict:
+def _load_tokenizer(folder: str):
+    """The tokenizer saved in ``folder``; never runs code from it (a tokenizer that needs its
+    own code, an ``auto_map``, is refused)."""
     from transformers import AutoTokenizer
 
+    from rag_fast.retrieval.encoders import unloadable
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001  (whatever fails: one line naming the folder)
+        raise CheckpointError(str(unloadable("tokenizer", folder, e))) from None
+
+
+def _load_tokenizers(path: str) -> dict:
     tokenizers = {}
     if not os.path.isdir(os.path.join(path, GENERATOR_TOKENIZER_DIR)) and os.path.isfile(
             os.path.join(path, "tokenizer_config.json")):  # a generator tokenizer saved beside
-        tokenizers["generator_tokenizer"] = AutoTokenizer.from_pretrained(path)
+        tokenizers["generator_tokenizer"] = _load_tokenizer(path)
     for sub, name in ((GENERATOR_TOKENIZER_DIR, "generator_tokenizer"),
                       (QUESTION_TOKENIZER_DIR, "question_tokenizer")):
         folder = os.path.join(path, sub)
         if os.path.isdir(folder):
-            tokenizers[name] = AutoTokenizer.from_pretrained(folder)
+            tokenizers[name] = _load_tokenizer(folder)
     return tokenizers
 
 
@@ -398,8 +413,8 @@ def load_rag_model(
     side = read_side_file(path)
     with quiet_transformers():
         try:
-            hf = getattr(transformers, arch).from_pretrained(path)
-        except (OSError, RuntimeError, ValueError) as e:
+            hf = getattr(transformers, arch).from_pretrained(path, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001  (whatever fails: one line)
             raise CheckpointError(f"{path}: the weights do not load: {e}") from None
         tokenizers = _load_tokenizers(path)
         generation_config = _generation_config(path)

@@ -17,11 +17,14 @@ BUNDLE_KIND = "rag_fast.index_bundle"
 
 
 def read_bundle_manifest(path: str | Path) -> dict | None:
-    """The bundle manifest of an index directory, or None when it has none.
+    """The bundle manifest of an index directory (its seal checked), or None when it has none.
 
     Raises:
-        ValueError: a manifest that is not valid JSON or not an index bundle's.
+        ValueError: a manifest that is not valid JSON, not an index bundle's, or edited after
+            it was written (``rag_fast.retrieval.StorageError``).
     """
+    from rag_fast.retrieval._files import check_seal
+
     manifest_path = Path(path) / "manifest.json"
     if not manifest_path.is_file():
         return None
@@ -33,7 +36,7 @@ def read_bundle_manifest(path: str | Path) -> dict | None:
         kind = manifest.get("kind") if isinstance(manifest, dict) else None
         raise ValueError(f"{manifest_path} describes a {kind!r}, expected an index directory "
                          f"({BUNDLE_KIND!r}, as `rag-fast index build` writes)")
-    return manifest
+    return check_seal(manifest_path, manifest, path)
 
 
 def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,

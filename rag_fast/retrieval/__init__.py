@@ -7,6 +7,7 @@
     Retriever, RetrievedPassages                       ids, exact embeddings, generator inputs (.retriever)
     ShardedIndex, ShardedRetriever, search_exact_ties  one index over a torch.distributed group (.sharded)
     StorageError                                       a stored directory is corrupt or mismatched
+    NoSpaceError                                       a full disk (an OSError, ENOSPC), naming the file
 
 Names are imported on first use, so that ``exact_search`` and the passage store work where
 faiss is not installed.
@@ -17,6 +18,7 @@ import importlib
 
 _LAZY = {
     "StorageError": "rag_fast.retrieval._files",
+    "NoSpaceError": "rag_fast.retrieval._files",
     "Encoder": "rag_fast.retrieval.encoders",
     "encode_passages": "rag_fast.retrieval.encoders",
     "parse_shard": "rag_fast.retrieval.encoders",

@@ -56,23 +56,105 @@ def describe_files(root: Path, names: list[str]) -> dict[str, dict]:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    with open(path, "w") as f:
+    """Write ``payload`` as JSON, fsynced (callers write into a directory that is renamed into
+    place afterwards, so the file itself need not be atomic)."""
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _check_files_entry(manifest_path: Path, files: object) -> dict[str, dict]:
+# ---- seals: a manifest covers its own content ------------------------------------------------
+SEAL = "seal"
+RESEAL_HINT = "rag-fast reseal"
+
+
+def content_digest(payload: dict) -> str:
+    """SHA-256 of ``payload`` (without its ``seal`` key) as canonical JSON: sorted keys, no
+    whitespace, UTF-8. Formatting, key order and the seal itself do not change it."""
+    body = {k: v for k, v in payload.items() if k != SEAL}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sealed(payload: dict) -> dict:
+    """``payload`` with its ``seal``: ``{"sha256": content_digest(payload)}``."""
+    return {**{k: v for k, v in payload.items() if k != SEAL},
+            SEAL: {"sha256": content_digest(payload)}}
+
+
+def write_manifest(path: Path, payload: dict) -> None:
+    """Write a sealed manifest (see :func:`check_seal`)."""
+    write_json(path, sealed(payload))
+
+
+def reseal_command(folder: str | os.PathLike) -> str:
+    return f"{RESEAL_HINT} {os.fspath(folder)}"
+
+
+def check_seal(path: str | os.PathLike, payload: dict, folder: str | os.PathLike | None = None
+               ) -> dict:
+    """``payload`` (read from ``path``) without its seal, after checking that the seal matches
+    its content: a manifest edited by hand, or one whose seal was removed, is refused.
+
+    Raises:
+        StorageError: naming ``path``, and ``rag-fast reseal FOLDER`` as the way to accept an
+            edit made on purpose.
+    """
+    folder = folder if folder is not None else os.path.dirname(os.fspath(path)) or "."
+    seal = payload.get(SEAL)
+    accept = (f"if the edit was on purpose, accept it with `{reseal_command(folder)}`; "
+              "otherwise rebuild or restore it")
+    if seal is None:
+        raise StorageError(f"{path} has no seal (written by an earlier rag_fast, or the seal "
+                           f"was removed), so an edit could not be told from the original: "
+                           f"{accept}")
+    try:
+        digest = content_digest(payload)
+    except ValueError as e:  # NaN or infinity: never written by rag_fast
+        raise StorageError(f"{path}: not a manifest rag_fast wrote ({e})") from None
+    if not isinstance(seal, dict) or seal.get("sha256") != digest:
+        raise StorageError(f"{path} was changed after rag_fast wrote it (its seal does not match "
+                           f"its content): {accept}")
+    return {k: v for k, v in payload.items() if k != SEAL}
+
+
+def listed_path(root: Path, name: object, where: str | os.PathLike) -> Path:
+    """``root / name`` for a path a manifest lists, after checking that it is relative,
+    normalised and inside ``root`` (symbolic links included), before anything is opened.
+
+    Raises:
+        StorageError: naming the manifest ``where`` and the entry.
+    """
+    ok = isinstance(name, str) and name and "\\" not in name and "\0" not in name
+    if ok:
+        pure = PurePosixPath(name)
+        ok = (not pure.is_absolute() and ".." not in pure.parts and "." not in name.split("/")
+              and str(pure) == name)
+    if not ok:
+        raise StorageError(f"{where}: key 'files' lists {name!r:.120}, expected a relative, "
+                           "normalised path inside the directory (no '..', no leading '/')")
+    path = Path(root) / name
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise StorageError(f"{where}: key 'files' lists {name!r}, which leads outside "
+                           f"{os.fspath(root)!r} (a symbolic link); refused")
+    return path
+
+
+def check_files_entry(manifest_path: str | os.PathLike, files: object,
+                      root: Path | None = None) -> dict[str, dict]:
     """The ``files`` entry of a manifest, validated: a non-empty {relative path: {"bytes": int
-    >= 0, "sha256": 64 lowercase hex digits}}."""
+    >= 0, "sha256": 64 lowercase hex digits}}, every path inside ``root`` (default: the
+    manifest's folder)."""
+    root = Path(root) if root is not None else Path(manifest_path).parent
     if not isinstance(files, dict) or not files:
         raise StorageError(f"{manifest_path}: key 'files' must be a non-empty object "
                            f"{{name: {{'bytes', 'sha256'}}}}, got {files!r:.80}")
     for name, meta in files.items():
-        parts = PurePosixPath(name).parts
-        if not name or name.startswith("/") or ".." in parts or "\\" in name:
-            raise StorageError(f"{manifest_path}: key 'files' lists {name!r}, expected a relative "
-                               "path inside the directory")
+        listed_path(root, name, manifest_path)
         if not isinstance(meta, dict):
             raise StorageError(f"{manifest_path}: key 'files.{name}' must be an object with 'bytes' "
                                f"and 'sha256', got {meta!r:.80}")
@@ -90,7 +172,12 @@ def _check_files_entry(manifest_path: Path, files: object) -> dict[str, dict]:
 # How errors name a kind of directory (the manifest's "kind" key) to a user.
 KIND_WORDS = {"rag_fast.index_bundle": "an index directory from `rag-fast index build`",
               "rag_fast.passage_store": "a passage store (an index directory's passages/)",
-              "rag_fast.dense_index": "a saved index (an index directory's index/)"}
+              "rag_fast.dense_index": "a saved index (an index directory's index/)",
+              "rag_fast.model": "a model directory (`rag-fast init`, RagModel.save)",
+              "rag_fast.train_run": "a training run's folder (`rag-fast train`)",
+              "rag_fast.eval": "an evaluation's folder (`rag-fast eval`)",
+              "rag_fast.refreshed_index": "a training run's refreshed index directory",
+              "rag_fast.tokenized_passages": "a passage store's token cache"}
 
 
 def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
@@ -118,27 +205,101 @@ def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StorageError(f"{root / MANIFEST} is corrupt (not valid JSON: {exc})") from None
+    except OSError as exc:
+        raise StorageError(f"{root / MANIFEST} cannot be read: {exc.strerror or exc}") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != kind:
         found = manifest.get("kind") if isinstance(manifest, dict) else None
         raise StorageError(f"{root / MANIFEST} describes a {found!r}, expected a {kind!r}")
     if "files" not in manifest:
         raise StorageError(f"{root / MANIFEST}: missing key 'files' (each file's bytes and sha256); "
                            "nothing could be checked")
-    for name, meta in _check_files_entry(root / MANIFEST, manifest["files"]).items():
+    manifest = check_seal(root / MANIFEST, manifest)
+    for name, meta in check_files_entry(root / MANIFEST, manifest["files"], root).items():
         path = root / name
         if not path.is_file():
             raise StorageError(f"{kind} file {str(path)!r} listed in the manifest is missing")
+        edited = (f" (a manifest edited by hand? `{reseal_command(root)}` accepts the edit)"
+                  if name.endswith(".json") else "")
         size = path.stat().st_size
         if size != meta["bytes"]:
             raise StorageError(
                 f"{kind} file {str(path)!r} has {size} bytes, the manifest says {meta['bytes']} "
-                "(truncated or overwritten)"
+                f"(truncated or overwritten){edited}"
             )
         if verify and sha256_file(path) != meta["sha256"]:
             raise StorageError(
-                f"{kind} file {str(path)!r} fails its SHA-256 checksum (corrupt); rebuild it"
+                f"{kind} file {str(path)!r} fails its SHA-256 checksum (corrupt); rebuild it{edited}"
             )
     return manifest
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (OSError, ValueError) as e:
+        raise StorageError(f"{path}: cannot be read as JSON ({e})") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("kind"), str):
+        raise StorageError(f"{path}: not a rag_fast manifest (no 'kind')")
+    return payload
+
+
+def reseal(folder: str | os.PathLike) -> list[Path]:
+    """Accept hand edits of a rag_fast folder's manifest: seal it again (``rag-fast reseal``).
+
+    ``folder`` is an index directory (its ``manifest.json`` and those of ``passages/`` and
+    ``index/``), one of those parts (its bundle is resealed with it), or a model directory
+    (``rag_fast.json``). Only the manifests are accepted as they are: every other file they
+    list must still have its recorded size and SHA-256, so a corrupt data file is never sealed
+    over. Loading still checks every key of the resealed manifest.
+
+    Returns:
+        The manifests rewritten (empty when every seal already matched).
+    Raises:
+        StorageError: ``folder`` is no rag_fast folder, or a listed file is missing or differs
+            from its record (named).
+    """
+    folder = Path(folder)
+    parent = folder.resolve().parent
+    if (parent / MANIFEST).is_file() and folder.name in ("passages", "index"):
+        try:
+            outer = _load_json(parent / MANIFEST)
+        except StorageError:
+            outer = {}
+        if f"{folder.name}/{MANIFEST}" in (outer.get("files") or {}):
+            return reseal(parent)
+    for name in (MANIFEST, "rag_fast.json"):
+        if (folder / name).is_file():
+            return _reseal_file(folder, folder / name)
+    raise StorageError(f"{os.fspath(folder)!r} holds no rag_fast manifest (manifest.json or "
+                       "rag_fast.json): nothing to reseal")
+
+
+def _reseal_file(root: Path, path: Path) -> list[Path]:
+    payload = _load_json(path)
+    files = check_files_entry(path, payload.get("files"), root)
+    written: list[Path] = []
+    updated = dict(files)
+    for name, meta in files.items():
+        listed = root / name
+        if not listed.is_file():
+            raise StorageError(f"{listed}: listed in {path} but missing; not resealed")
+        if name.endswith("/" + MANIFEST) and listed.parent != root:  # a part of a bundle
+            written += _reseal_file(listed.parent, listed)
+            updated[name] = describe_files(root, [name])[name]
+            continue
+        size = listed.stat().st_size
+        if size != meta["bytes"] or sha256_file(listed) != meta["sha256"]:
+            raise StorageError(f"{listed} differs from its record in {path} (a corrupt or "
+                               "replaced file, not a manifest edit): not resealed; rebuild it")
+    new = {**payload, "files": updated}
+    current = payload.get(SEAL)
+    if updated == files and isinstance(current, dict) and \
+            current.get("sha256") == content_digest(payload):
+        return written
+    text = json.dumps(sealed(new), indent=2, sort_keys=True, ensure_ascii=False)
+    atomic_write_bytes(path, text.encode("utf-8"))
+    return written + [path]
 
 
 # ---- atomic directories ---------------------------------------------------------------------
@@ -236,8 +397,266 @@ def _remove_leftovers(out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# ---- what an output folder is, and whether a command may write it ---------------------------
+# The file that says what a folder rag_fast wrote is, by kind: its manifest (index bundle,
+# passage store, saved index, token cache), a model's side file, or the marker of a training
+# run or an evaluation.
+OUTPUT_MARKER = "rag_fast-output.json"
+RUN_KIND, EVAL_KIND = "rag_fast.train_run", "rag_fast.eval"
+REFRESHED_KIND = "rag_fast.refreshed_index"  # a training run's index/ after refreshes
+_MARKER_FILES = (MANIFEST, "rag_fast.json", OUTPUT_MARKER)
+
+
+def folder_kind(path: str | os.PathLike) -> str | None:
+    """The kind of rag_fast folder ``path`` is (``"rag_fast.model"``, ``"rag_fast.index_bundle"``,
+    ...), read from its marker file; None when it has none (or is not a folder)."""
+    path = Path(path)
+    for name in _MARKER_FILES:
+        marker = path / name
+        if not marker.is_file():
+            continue
+        try:
+            with open(marker, encoding="utf-8") as f:
+                payload = json.load(f)
+        except (OSError, ValueError):
+            continue
+        kind = payload.get("kind") if isinstance(payload, dict) else None
+        if isinstance(kind, str) and kind.startswith("rag_fast."):
+            return kind
+    return None
+
+
+def _is_empty_dir(path: Path) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
+
+
+def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = False,
+                        flag: str = "output", reuse: bool = False) -> None:
+    """Refuse to write the folder ``out`` where that could destroy what rag_fast did not write.
+
+    ``out`` may be missing or an empty folder. An existing folder of the same ``kind`` (its
+    marker says so) is replaced only with ``overwrite``, or written into with ``reuse`` (a
+    training run resuming, an evaluation written again). Anything else is refused, whatever
+    ``overwrite`` says: a file, a folder of another kind, or one that holds files rag_fast did not
+    write.
+
+    Raises:
+        FileExistsError: naming ``flag`` and ``out``, and what to do instead.
+    """
+    out = Path(out)
+    words = KIND_WORDS.get(kind, kind)
+    recover_directory(out)
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"{flag} {str(out)!r} exists and is not a folder (expected "
+                              f"{words}); refused: choose another path")
+    if _is_empty_dir(out):
+        return
+    found = folder_kind(out)
+    if found == kind:
+        if overwrite or reuse:
+            return
+        raise FileExistsError(f"{flag} {str(out)!r} already exists (pass --overwrite to replace "
+                              "it)")
+    what = (f"is {KIND_WORDS.get(found, found)}, not {words}" if found is not None else
+            "holds files rag_fast did not write")
+    raise FileExistsError(f"{flag} {str(out)!r} {what}; refused (even with --overwrite, "
+                          "rag_fast replaces only a folder of its own kind): choose another "
+                          "path or an empty folder")
+
+
+def _real(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def check_apart(out: str | os.PathLike, flag: str, inputs: dict[str, object]) -> None:
+    """Refuse an output that is, contains or lies inside one of the command's inputs, before
+    anything is read or written. ``inputs`` maps a flag (or config key) to a path (or None, or
+    a name that is not a local path: skipped).
+
+    Raises:
+        ValueError: naming both flags and paths.
+    """
+    target = _real(out)
+    for name, value in inputs.items():
+        if value is None or not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            continue
+        if not os.path.exists(value):  # a model or encoder name, not a path
+            continue
+        source = _real(value)
+        if target == source:
+            how = "is"
+        elif os.path.commonpath([target, source]) == target:
+            how = "contains"
+        elif os.path.commonpath([target, source]) == source and os.path.isdir(source):
+            how = "lies inside"
+        else:
+            continue
+        raise ValueError(f"{flag} {os.fspath(out)!r} {how} {name} {os.fspath(value)!r}: writing "
+                         f"it could destroy the input; choose an output path apart from the "
+                         "inputs")
+
+
+def write_marker(folder: str | os.PathLike, kind: str, **extra) -> None:
+    """Mark ``folder`` (created if missing) as a rag_fast output of ``kind`` (atomically)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(folder / OUTPUT_MARKER, json.dumps(
+        {"kind": kind, "format": 1, **extra}, indent=1, sort_keys=True).encode("utf-8"))
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make renames in ``folder`` durable (where the OS allows opening a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """``write(f)`` to a temporary file beside ``path`` (binary), fsync, then rename over
+    ``path``; the temporary is removed on any failure (a full disk included)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with disk_errors(path), open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(folder)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---- a full disk ---------------------------------------------------------------------------
+class NoSpaceError(OSError):
+    """The disk (or the user's quota) has no room for a file being written: one line naming
+    the file, the bytes it needs and the bytes free (``errno`` is ``ENOSPC`` or ``EDQUOT``)."""
+
+    def __init__(self, path: str | os.PathLike, needed: int | None, free: int | None,
+                 code: int = errno.ENOSPC):
+        what = "disk quota exceeded" if code == errno.EDQUOT else "no space left on device"
+        message = f"{what} writing {os.fspath(path)}"
+        if needed is not None:
+            message += f": needs {needed} bytes ({_mib(needed)})"
+        if free is not None:
+            message += f"{',' if needed is not None else ':'} {free} free ({_mib(free)})"
+        super().__init__(code, message)
+        self.path, self.needed, self.free = os.fspath(path), needed, free
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):
+        return type(self), (self.path, self.needed, self.free, self.errno)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def disk_free(path: str | os.PathLike) -> int | None:
+    """Bytes free for an unprivileged writer on the filesystem of ``path`` (or of its nearest
+    existing parent), or None where the system cannot say."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return int(shutil.disk_usage(path).free)
+    except OSError:
+        return None
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk (or the quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(exc: OSError, path: str | os.PathLike, needed: int | None = None) -> OSError:
+    """``exc`` as a :class:`NoSpaceError` naming ``path`` when it says the disk is full, else
+    ``exc`` itself. The free space is read now (after the caller removed its temporary
+    files); a :class:`NoSpaceError` keeps the file and the bytes it names."""
+    if isinstance(exc, NoSpaceError):
+        return NoSpaceError(exc.path, exc.needed, disk_free(exc.path), exc.errno)
+    if not is_no_space(exc):
+        return exc
+    return NoSpaceError(path, needed, disk_free(path), exc.errno)
+
+
+def reserve_space(fd: int, path: str | os.PathLike, nbytes: int) -> None:
+    """Allocate ``nbytes`` on disk for the open file ``fd`` (written as ``path``) before any
+    of it is written, so that a full disk is reported now, as one :class:`NoSpaceError`,
+    rather than part-way through (or, for a file written through a memory map, as a SIGBUS
+    that kills the process). On a filesystem that cannot allocate ahead, the free space is
+    checked instead and the file extended, and the writes themselves report a full disk.
+
+    Raises:
+        NoSpaceError: the filesystem has fewer than ``nbytes`` free.
+        OSError: another error of the filesystem.
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    except AttributeError:  # no posix_fallocate on this platform
+        pass
+    except OSError as exc:
+        if is_no_space(exc):
+            raise NoSpaceError(path, nbytes, disk_free(path), exc.errno) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+            raise
+    free = disk_free(path)
+    if free is not None and free < nbytes:
+        raise NoSpaceError(path, nbytes, free)
+    os.ftruncate(fd, nbytes)
+
+
+_NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a full disk
+
+
 @contextlib.contextmanager
-def atomic_directory(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def disk_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Say a full disk as a :class:`NoSpaceError` naming ``path`` when a library writing ``path`` fails its own way
+    (``torch.save``'s RuntimeError, safetensors' and faiss's errors): its message names the
+    full disk, or the disk holding ``path`` is nearly full. Other failures pass unchanged."""
+    try:
+        yield
+    except NoSpaceError:
+        raise
+    except OSError as e:
+        if is_no_space(e):
+            raise NoSpaceError(path, None, disk_free(path), e.errno) from None
+        raise
+    except Exception as e:
+        text = str(e)
+        free = disk_free(path)
+        if ("No space left" in text or "os error 28" in text or "ENOSPC" in text
+                or (free is not None and free < _NEARLY_FULL)):
+            raise NoSpaceError(path, None, free) from None
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | os.PathLike, overwrite: bool = False,
+                     kind: str | None = None) -> Iterator[Path]:
     """Yield a temporary directory that becomes ``out`` when the block exits normally.
 
     On any exception (KeyboardInterrupt included) the temporary directory is removed and
@@ -247,15 +666,22 @@ def atomic_directory(out: str | os.PathLike, overwrite: bool = False) -> Iterato
     :func:`recover_directory`. Before any work, a missing ``out`` is recovered and the
     leftovers of dead writers (``.NAME.{tmp,new,old,trash}-PID-*``) are removed.
 
+    ``kind`` is what the new directory is (its manifest's kind): an existing ``out`` is replaced
+    only when it is empty or of that kind (see :func:`check_output_folder`); without ``kind``,
+    only an empty one.
+
     Raises:
-        FileExistsError: ``out`` exists and ``overwrite`` is False (before any work starts).
+        FileExistsError: ``out`` exists and ``overwrite`` is False, or it is not a folder of
+            ``kind`` (before any work starts).
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     recover_directory(out)
     _remove_leftovers(out)
-    if out.exists() and not overwrite:
+    if out.exists() and not overwrite and not (out.is_dir() and _is_empty_dir(out)):
         raise FileExistsError(f"output path {str(out)!r} already exists (pass overwrite=True)")
+    if out.exists() or out.is_symlink():
+        check_output_folder(out, kind or "an empty folder", overwrite=True)
     tmp = _sibling(out, "tmp")
     tmp.mkdir()
     mine = [tmp]  # what to remove at the end

@@ -4,11 +4,13 @@ Pooling is CLS, mean over real tokens, or DPR's pooler output; ``"auto"`` reads 
 sentence-transformers pooling config when the model folder has one (MiniLM: mean, then L2
 normalisation), uses the pooler for DPR checkpoints and CLS otherwise. Passage encoding sorts
 each shard by length so batches carry little padding, runs in fp16 (or bf16) on a GPU, and
-writes an fp16 ``.npy`` (memory-mapped, written atomically) for rows ``[N*i/n, N*(i+1)/n)``
-of shard ``i`` of ``n``, so many processes or machines can encode one corpus.
+writes an fp16 ``.npy`` (allocated on disk before encoding, written atomically) for rows
+``[N*i/n, N*(i+1)/n)`` of shard ``i`` of ``n``, so many processes or machines can encode one
+corpus.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rag_fast._validation import brief_error
+from rag_fast.retrieval._files import no_space, reserve_space
 from rag_fast.retrieval.passages import PassageStore
 
 POOLINGS = ("auto", "cls", "mean", "pooler")
@@ -220,6 +223,36 @@ class Encoder:
         return self.encode(questions, batch_size=batch_size)
 
 
+def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """The header of a C-order ``.npy`` file of ``shape`` and ``dtype`` (format 1.0, or 2.0
+    when the header needs it), padded so that the data is aligned as numpy writes it."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+              "shape": tuple(int(n) for n in shape)}
+    buffer = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(buffer, header)
+    except ValueError:  # a header of 64 KiB or more
+        buffer = io.BytesIO()
+        np.lib.format.write_array_header_2_0(buffer, header)
+    return buffer.getvalue()
+
+
+def _write_rows(fd: int, offset: int, row_bytes: int, rows: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values[j]`` at row ``rows[j]`` of the data starting at ``offset`` (ordinary
+    writes, consecutive rows joined into one write)."""
+    order = np.argsort(rows, kind="stable")
+    rows, values = rows[order], values[order]
+    start = 0
+    for stop in range(1, len(rows) + 1):
+        if stop == len(rows) or rows[stop] != rows[stop - 1] + 1:
+            data = np.ascontiguousarray(values[start:stop]).tobytes()
+            position = offset + int(rows[start]) * row_bytes
+            while data:
+                written = os.pwrite(fd, data, position)
+                data, position = data[written:], position + written
+            start = stop
+
+
 def encode_passages(
     encoder: Encoder,
     store: PassageStore,
@@ -234,8 +267,17 @@ def encode_passages(
     concatenating the shards in order gives the embeddings of the whole store. Batches are
     length-sorted within the shard; the rows are written back in store order.
 
+    The whole file is allocated on disk before the first passage is encoded
+    (:func:`reserve_space`) and written with ordinary writes into a temporary file beside
+    ``out``, renamed into place when complete: a disk without room fails at once with one
+    :class:`NoSpaceError` naming ``out``, the bytes it needs and the bytes free, and the
+    temporary file is removed on every way out.
+
     Returns:
         ``out`` as a Path.
+    Raises:
+        ValueError: an empty shard.
+        NoSpaceError: the disk (or the quota) has no room for the file.
     """
     i, n = parse_shard(shard)
     lo, hi = shard_rows(len(store), (i, n))
@@ -244,20 +286,31 @@ def encode_passages(
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    header = _npy_header((hi - lo, encoder.dim), np.float16)
+    row_bytes = encoder.dim * 2
+    needed = len(header) + (hi - lo) * row_bytes
     try:
-        emb = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(hi - lo, encoder.dim))
-        order = lo + np.argsort(-store.text_lengths()[lo:hi], kind="stable")
-        bar = tqdm(total=hi - lo, desc=f"encoding shard {i}/{n}", unit=" psg", disable=not progress)
-        with torch.no_grad():
-            for start in range(0, len(order), batch_size):
-                rows = order[start : start + batch_size]
-                enc = encoder._tokenize([store.text(r) for r in rows], [store.title(r) for r in rows])
-                emb[rows - lo] = encoder.embed(**enc).float().cpu().numpy()
-                bar.update(len(rows))
-        bar.close()
-        emb.flush()
-        del emb
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            reserve_space(fd, out, needed)
+            os.pwrite(fd, header, 0)
+            order = lo + np.argsort(-store.text_lengths()[lo:hi], kind="stable")
+            bar = tqdm(total=hi - lo, desc=f"encoding shard {i}/{n}", unit=" psg", disable=not progress)
+            with torch.no_grad():
+                for start in range(0, len(order), batch_size):
+                    rows = order[start : start + batch_size]
+                    enc = encoder._tokenize([store.text(r) for r in rows], [store.title(r) for r in rows])
+                    values = encoder.embed(**enc).float().cpu().numpy().astype(np.float16)
+                    _write_rows(fd, len(header), row_bytes, rows - lo, values)
+                    bar.update(len(rows))
+            bar.close()
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)  # before the free space is read for the message
+        raise no_space(exc, out, needed) from None
     finally:
         tmp.unlink(missing_ok=True)
     return out

@@ -32,6 +32,7 @@ count, preset, parameters, faiss version and SHA-256 checksums) written atomical
 """
 from __future__ import annotations
 
+import errno
 import math
 import numbers
 import os
@@ -52,11 +53,15 @@ from rag_fast import _ext
 from rag_fast.retrieval._exact import exact_search
 from rag_fast.retrieval._files import (
     MANIFEST,
+    NoSpaceError,
     StorageError,
     atomic_directory,
     describe_files,
+    disk_free,
+    no_space,
     read_manifest,
-    write_json,
+    reserve_space,
+    write_manifest,
 )
 
 INDEX_KIND = "rag_fast.dense_index"
@@ -1331,35 +1336,50 @@ class DenseIndex:
         from (held open since :meth:`load`, so a later replacement of that path does not
         matter), streamed, and checked against the checksum its manifest gave at load.
 
+        A full disk is one error naming the file, the bytes it needs and the bytes free (the
+        copy of mapped lists is allocated on disk before it is written); the temporary
+        directory is removed and ``path`` is left as it was.
+
         Raises:
             FileExistsError: ``path`` exists and ``overwrite`` is False.
             StorageError: the mapped ``index.faiss`` no longer matches its manifest's checksum
                 (changed in place since it was loaded); nothing is written.
+            NoSpaceError: (an ``OSError``, errno ``ENOSPC``) the disk has no room for the
+                index; nothing is written.
         """
-        with atomic_directory(path, overwrite) as tmp:
-            if self._mapped_fd is not None:
-                self._copy_mapped(tmp / _INDEX_FILE)
-            else:
-                faiss.write_index(self._base, str(tmp / _INDEX_FILE))
-            faiss.write_index(self._vectors, str(tmp / _VECTORS_FILE))
-            described = {k: v for k, v in self.describe().items() if k != "search_quality"}
-            files = describe_files(tmp, [_INDEX_FILE, _VECTORS_FILE])
-            if self._mapped_entry is not None and files[_INDEX_FILE] != self._mapped_entry:
-                raise StorageError(f"{self.source / _INDEX_FILE}, whose inverted lists this index "
-                                   "memory-maps, no longer matches the checksum of its manifest "
-                                   "(changed on disk since it was loaded); reload or rebuild the index")
-            manifest = {"kind": INDEX_KIND, "format": FORMAT, **described, "meta": self.meta,
-                        "files": files}
-            write_json(tmp / MANIFEST, manifest)
-        return Path(path)
+        shown = Path(path)
+        try:
+            with atomic_directory(path, overwrite, kind=INDEX_KIND) as tmp:
+                if self._mapped_fd is not None:
+                    self._copy_mapped(tmp / _INDEX_FILE, shown / _INDEX_FILE)
+                else:
+                    _write_faiss(self._base, tmp / _INDEX_FILE, shown / _INDEX_FILE)
+                _write_faiss(self._vectors, tmp / _VECTORS_FILE, shown / _VECTORS_FILE)
+                described = {k: v for k, v in self.describe().items() if k != "search_quality"}
+                files = describe_files(tmp, [_INDEX_FILE, _VECTORS_FILE])
+                if self._mapped_entry is not None and files[_INDEX_FILE] != self._mapped_entry:
+                    raise StorageError(f"{self.source / _INDEX_FILE}, whose inverted lists this index "
+                                       "memory-maps, no longer matches the checksum of its manifest "
+                                       "(changed on disk since it was loaded); reload or rebuild the index")
+                manifest = {"kind": INDEX_KIND, "format": FORMAT, **described, "meta": self.meta,
+                            "files": files}
+                write_manifest(tmp / MANIFEST, manifest)
+        except OSError as exc:  # a full disk while writing the manifest, or creating a file
+            raise no_space(exc, shown) from None
+        return shown
 
-    def _copy_mapped(self, dest: Path) -> None:
-        """Stream the open file the inverted lists are mapped from to ``dest``."""
+    def _copy_mapped(self, dest: Path, shown: Path) -> None:
+        """Stream the open file the inverted lists are mapped from to ``dest`` (the file
+        ``shown`` in messages), its size allocated on disk first."""
         fd, offset = self._mapped_fd, 0
-        with open(dest, "wb") as out:
-            while chunk := os.pread(fd, 1 << 23, offset):
-                out.write(chunk)
-                offset += len(chunk)
+        with open(dest, "wb", buffering=0) as out:
+            reserve_space(out.fileno(), shown, os.fstat(fd).st_size)
+            try:
+                while chunk := os.pread(fd, _WRITE_CHUNK, offset):
+                    _write_all(out.fileno(), chunk)
+                    offset += len(chunk)
+            except OSError as exc:
+                raise no_space(exc, shown, os.fstat(fd).st_size) from None
 
     @classmethod
     def load(cls, path: str | Path, verify: bool = True, expected_dim: int | None = None,
@@ -1448,6 +1468,40 @@ class DenseIndex:
             if mapped_fd is not None:
                 os.close(mapped_fd)
         return index
+
+
+def _write_faiss(index, dest: Path, shown: Path) -> None:
+    """``faiss.write_index`` of ``index`` to ``dest`` (the file ``shown`` in messages), its
+    errors as ``OSError``: a full disk (faiss's ``RuntimeError`` ending in "No space left on
+    device") is one :class:`~rag_fast.retrieval.NoSpaceError` naming the file, the
+    bytes it needs (counted then, by a second serialisation that writes nothing) and the
+    bytes free."""
+    try:
+        faiss.write_index(index, str(dest))
+    except RuntimeError as exc:
+        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", str(exc).strip().splitlines()[-1])
+        for code in (errno.ENOSPC, errno.EDQUOT):
+            if os.strerror(code) in reason:
+                raise NoSpaceError(shown, _serialized_bytes(index), disk_free(dest), code) from None
+        raise OSError(f"faiss could not write {shown}: {reason}") from None
+
+
+def _serialized_bytes(index) -> int:
+    """Bytes of ``faiss.write_index(index)``, counted without keeping them."""
+    size = 0
+
+    def count(chunk: bytes) -> None:
+        nonlocal size
+        size += len(chunk)
+
+    faiss.write_index(index, faiss.PyCallbackIOWriter(count))
+    return size
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:

@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm.auto import tqdm
 
-from rag_fast._jsonl import decoded_lines, json_type, read_objects
+from rag_fast._jsonl import decoded_lines, json_type, lone_surrogate, read_objects
 from rag_fast.retrieval._files import (
     MANIFEST,
     RaggedArray,
@@ -39,7 +39,7 @@ from rag_fast.retrieval._files import (
     atomic_directory,
     describe_files,
     read_manifest,
-    write_json,
+    write_manifest,
 )
 
 STORE_KIND = "rag_fast.passage_store"
@@ -370,7 +370,7 @@ class PassageStore:
             ValueError: ``passages`` is empty, or an item has the wrong form.
             FileExistsError: ``out`` exists and ``overwrite`` is False.
         """
-        with atomic_directory(out, overwrite) as tmp:
+        with atomic_directory(out, overwrite, kind=STORE_KIND) as tmp:
             writers = {name: RaggedWriter(tmp, name, np.uint8) for name in _FIELDS}
             count = 0
             try:
@@ -391,7 +391,7 @@ class PassageStore:
             names = [f for name in _FIELDS for f in RaggedArray.files(name)]
             manifest = {"kind": STORE_KIND, "format": FORMAT, "count": count, "source": source,
                         "files": describe_files(tmp, names)}
-            write_json(tmp / MANIFEST, manifest)
+            write_manifest(tmp / MANIFEST, manifest)
         return cls.load(out, verify=False)
 
     @classmethod
@@ -505,7 +505,7 @@ class PassageStore:
                 titles.close()
                 texts.close()
             files = RaggedArray.files("titles") + RaggedArray.files("texts")
-            write_json(tmp / MANIFEST, {
+            write_manifest(tmp / MANIFEST, {
                 "kind": TOKENS_KIND, "format": FORMAT, "count": len(self), "tokenizer": key,
                 "name_or_path": str(tokenizer.name_or_path), "files": describe_files(tmp, files),
             })

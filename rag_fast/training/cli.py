@@ -212,6 +212,9 @@ def load_config(path: str, model: str | None = None, index: str | None = None) -
     if not isinstance(train, dict):
         raise _fail(path, "train", "an object of TrainConfig fields", train)
     train = dict(train)
+    if train.get("output_dir") == "":
+        raise _fail(path, "train.output_dir", "a folder path (relative to the config file's "
+                    "folder) or null", "")
     if isinstance(train.get("output_dir"), str):
         train["output_dir"] = _relative(base, train["output_dir"])
     out["train"] = train
@@ -279,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
     # may then leave its "path" out, its other options still apply
     config = load_config(args.config, model=args.model, index=args.index)
     if args.output_dir is not None:
+        if not args.output_dir:
+            raise ValueError("--output-dir: expected a folder path, got ''")
         config["train"]["output_dir"] = args.output_dir
     if args.device is not None:
         resolve_device(args.device, "--device")  # the flag's value, not the file's: named so
@@ -288,6 +293,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.config}: no model: set \"model\" or pass --model DIR")
     if not tc.output_dir:
         raise ValueError(f"{args.config}: train.output_dir is not set (or pass --output-dir DIR)")
+    # before the model, the index or the data are read: the run's folder apart from every input,
+    # and only ever empty or one of rag-fast train's runs (which it resumes)
+    from rag_fast.retrieval._files import check_apart
+    from rag_fast.training.trainer import check_run_folder
+
+    flag = "--output-dir" if args.output_dir is not None else f"{args.config}: train.output_dir"
+    index_path = (config["index"] or {}).get("path")
+    check_apart(tc.output_dir, flag, {
+        "--config": args.config, "the model": (config["model"] or {}).get("path"),
+        "the index": index_path, "data.train": config["data"].get("train"),
+        "data.eval": config["data"].get("eval")})
+    check_run_folder(tc.output_dir, flag)
     for key, file in config["data"].items():  # before the model and the index are loaded
         if not os.path.isfile(file):
             problem = "is not a file" if os.path.exists(file) else "dataset file not found:"
@@ -303,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
     index = config["index"]
     if index is None and model.index_path:
         index = {"path": model.index_path}
+        check_apart(tc.output_dir, flag, {"the index the model records": model.index_path})
     if index is None:
         raise ValueError(f"{args.config}: no index: the model records none; set \"index\" or "
                          "pass --index DIR (an index directory from `rag-fast index build`)")

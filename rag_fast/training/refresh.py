@@ -107,7 +107,7 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path) -> Pat
     Raises:
         FileNotFoundError: ``refreshed`` is not a directory.
     """
-    from rag_fast.retrieval._files import atomic_directory
+    from rag_fast.retrieval._files import REFRESHED_KIND, atomic_directory, write_marker
 
     refreshed = Path(refreshed)
     if not refreshed.is_dir():
@@ -119,7 +119,8 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path) -> Pat
         except OSError:
             shutil.copy2(src, dst)
 
-    with atomic_directory(out, overwrite=True) as tmp:
+    with atomic_directory(out, overwrite=True, kind=REFRESHED_KIND) as tmp:
+        write_marker(tmp, REFRESHED_KIND)
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"),
                         copy_function=link_or_copy)
         shutil.copytree(refreshed, tmp / "index", copy_function=link_or_copy)

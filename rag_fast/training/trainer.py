@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import glob
-import hashlib
 import json
 import math
 import os
@@ -56,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rag_fast.retrieval._files import atomic_write, disk_errors, fsync_dir, sha256_file
 from rag_fast.training.refresh import REFRESH_ENCODERS, IndexRefresher, question_encoder_embedder
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -420,20 +420,6 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _fsync_dir(folder: str) -> None:
-    """Make renames in ``folder`` durable (where the OS allows opening a folder)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_synced(path: str, write: Callable[[IO[bytes]], None]) -> None:
     with open(path, "wb") as f:
         write(f)
@@ -441,23 +427,9 @@ def _write_synced(path: str, write: Callable[[IO[bytes]], None]) -> None:
         os.fsync(f.fileno())
 
 
-def _atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
-    """``write(f)`` to a temporary file in ``path``'s folder, fsync, then rename over ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        _write_synced(tmp, write)
-        os.replace(tmp, path)
-        _fsync_dir(folder)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def atomic_torch_save(obj: Any, path: str) -> None:
     """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def _manifest_path(path: str) -> str:
@@ -470,12 +442,7 @@ def _manifest_path(path: str) -> str:
 
 def _digest(path: str) -> tuple[int, str]:
     """Size and SHA-256 hex digest of a file."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
+    return os.path.getsize(path), sha256_file(path)
 
 
 def _write_checkpoint(payload: dict, path: str, step: int) -> None:
@@ -487,17 +454,19 @@ def _write_checkpoint(payload: dict, path: str, step: int) -> None:
     tmp_payload, tmp_manifest = f"{path}.tmp-{os.getpid()}", f"{manifest}.tmp-{os.getpid()}"
     renamed = False
     try:
-        _write_synced(tmp_payload, lambda f: torch.save(payload, f))
+        with disk_errors(path):  # a full disk: one error naming the checkpoint
+            _write_synced(tmp_payload, lambda f: torch.save(payload, f))
         size, sha256 = _digest(tmp_payload)
         record = {"format": CHECKPOINT_FORMAT, "payload": os.path.basename(path), "size": size,
                   "sha256": sha256, "step": step}
-        _write_synced(tmp_manifest, lambda f: f.write(json.dumps(record, indent=1).encode()))
+        with disk_errors(manifest):
+            _write_synced(tmp_manifest, lambda f: f.write(json.dumps(record, indent=1).encode()))
         os.replace(tmp_payload, path)
         renamed = True
-        _fsync_dir(folder)
+        fsync_dir(folder)
         # killed here: the new payload has the old manifest; _verify finds tmp_manifest
         os.replace(tmp_manifest, manifest)
-        _fsync_dir(folder)
+        fsync_dir(folder)
     finally:
         if os.path.exists(tmp_payload):
             os.remove(tmp_payload)
@@ -603,7 +572,9 @@ def load_checkpoint(path: str) -> dict:
             raise ValueError(f"not a {CHECKPOINT_FORMAT} payload")
         meta = json.loads(payload["meta"])
         if not isinstance(meta, dict) or not _META_KEYS <= set(meta) <= _META_KEYS | _OPTIONAL_META:
-            raise ValueError("its metadata lacks keys")
+            found = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+            raise ValueError(f"its metadata has keys {found}, expected {sorted(_META_KEYS)} "
+                             f"(and optionally {sorted(_OPTIONAL_META)})")
         if meta["state"]["step"] != record["step"]:
             raise ValueError(f"step {meta['state']['step']} but the manifest says "
                              f"{record['step']}")
@@ -658,7 +629,7 @@ def plot_training(state: TrainState, path: str) -> bool:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
     return True
 
 
@@ -738,6 +709,8 @@ class Trainer:
                 model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=config.find_unused_parameters)
         self.state = TrainState()
+        if config.output_dir:
+            claim_run_folder(config.output_dir, self.rank, self.world_size)
         self.refresher = None
         if config.refresh_index_every:
             embed = passage_embedder or question_encoder_embedder(model)
@@ -952,8 +925,9 @@ class Trainer:
             f.write(json.dumps(record, default=_json_default) + "\n")
 
     def _trim_metrics(self) -> None:
-        """Drop the metrics file's lines after ``state.step`` (and lines cut short by a kill),
-        rewriting it atomically, so that the log matches the run."""
+        """Drop the metrics file's records after ``state.step`` (and a last record cut short
+        by a kill), rewriting it atomically, so that the log matches the run. Lines that are
+        not this trainer's records are kept as they are."""
         path = self._output_file(self.config.metrics_file)
         if path is None or not os.path.isfile(path):
             return
@@ -961,14 +935,19 @@ class Trainer:
             lines = f.readlines()
         keep = []
         for line in lines:
+            if not line.endswith("\n"):  # the last line, cut short by a kill if it is ours
+                if line.lstrip().startswith('{"'):
+                    continue
+                line += "\n"
             try:
                 step = json.loads(line)["step"]
             except (ValueError, KeyError, TypeError):
+                step = None
+            if isinstance(step, int) and not isinstance(step, bool) and step > self.state.step:
                 continue
-            if isinstance(step, int) and step <= self.state.step and line.endswith("\n"):
-                keep.append(line)
+            keep.append(line)
         if keep != lines:
-            _atomic_write(path, lambda f: f.write("".join(keep).encode("utf-8")))
+            atomic_write(path, lambda f: f.write("".join(keep).encode("utf-8")))
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_path(self) -> str:
@@ -1043,12 +1022,48 @@ class Trainer:
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model and optimizer (written with other "
                 f"model or question-encoder options?): {e}") from None
-        state = dict(ckpt["state"])
-        state["history"] = [tuple(h) for h in state["history"]]
-        state["evals"] = [tuple(e) for e in state["evals"]]
-        self.state = TrainState(**state)
+        try:
+            state = dict(ckpt["state"])
+            state["history"] = [tuple(h) for h in state["history"]]
+            state["evals"] = [tuple(e) for e in state["evals"]]
+            self.state = TrainState(**state)
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {path} is not a valid rag_fast training "
+                                  f"checkpoint (its state: {e})") from None
         _set_rng_state(ckpt["rng"])
         return True
+
+
+def check_run_folder(output_dir: str, flag: str = "output_dir") -> None:
+    """Refuse ``output_dir`` unless it is missing, empty or already a training run's folder
+    (which is resumed): a folder holding anything else is never written into.
+
+    Raises:
+        FileExistsError: naming ``flag`` and the folder.
+    """
+    from rag_fast.retrieval._files import RUN_KIND, check_output_folder, folder_kind
+
+    legacy = (folder_kind(output_dir) is None  # a run of an earlier rag_fast had no marker
+              and os.path.isfile(os.path.join(output_dir, CHECKPOINT_MANIFEST)))
+    if not legacy:
+        check_output_folder(output_dir, RUN_KIND, reuse=True, flag=flag)
+
+
+def claim_run_folder(output_dir: str, rank: int = 0, world_size: int = 1,
+                     flag: str = "output_dir") -> None:
+    """Make ``output_dir`` a training run's folder (see :func:`check_run_folder`), marked by
+    ``rag_fast-output.json``. Every rank checks before rank 0 marks it, so all agree.
+
+    Raises:
+        FileExistsError: naming ``flag`` and the folder.
+    """
+    from rag_fast.retrieval._files import RUN_KIND, folder_kind, write_marker
+
+    check_run_folder(output_dir, flag)
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0 and folder_kind(output_dir) != RUN_KIND:
+        write_marker(output_dir, RUN_KIND)
 
 
 def _describe(origin: dict) -> str:

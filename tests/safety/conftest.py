@@ -1,0 +1,176 @@
+"""Fixtures of the safety suite: one small real workflow (a tiny encoder, an index directory, a
+model directory, a training config), built once through the ``rag-fast`` command and copied
+by the tests that change it."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import faiss
+import pytest
+
+from rag_fast.retrieval import _files
+
+from utils import save_tiny_bert
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENIZER = REPO / "examples" / "workflow" / "generator-tokenizer"
+WORDS = ["paris", "seine", "river", "city", "capital", "france", "rome", "tiber", "what", "which",
+         "is", "on", "the", "of", "lies"]
+GENERATOR = {"model_type": "bart", "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+             "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
+             "decoder_ffn_dim": 32, "max_position_embeddings": 128}
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    """``rag-fast ARGS`` in this process: (exit status, what it printed on stderr)."""
+    import contextlib
+    import io
+
+    from rag_fast import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in args])
+    return code, err.getvalue()
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory) -> dict[str, Path]:
+    """{"encoder", "passages", "kb", "model", "config", "train", "dev", "root"}: built once."""
+    root = tmp_path_factory.mktemp("safety-world")
+    (root / "enc").mkdir()
+    encoder = save_tiny_bert(root / "enc", WORDS)
+    passages = root / "p.jsonl"
+    with open(passages, "w", encoding="utf-8") as f:
+        for i in range(24):
+            city, river = ("paris", "seine") if i % 2 else ("rome", "tiber")
+            f.write(json.dumps({"id": f"p{i}", "title": city,
+                                "text": f"the city of {city} lies on the {river} river {i}"}) + "\n")
+    qa = [{"question": "which river is paris on", "answers": ["seine"]},
+          {"question": "which river is rome on", "answers": ["tiber"]}] * 4
+    for name in ("train.jsonl", "dev.jsonl"):
+        (root / name).write_text("".join(json.dumps(q) + "\n" for q in qa))
+    (root / "g.json").write_text(json.dumps(GENERATOR))
+    config = root / "train.json"
+    config.write_text(json.dumps({
+        "data": {"train": "train.jsonl", "eval": "dev.jsonl"},
+        "train": {"max_steps": 2, "micro_batch_size": 2, "lr": 1e-3, "log_every": 1,
+                  "checkpoint_every": 1, "eval_every": 0, "seed": 0, "device": "cpu",
+                  "plot_file": None}}))
+    code, err = run_cli("index", "build", "--passages", passages, "--encoder", encoder,
+                        "--out", root / "kb", "--no-progress", "--max-length", "32")
+    assert code == 0, err
+    code, err = run_cli("init", "--index", root / "kb", "--generator", root / "g.json",
+                        "--generator-tokenizer", TOKENIZER, "--n-docs", "2",
+                        "--max-context-length", "48", "--out", root / "model")
+    assert code == 0, err
+    return {"root": root, "encoder": Path(encoder), "passages": passages, "kb": root / "kb",
+            "model": root / "model", "config": config, "train": root / "train.jsonl",
+            "dev": root / "dev.jsonl"}
+
+
+@pytest.fixture
+def copy_of(tmp_path):
+    """``copy_of(path)``: a copy of a folder of the world in this test's tmp_path."""
+    def copy(path: Path) -> Path:
+        target = tmp_path / path.name
+        shutil.copytree(path, target)
+        return target
+    return copy
+
+
+# ---- a small disk ------------------------------------------------------------------------
+DISK_KIB = 160
+
+
+def _mount_tmpfs(path: Path, kib: int) -> bool:
+    if os.name != "posix" or not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)],
+                          capture_output=True, check=False)
+    return done.returncode == 0
+
+
+def _under(fd: int, root: Path) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(str(root) + os.sep)
+    except OSError:
+        return False
+
+
+class Disk:
+    """A small disk at ``path``: a real tmpfs (``real``), or a folder whose allocations and
+    (with ``can_allocate=False``) writes fail with ENOSPC once ``kib`` KiB are written."""
+
+    def __init__(self, path: Path, kib: int, monkeypatch):
+        self.path, self.kib, self.monkeypatch = path, kib, monkeypatch
+        path.mkdir()
+        self.real = _mount_tmpfs(path, kib)
+        self.written = 0
+        if not self.real:
+            real_fallocate = os.posix_fallocate
+
+            def fallocate(fd, offset, length):
+                if _under(fd, path) and offset + length > kib * 1024:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return real_fallocate(fd, offset, length)
+
+            monkeypatch.setattr(os, "posix_fallocate", fallocate)
+            real_write_index = faiss.write_index
+
+            def write_index(index, where, *args):  # faiss writes a saved index's files itself
+                real_write_index(index, where, *args)
+                if isinstance(where, str) and where.startswith(str(path) + os.sep):
+                    size = os.path.getsize(where)
+                    if size > kib * 1024:
+                        os.truncate(where, kib * 1024)
+                        raise RuntimeError(
+                            "Error in void faiss::write_index(const Index*, IOWriter*, int) at "
+                            "index_write.cpp:499: Error: 'ret == (size * 4)' failed: write error "
+                            f"in {where}: {kib * 1024} != {size} (No space left on device)")
+
+            monkeypatch.setattr(faiss, "write_index", write_index)
+
+    def cannot_allocate_ahead(self) -> None:
+        """This disk's filesystem has no fallocate (and claims room to spare): a full disk
+        shows first in a write."""
+        def fallocate(fd, offset, length):
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+        self.monkeypatch.setattr(os, "posix_fallocate", fallocate)
+        self.monkeypatch.setattr(_files, "disk_free", lambda path: 1 << 40)
+        if self.real:
+            return
+        real_pwrite = os.pwrite
+
+        def pwrite(fd, data, offset):  # how the embeddings are written
+            if _under(fd, self.path):
+                self._fill(len(data))
+            return real_pwrite(fd, data, offset)
+
+        self.monkeypatch.setattr(os, "pwrite", pwrite)
+
+    def _fill(self, nbytes: int) -> None:
+        self.written += nbytes
+        if self.written > self.kib * 1024:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def leftovers(self) -> list[str]:
+        return sorted(str(p.relative_to(self.path)) for p in self.path.rglob("*")
+                      if ".tmp-" in p.name or ".new-" in p.name)
+
+    def unmount(self) -> None:
+        if self.real:
+            subprocess.run(["umount", str(self.path)], check=True)
+
+
+@pytest.fixture
+def disk(tmp_path, monkeypatch):
+    d = Disk(tmp_path / "disk", DISK_KIB, monkeypatch)
+    yield d
+    d.unmount()

@@ -1,0 +1,132 @@
+"""The command line's error contract: an expected failure (bad data, bad file, no space, a
+corrupt or crafted artefact) exits 2 with one ``rag-fast: error:`` line naming the file, line
+or key; an unexpected exception exits 1 with one line saying where its full traceback was
+written (or the traceback itself with ``--verbose``)."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from conftest import run_cli
+
+
+def _one_line(code, err, status=2):
+    assert code == status, err
+    lines = [line for line in err.strip().splitlines() if "rag-fast" in line]  # (no bars)
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and lines[0].startswith("rag-fast:"), err
+    return lines[0]
+
+
+def test_an_unexpected_exception_is_one_line_and_a_traceback_file(world, monkeypatch, capsys):
+    import rag_fast.generation.cli as generate
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(generate, "read_questions", broken)
+    code, err = run_cli("generate", "--model", world["model"], "--question", "q")
+    line = _one_line(code, err, status=1)
+    assert line.startswith("rag-fast: unexpected error: KeyError: ") and "a bug" in line, line
+    where = line.split("the full traceback is in ", 1)[1].split(" ")[0]
+    with open(where, encoding="utf-8") as f:
+        text = f.read()
+    assert "Traceback" in text and "broken" in text and "KeyError" in text
+    code, err = run_cli("--verbose", "generate", "--model", world["model"], "--question", "q")
+    assert code == 1 and "Traceback" in err and "broken" in err, err
+
+
+def test_a_multi_line_library_error_is_folded_into_one_line(world, monkeypatch):
+    import rag_fast.generation.cli as generate
+
+    def broken(args):
+        raise ValueError("first line\n  second line\n\nthird")
+
+    monkeypatch.setattr(generate, "read_questions", broken)
+    line = _one_line(*run_cli("generate", "--model", world["model"], "--question", "q"))
+    assert line == "rag-fast: error: first line second line third", line
+
+
+def test_a_safetensors_header_of_2_62_bytes_is_one_error(world, copy_of):
+    """Probe 9: a crafted header length gave a traceback (files re-listed and resealed, as a
+    hostile folder would be)."""
+    from rag_fast.retrieval._files import describe_files, sealed
+
+    model = copy_of(world["model"])
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(struct.pack("<Q", 2 ** 62) + data[8:])
+    side = json.loads((model / "rag_fast.json").read_text())
+    side["files"].update(describe_files(model, ["model.safetensors"]))
+    (model / "rag_fast.json").write_text(json.dumps(sealed(side)))
+    line = _one_line(*run_cli("eval", "--data", world["dev"], "--model", model, "--out",
+                              model.parent / "e", "--no-progress"))
+    assert "the weights do not load" in line and str(model) in line, line
+
+
+@pytest.mark.parametrize("change", ["extra-meta", "state-field", "state-not-object"])
+def test_a_checkpoint_with_unexpected_metadata_is_one_error(world, tmp_path, change):
+    """Probe 9: a checkpoint whose metadata held something unexpected gave a traceback."""
+    from rag_fast.training.trainer import _write_checkpoint
+
+    out = tmp_path / "run"
+    assert run_cli("train", "--config", world["config"], "--model", world["model"],
+                   "--output-dir", out)[0] == 0
+    path = out / "checkpoint-last.pt"
+    payload = torch.load(path, weights_only=True)
+    meta = json.loads(payload["meta"])
+    if change == "extra-meta":
+        meta["surprise"] = 1
+    elif change == "state-field":
+        meta["state"]["surprise"] = 1
+    else:
+        meta["state"] = [1, 2]
+    payload["meta"] = json.dumps(meta)
+    step = meta["state"]["step"] if isinstance(meta["state"], dict) else 2
+    _write_checkpoint(payload, str(path), step)  # its manifest made again: it verifies
+    line = _one_line(*run_cli("train", "--config", world["config"], "--model", world["model"],
+                              "--output-dir", out))
+    assert str(path) in line and "not a valid rag_fast training checkpoint" in line, line
+
+
+def test_a_config_that_is_not_utf8_or_nested_too_deeply_is_one_error(world, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'{"train": {"seed": "\xff"}}')
+    line = _one_line(*run_cli("train", "--config", bad, "--model", world["model"]))
+    assert f"{bad}:1: not valid UTF-8" in line, line
+    bad.write_text("[" * 100000 + "]" * 100000)
+    line = _one_line(*run_cli("train", "--config", bad, "--model", world["model"]))
+    assert str(bad) in line and "RecursionError" in line, line
+    bad.write_bytes(b"\xef\xbb\xbf" + world["config"].read_bytes())  # a BOM is fine
+    code, err = run_cli("train", "--config", bad, "--model", world["model"], "--output-dir",
+                        tmp_path / "run", "--device", "cpu")
+    assert "BOM" not in err and "not valid JSON" not in err, err
+
+
+def test_init_onto_a_full_disk_is_one_line_and_leaves_nothing(world, disk):
+    """Probe 9: ENOSPC while `init` wrote the model gave a traceback (safetensors' own error)."""
+    from conftest import TOKENIZER
+
+    out = disk.path / "model"
+    code, err = run_cli("init", "--index", world["kb"], "--generator",
+                        world["root"] / "g.json", "--generator-tokenizer", TOKENIZER,
+                        "--out", out)
+    if disk.real:  # (the stand-in disk fails faiss's and the embeddings' writes only)
+        line = _one_line(code, err)
+        assert "no space left on device" in line and str(out) in line, line
+        assert sorted(p.name for p in disk.path.iterdir()) == [], list(disk.path.iterdir())
+
+
+def test_train_onto_a_full_disk_is_one_line_and_leaves_no_temporaries(world, disk):
+    """Probe 9: ENOSPC while `train` wrote its checkpoint gave a traceback (torch.save's
+    RuntimeError)."""
+    out = disk.path / "run"
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", out)
+    if disk.real:
+        line = _one_line(code, err)
+        assert "no space left on device" in line and str(out) in line, line
+        assert not [p for p in out.rglob("*") if ".tmp-" in p.name], list(out.rglob("*"))
