@@ -127,7 +127,8 @@ def _load(args):
     if args.tokenizer is not None:
         from transformers import AutoTokenizer
 
-        model.generator_tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        model.generator_tokenizer = AutoTokenizer.from_pretrained(
+            args.tokenizer, trust_remote_code=False)
     if model.generator_tokenizer is None:
         raise ValueError(f"--model {model_dir} has no generator tokenizer: pass --tokenizer DIR")
     return model

@@ -37,15 +37,15 @@ def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
 
     from rag_fast.retrieval.encoders import _sentence_transformers_pooling
 
-    config = transformers.AutoConfig.from_pretrained(name)
+    config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     if config.model_type == "dpr":  # AutoModel maps every DPR checkpoint to one class
         arch = (config.architectures or ["DPRQuestionEncoder"])[0]
         if arch != "DPRQuestionEncoder":
             raise ValueError(f"question_encoder {name!r} is a {arch}, not a DPRQuestionEncoder")
-        model = transformers.DPRQuestionEncoder.from_pretrained(name)
+        model = transformers.DPRQuestionEncoder.from_pretrained(name, trust_remote_code=False)
     else:
-        model = transformers.AutoModel.from_pretrained(name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        model = transformers.AutoModel.from_pretrained(name, trust_remote_code=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     st = _sentence_transformers_pooling(Path(name)) if Path(name).is_dir() else None
     pooling, normalize = st if st else ("cls", False)
     return model, tokenizer, pooling, normalize
@@ -161,12 +161,14 @@ def _check_source(value: str, what: str, config_ok: bool = False) -> None:
 def _loading(what: str, name: str, load):
     """``load()``, its OSError (a name that is neither a folder nor loadable from the hub or
     the local cache) as one ValueError line naming ``what``."""
-    from rag_fast.retrieval.encoders import unloadable
+    from rag_fast.retrieval.encoders import needs_code, unloadable
 
     try:
         return load()
-    except OSError as e:
-        raise unloadable(what, name, e) from None
+    except (OSError, ValueError) as e:
+        if isinstance(e, OSError) or needs_code(e):
+            raise unloadable(what, name, e) from None
+        raise
 
 
 def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
@@ -175,10 +177,10 @@ def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
     tokenizer's (or, failing that, its EOS, set on the tokenizer as well)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(name)
+    config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     if getattr(config, "is_encoder_decoder", False):
-        return transformers.AutoModelForSeq2SeqLM.from_pretrained(name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(name)
+        return transformers.AutoModelForSeq2SeqLM.from_pretrained(name, trust_remote_code=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(name, trust_remote_code=False)
     if model.config.pad_token_id is None:
         if tokenizer.pad_token_id is None:
             if tokenizer.eos_token is None:
@@ -259,7 +261,8 @@ def build_rag_model(
                                  f"the index {index!r} holds {spec['dim']}-d passage vectors")
         tok_name = generator_tokenizer or generator
         g_tok = _loading("generator_tokenizer" if generator_tokenizer else "generator", tok_name,
-                         lambda: transformers.AutoTokenizer.from_pretrained(tok_name))
+                         lambda: transformers.AutoTokenizer.from_pretrained(
+                             tok_name, trust_remote_code=False))
         if is_config:
             g_model = _generator_from_config(generator, g_tok, seed)
         else:

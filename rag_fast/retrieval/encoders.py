@@ -86,14 +86,28 @@ def _encoder_config(name: str):
         raise ValueError(f"encoder {name!r}: the folder has no config.json (expected a folder "
                          "holding a transformers model)")
     try:
-        return transformers.AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as e:  # not on the hub, offline and not cached, a bad name
+        return transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:  # not on the hub, offline and not cached, a bad name
         raise unloadable("encoder", name, e) from None
 
 
+def needs_code(exc: BaseException) -> bool:
+    """Whether ``transformers`` refused to load something because it needs its own Python code
+    (an ``auto_map``), which rag_fast never runs (``trust_remote_code=False``)."""
+    return isinstance(exc, ValueError) and "trust_remote_code" in str(exc)
+
+
 def unloadable(what: str, name: str, exc: BaseException) -> ValueError:
-    """The one-line error for a model ``name`` (given as ``what``) that is not a folder and did
-    not load by name (not on the hub, or offline and not in the local cache)."""
+    """The one-line error for a model ``name`` (given as ``what``) that did not load: one that
+    needs its own code, a folder that does not load, or a name that is not a folder and did not
+    load by name (not on the hub, or offline and not in the local cache)."""
+    if needs_code(exc):
+        return ValueError(f"{what} {name!r}: it needs its own Python code to load (an auto_map "
+                          "naming a .py file), and rag_fast never runs code from a model folder "
+                          "or the hub; refused")
+    if Path(name).expanduser().is_dir():
+        return ValueError(f"{what} {name!r}: the folder does not load as a transformers model: "
+                          f"{brief_error(exc)}")
     offline = os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes")
     hint = (" (HF_HUB_OFFLINE is set: only models already in the local cache load by name)"
             if offline else "")
@@ -148,8 +162,9 @@ class Encoder:
             model_cls = getattr(transformers, arch)
         else:
             model_cls = transformers.AutoModel
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
-        self.model = model_cls.from_pretrained(name_or_path).to(self.device, dtype).eval()
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path,
+                                                                     trust_remote_code=False)
+        self.model = model_cls.from_pretrained(name_or_path, trust_remote_code=False).to(self.device, dtype).eval()
         st = _sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
         if pooling == "auto":
             pooling = "pooler" if self.is_dpr else (st[0] if st else "cls")
