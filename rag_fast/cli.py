@@ -7,6 +7,7 @@
     rag-fast train --config FILE [--model MODEL_DIR] [--output-dir RUN_DIR]
     rag-fast eval --data dev.jsonl --model RUN_DIR [--out EVAL_DIR]
     rag-fast generate --model RUN_DIR --question "..."
+    rag-fast reseal DIR                  accept a hand edit of a model's or an index's manifest
 
 Each top-level command is a registrar in :data:`COMMANDS` that adds its sub-parser and sets
 ``func``. Errors the user can fix (bad arguments, missing or corrupt files) print one line and
@@ -86,7 +87,9 @@ def _register_index(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--batch-size", type=int, default=64,
                        help="passages per encoder batch (default 64)")
     build.add_argument("--device", default=None, help="encoder device (default: cuda if available)")
-    build.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    build.add_argument("--overwrite", action="store_true",
+                       help="replace an index directory at --out (never a folder of another "
+                            "kind or one holding other files)")
     build.add_argument("--dedupe", action="store_true",
                        help="keep the first passage of each repeated id (default: an error)")
     build.add_argument("--no-progress", action="store_true", help="no progress bars")

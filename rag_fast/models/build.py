@@ -301,7 +301,9 @@ def register(subparsers) -> None:
                    help="generator tokens per passage + question (default 128)")
     p.add_argument("--seed", type=int, default=0, help="initialisation of a config generator")
     p.add_argument("--out", required=True, metavar="DIR", help="model directory to write")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a model directory at --out (never a folder of another kind or "
+                        "one holding other files)")
     p.set_defaults(func=_run)
 
 
