@@ -164,6 +164,18 @@ def check_decoding_scores(doc_scores: torch.Tensor, questions=None) -> None:
             raise ValueError(f"doc_scores: {name} has {what}: {row}")
 
 
+def not_a_file(path) -> str:
+    """Why ``path``, which should be a readable file, is not one: missing, a folder, or not a
+    regular file (a device, a pipe)."""
+    import os
+
+    if not os.path.exists(path):
+        return "no such file"
+    if os.path.isdir(path):
+        return "is a folder, not a file"
+    return "is not a regular file (a device or a pipe?)"
+
+
 def brief_error(exc: BaseException, limit: int = 300) -> str:
     """An exception's message on one line (whitespace collapsed), at most ``limit`` characters:
     a library's multi-line or very long message inside one of ours."""

@@ -267,6 +267,8 @@ def _encoder(flag: str, name: str, **kwargs):
     try:
         return Encoder(name, **kwargs)
     except ValueError as e:
+        if str(e).startswith("max_length "):
+            raise ValueError(f"--max-length{str(e).removeprefix('max_length')}") from None
         raise ValueError(f"{flag}: {e}") from None
 
 
@@ -285,6 +287,8 @@ def _index_build(args) -> int:
     on_disk = bool(getattr(args, "on_disk", False))
     if not 0.0 < args.target_recall <= 1.0:
         raise ValueError(f"--target-recall must be in (0, 1], got {args.target_recall}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     # before anything is read: the output (and its staging folder) apart from every input, and
     # only ever an empty folder or an index directory (replaced with --overwrite)
     inputs = {"--passages": args.passages, "--encoder": args.encoder,

@@ -54,6 +54,24 @@ def _check_out(out: Path, args) -> None:
         check_output_folder(out, EVAL_KIND, reuse=True, flag="--out")
 
 
+def check_new_tokens(model, max_new_tokens: int, flag: str = "--max-new-tokens") -> None:
+    """Refuse more new tokens than the generator has positions (with a decoder-only one, the
+    prompt's longest context included), before decoding allocates for them."""
+    config = getattr(getattr(model, "generator", None), "config", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        positions = getattr(config, "n_positions", None)
+    if not isinstance(positions, int):
+        return  # relative positions (T5): no fixed bound
+    room = positions - (int(model.max_context_length) if getattr(model, "is_causal", False)
+                        else 0)
+    if max_new_tokens > room:
+        raise ValueError(f"{flag} {max_new_tokens} is more than the generator can place "
+                         f"({positions} positions" + (f", {model.max_context_length} of them the "
+                                                      "prompt" if room != positions else "")
+                         + f"); use at most {max(room, 1)}")
+
+
 def load_model_for_cli(model_dir: str, index: str | None, device: str | None,
                        require_index: bool = True):
     """A model directory with its retriever (``index``, else the one the model records; none
@@ -86,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.predictions is None) == (args.model is None):
         raise ValueError("give exactly one of --predictions FILE and --model DIR")
+    for flag, value in (("--batch-size", args.batch_size), ("--max-new-tokens",
+                                                            args.max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     out = Path(args.out or f"eval-{Path(args.data).stem}")
     if args.model is not None:  # before anything is read (a bad --device first: no I/O)
         from rag_fast.training.trainer import resolve_device
@@ -108,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     model = load_model_for_cli(args.model, args.index, args.device)
+    check_new_tokens(model, args.max_new_tokens)
     check_apart(out, "--out", {"the model's index": getattr(model, "index_path", None)})
     result = evaluate(model, examples, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, progress=not args.no_progress)

@@ -108,8 +108,11 @@ def load_qa(path: str, fmt: str | None = None) -> list[QAExample]:
     """
     if os.path.isdir(path):
         raise DatasetError(f"{path}: is a directory; expected a dataset file (.jsonl or .tsv)")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
+    if not os.path.isfile(path):  # a device or a pipe: /dev/zero would be read forever
+        raise DatasetError(f"{path}: is not a regular file (a device or a pipe?); expected a "
+                           "dataset file (.jsonl or .tsv)")
     if fmt is None:
         ext = os.path.splitext(path)[1].lower()
         fmt = {".jsonl": "jsonl", ".json": "jsonl", ".tsv": "tsv", ".txt": "tsv"}.get(ext)

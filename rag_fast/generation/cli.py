@@ -66,8 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _check_out(args) -> None:
     """``--out`` apart from the inputs, and missing, empty or an earlier answers file of
-    ``rag-fast generate`` (every line an object with "question" and "answer"): a file it did not
-    write is never replaced."""
+    ``rag-fast generate`` (every line an object with exactly "question", "answer" (a string)
+    and "passages" (a list), as it writes them): a file it did not write is never replaced."""
     from rag_fast.retrieval._files import check_apart
 
     check_apart(args.out, "--out", {"--questions": args.questions, "--model": args.model,
@@ -79,7 +79,9 @@ def _check_out(args) -> None:
         raise FileExistsError(f"--out {args.out!r} exists and is not a file; refused")
     try:
         with open(path, encoding="utf-8") as f:
-            ours = all(isinstance(row := json.loads(line), dict) and {"question", "answer"} <= set(row)
+            ours = all(isinstance(row := json.loads(line), dict)
+                       and set(row) == {"question", "answer", "passages"}
+                       and isinstance(row["answer"], str) and isinstance(row["passages"], list)
                        for line in f if line.strip())
     except (OSError, ValueError):
         ours = False
@@ -97,7 +99,9 @@ def read_questions(args) -> list[dict]:
         return [{"question": args.question}]
     path = Path(args.questions)
     if not path.is_file():
-        raise FileNotFoundError(f"--questions: no such file {path}")
+        from rag_fast._validation import not_a_file
+
+        raise FileNotFoundError(f"--questions {path}: {not_a_file(path)}")
     rows = []
     for _, where, row in read_objects(path):
         if not isinstance(row.get("question"), str) or not row["question"].strip():
@@ -154,7 +158,9 @@ def _batch_from_rows(model, rows: list[dict]):
 
 
 def run(args) -> int:
+    from rag_fast.evaluation.cli import check_new_tokens
     from rag_fast.models.rag_model import passage_fields
+    from rag_fast.retrieval._files import disk_errors
 
     for flag, value in (("--batch-size", args.batch_size), ("--num-beams", args.num_beams),
                         ("--max-new-tokens", args.max_new_tokens)):
@@ -164,6 +170,7 @@ def run(args) -> int:
         _check_out(args)
     rows = read_questions(args)
     model = _load(args)
+    check_new_tokens(model, args.max_new_tokens)
     settings = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
     if model.mode == "sequence":
         settings["decoding"] = args.decoding
@@ -181,33 +188,17 @@ def run(args) -> int:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
-    out = open(os.path.join(os.path.dirname(args.out), f".{os.path.basename(args.out)}.tmp-{os.getpid()}"),
-               "w", encoding="utf-8") if args.out else sys.stdout
+    out = sys.stdout
+    if args.out:
+        tmp = os.path.join(os.path.dirname(args.out), f".{os.path.basename(args.out)}.tmp-"
+                           f"{os.getpid()}")
+        out = open(tmp, "w", encoding="utf-8")
     try:
-        for start in range(0, len(rows), args.batch_size):
-            batch = rows[start:start + args.batch_size]
-            questions = [r["question"] for r in batch]
-            if model.retriever is not None:
-                result = model.generate(questions, **settings)
-            else:
-                ctx, doc_scores, passages = _batch_from_rows(model, batch)
-                result = model.generate(questions, passages=None,
-                                        context_input_ids=ctx["input_ids"],
-                                        context_attention_mask=ctx["attention_mask"],
-                                        doc_scores=doc_scores, **settings)
-                result.passages = passages
-            for i, (r, text) in enumerate(zip(batch, result.texts)):
-                found = result.passages[i] if result.passages is not None else []
-                out.write(json.dumps({
-                    "question": r["question"], "answer": text,
-                    "passages": [{"title": passage_fields(p)[0], "score": round(float(s), 4)}
-                                 for p, s in zip(found, result.doc_scores[i].tolist())],
-                }, ensure_ascii=False) + "\n")
-            if bar is not None:
-                bar.update(len(batch))
-        if args.out:
-            out.close()  # (a full disk may fail here: the temporary is removed below)
-            os.replace(out.name, args.out)
+        with disk_errors(args.out) if args.out else contextlib.nullcontext():
+            _answer_all(model, rows, args, settings, out, bar, passage_fields)
+            if args.out:
+                out.close()  # (a full disk may fail here: the temporary is removed below)
+                os.replace(out.name, args.out)
     except BaseException:
         if args.out:
             with contextlib.suppress(OSError):
@@ -220,3 +211,27 @@ def run(args) -> int:
         print(f"{len(rows)} answers -> {args.out}", file=sys.stderr)
     return 0
 
+
+def _answer_all(model, rows, args, settings, out, bar, passage_fields) -> None:
+    """Decode ``rows`` in batches and write one JSON line per question to ``out``."""
+    for start in range(0, len(rows), args.batch_size):
+        batch = rows[start:start + args.batch_size]
+        questions = [r["question"] for r in batch]
+        if model.retriever is not None:
+            result = model.generate(questions, **settings)
+        else:
+            ctx, doc_scores, passages = _batch_from_rows(model, batch)
+            result = model.generate(questions, passages=None,
+                                    context_input_ids=ctx["input_ids"],
+                                    context_attention_mask=ctx["attention_mask"],
+                                    doc_scores=doc_scores, **settings)
+            result.passages = passages
+        for i, (r, text) in enumerate(zip(batch, result.texts)):
+            found = result.passages[i] if result.passages is not None else []
+            out.write(json.dumps({
+                "question": r["question"], "answer": text,
+                "passages": [{"title": passage_fields(p)[0], "score": round(float(s), 4)}
+                             for p, s in zip(found, result.doc_scores[i].tolist())],
+            }, ensure_ascii=False) + "\n")
+        if bar is not None:
+            bar.update(len(batch))

@@ -98,14 +98,17 @@ def _hf_wrapper(model: RagModel, config):
     return cls(config, question_encoder=model.question_encoder, generator=model.generator)
 
 
-def _describe(root: str) -> dict:
+def _describe(root: str, sizes_only: bool = False) -> dict:
+    """{relative path: {"bytes", "sha256"}} of every file under ``root`` but the side file
+    (``sizes_only``: the paths only, nothing read)."""
     files = {}
     for folder, _, names in os.walk(root):
         for name in sorted(names):
             full = os.path.join(folder, name)
             rel = os.path.relpath(full, root).replace(os.sep, "/")
             if rel != SIDE_FILE:
-                files[rel] = {"bytes": os.path.getsize(full), "sha256": sha256_file(full)}
+                files[rel] = None if sizes_only else {"bytes": os.path.getsize(full),
+                                                       "sha256": sha256_file(full)}
     return files
 
 
@@ -243,6 +246,14 @@ def read_side_file(path: str) -> dict | None:
         if sha256_file(full) != record.get("sha256"):
             raise CheckpointError(f"model directory {path} is corrupt: {rel} does not match its "
                                   f"SHA-256 in {SIDE_FILE}")
+    unlisted = sorted(set(_describe(path, sizes_only=True)) - set(side["files"]))
+    if unlisted:  # transformers reads some files by name only if they are there
+        raise CheckpointError(
+            f"model directory {path} holds {unlisted[0]!r}"
+            + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else "")
+            + f", which {SIDE_FILE} does not list: rag_fast did not write it, and a tokenizer or "
+            "model would read it. Remove it, or list it with `rag-fast reseal "
+            f"{path}` if you added it on purpose")
     return side
 
 

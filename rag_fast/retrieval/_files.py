@@ -244,6 +244,14 @@ def _load_json(path: Path) -> dict:
     return payload
 
 
+def _seal_matches(payload: dict) -> bool:
+    seal = payload.get(SEAL)
+    try:
+        return isinstance(seal, dict) and seal.get("sha256") == content_digest(payload)
+    except ValueError:
+        return False
+
+
 def reseal(folder: str | os.PathLike) -> list[Path]:
     """Accept hand edits of a rag_fast folder's manifest: seal it again (``rag-fast reseal``).
 
@@ -251,13 +259,15 @@ def reseal(folder: str | os.PathLike) -> list[Path]:
     ``index/``), one of those parts (its bundle is resealed with it), or a model directory
     (``rag_fast.json``). Only the manifests are accepted as they are: every other file they
     list must still have its recorded size and SHA-256, so a corrupt data file is never sealed
-    over. Loading still checks every key of the resealed manifest.
+    over; a ``passages/`` or ``index/`` part whose record differs while its own seal holds (a
+    part of another build) is refused. In a model directory, files it does not list yet (added
+    on purpose) are listed. Loading still checks every key of the resealed manifest.
 
     Returns:
         The manifests rewritten (empty when every seal already matched).
     Raises:
-        StorageError: ``folder`` is no rag_fast folder, or a listed file is missing or differs
-            from its record (named).
+        StorageError: ``folder`` is no rag_fast folder, a listed file is missing or differs
+            from its record, or a part comes from another build (named).
     """
     folder = Path(folder)
     parent = folder.resolve().parent
@@ -285,6 +295,14 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
         if not listed.is_file():
             raise StorageError(f"{listed}: listed in {path} but missing; not resealed")
         if name.endswith("/" + MANIFEST) and listed.parent != root:  # a part of a bundle
+            part = _load_json(listed)
+            unchanged = describe_files(root, [name])[name] == meta
+            if not unchanged and _seal_matches(part):
+                # its own seal holds: not an edit of this bundle's part but a part of another
+                # build put in its place, which resealing would hide
+                raise StorageError(f"{listed} is not the part this index directory was built "
+                                   f"with (its record in {path} differs and its own seal "
+                                   "matches: a part of another build); not resealed: rebuild")
             written += _reseal_file(listed.parent, listed)
             updated[name] = describe_files(root, [name])[name]
             continue
@@ -292,10 +310,14 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
         if size != meta["bytes"] or sha256_file(listed) != meta["sha256"]:
             raise StorageError(f"{listed} differs from its record in {path} (a corrupt or "
                                "replaced file, not a manifest edit): not resealed; rebuild it")
+    if path.name == "rag_fast.json":  # a model directory: files added on purpose are listed
+        for file in sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink()):
+            name = file.relative_to(root).as_posix()
+            if name != path.name and name not in updated:
+                listed_path(root, name, path)
+                updated[name] = describe_files(root, [name])[name]
     new = {**payload, "files": updated}
-    current = payload.get(SEAL)
-    if updated == files and isinstance(current, dict) and \
-            current.get("sha256") == content_digest(payload):
+    if updated == files and _seal_matches(payload):
         return written
     text = json.dumps(sealed(new), indent=2, sort_keys=True, ensure_ascii=False)
     atomic_write_bytes(path, text.encode("utf-8"))
@@ -441,8 +463,8 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
     ``out`` may be missing or an empty folder. An existing folder of the same ``kind`` (its
     marker says so) is replaced only with ``overwrite``, or written into with ``reuse`` (a
     training run resuming, an evaluation written again). Anything else is refused, whatever
-    ``overwrite`` says: a file, a folder of another kind, or one that holds files rag_fast did not
-    write.
+    ``overwrite`` says: a file, a folder of another kind, one that holds files rag_fast did not
+    write, or (unless ``reuse``) a symbolic link, which a replacement would swap out.
 
     Raises:
         FileExistsError: naming ``flag`` and ``out``, and what to do instead.
@@ -450,6 +472,9 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
     out = Path(out)
     words = KIND_WORDS.get(kind, kind)
     recover_directory(out)
+    if out.is_symlink() and not reuse:  # replacing it would replace the link, not its target
+        raise FileExistsError(f"{flag} {str(out)!r} is a symbolic link (to "
+                              f"{os.readlink(out)!r}); refused: give the folder's own path")
     if not out.exists() and not out.is_symlink():
         return
     if not out.is_dir():
@@ -681,7 +706,7 @@ def atomic_directory(out: str | os.PathLike, overwrite: bool = False,
     if out.exists() and not overwrite and not (out.is_dir() and _is_empty_dir(out)):
         raise FileExistsError(f"output path {str(out)!r} already exists (pass overwrite=True)")
     if out.exists() or out.is_symlink():
-        check_output_folder(out, kind or "an empty folder", overwrite=True)
+        check_output_folder(out, kind or "an empty folder", overwrite=True, flag="output path")
     tmp = _sibling(out, "tmp")
     tmp.mkdir()
     mine = [tmp]  # what to remove at the end

@@ -170,6 +170,10 @@ class Encoder:
             pooling = "pooler" if self.is_dpr else (st[0] if st else "cls")
         self.pooling = pooling
         self.normalize = bool(st[1]) if normalize is None and st else bool(normalize)
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int) and max_length > positions:
+            raise ValueError(f"max_length {max_length} is more tokens than encoder {self.name!r} "
+                             f"has positions ({positions}); use at most {positions}")
         self.max_length = max_length
         self.dim = int(getattr(config, "projection_dim", 0) or config.hidden_size)
 
@@ -291,9 +295,11 @@ def encode_passages(
     Returns:
         ``out`` as a Path.
     Raises:
-        ValueError: an empty shard.
+        ValueError: an empty shard, a ``batch_size`` below 1.
         NoSpaceError: the disk (or the quota) has no room for the file.
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     i, n = parse_shard(shard)
     lo, hi = shard_rows(len(store), (i, n))
     if hi <= lo:

@@ -833,7 +833,8 @@ class DenseIndex:
         """
         n, d = _shape(embeddings)
         if n == 0 or d == 0:
-            raise ValueError(f"embeddings: the corpus is empty (shape [{n}, {d}]); expected N >= 1 rows")
+            raise ValueError(f"embeddings: shape [{n}, {d}] has no " + ("rows" if n == 0 else
+                             "dimensions") + "; expected [N >= 1, d >= 1]")
         batch_size = _check_int("batch_size", batch_size)
         if queries is not None and (len(getattr(queries, "shape", ())) != 2 or queries.shape[1] != d
                                     or queries.shape[0] == 0):

@@ -152,7 +152,9 @@ def load_config(path: str, model: str | None = None, index: str | None = None) -
             ``model`` / ``index`` section without ``"path"`` that the command line does not give.
     """
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file not found: {path}")
+        from rag_fast._validation import not_a_file
+
+        raise FileNotFoundError(f"config file {path}: {not_a_file(path)}")
     with open(path, "rb") as f:
         data = f.read()
     try:

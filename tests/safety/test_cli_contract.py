@@ -5,6 +5,7 @@ written (or the traceback itself with ``--verbose``)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -130,3 +131,60 @@ def test_train_onto_a_full_disk_is_one_line_and_leaves_no_temporaries(world, dis
         line = _one_line(code, err)
         assert "no space left on device" in line and str(out) in line, line
         assert not [p for p in out.rglob("*") if ".tmp-" in p.name], list(out.rglob("*"))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["index", "build", "--batch-size", "-3"], ["--batch-size must be >= 1"]),
+    (["index", "build", "--batch-size", "0"], ["--batch-size must be >= 1"]),
+    (["index", "build", "--max-length", "1000000000"], ["--max-length 1000000000", "positions"]),
+    (["eval", "--batch-size", "-1"], ["--batch-size must be >= 1"]),
+    (["eval", "--max-new-tokens", "1000000000000"], ["--max-new-tokens", "positions"]),
+    (["generate", "--max-new-tokens", "1000000000000"], ["--max-new-tokens", "positions"]),
+    (["eval", "--data", "/dev/zero"], ["/dev/zero", "not a regular file"]),
+    (["train", "--config", "FOLDER"], ["is a folder, not a file"]),
+    (["generate", "--questions", "FOLDER"], ["is a folder, not a file"]),
+], ids=["build-batch-negative", "build-batch-zero", "build-max-length", "eval-batch",
+        "eval-new-tokens", "generate-new-tokens", "eval-dev-zero", "train-config-folder",
+        "generate-questions-folder"])
+def test_sizes_and_paths_out_of_range_are_one_error(world, tmp_path, argv, words):
+    """Second hostile pass: `--batch-size -3` built an index of zero vectors (exit 0);
+    `--max-length 1e9` and `--max-new-tokens 1e12` ended in tracebacks; a device, a pipe or a
+    folder given as a file was reported as missing."""
+    folder = str(world["root"])
+    argv = [folder if a == "FOLDER" else a for a in argv]
+    command = argv[0]
+    if command == "index":
+        argv += ["--passages", world["passages"], "--encoder", world["encoder"], "--out",
+                 tmp_path / "kb", "--no-progress"]
+    elif command == "eval":
+        argv += ["--model", world["model"], "--out", tmp_path / "e", "--no-progress"]
+        if "--data" not in argv:
+            argv += ["--data", world["dev"]]
+    elif command == "generate":
+        argv += ["--model", world["model"], "--no-progress"]
+        if "--questions" not in argv:
+            argv += ["--question", "which river is rome on"]
+    elif command == "train":
+        argv += ["--model", world["model"], "--output-dir", tmp_path / "run"]
+    line = _one_line(*run_cli(*argv))
+    for word in words:
+        assert word in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_generate_onto_a_full_disk_names_the_file(world, disk):
+    out = disk.path / "answers.jsonl"
+    if disk.real:  # every block taken
+        fd = os.open(disk.path / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+    code, err = run_cli("generate", "--model", world["model"], "--question", "q", "--out", out,
+                        "--num-beams", "1", "--max-new-tokens", "1", "--no-progress")
+    if disk.real:
+        line = _one_line(code, err)
+        assert "no space left on device" in line and str(out) in line, line
+        assert sorted(p.name for p in disk.path.iterdir()) == ["filler"]

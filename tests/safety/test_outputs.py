@@ -231,3 +231,32 @@ def test_generate_out_never_replaces_a_file_it_did_not_write(world, tmp_path):
         assert code == 0, err
     assert json.loads(answers.read_text())["question"] == "which river is paris on"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "mine.jsonl", "q.jsonl"]
+
+
+def test_a_symbolic_link_as_an_output_folder_is_refused(world, tmp_path):
+    """Second hostile pass: `--out LINK` swapped the link itself for a new folder (leaving
+    `.LINK.tmp-*` behind) and wrote nothing where it pointed."""
+    from rag_fast.models import RagModel
+
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    code, err = run_cli(*_build_args(world, world["passages"], link))
+    _one_error(code, err, "--out", "symbolic link")
+    code, err = run_cli(*_init_args(world, link, "--overwrite"))
+    _one_error(code, err, "--out", "symbolic link")
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        RagModel.load(str(world["model"])).save(str(link))
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
+
+
+def test_generate_out_keeps_a_question_answer_file_of_the_user(world, tmp_path):
+    """Second hostile pass: a user's QA file (NQ-open style: "question" and "answer") was taken
+    for an answers file of `rag-fast generate` and replaced."""
+    gold = tmp_path / "gold.jsonl"
+    gold.write_text(json.dumps({"question": "capital of france?", "answer": "paris"}) + "\n")
+    code, err = run_cli("generate", "--model", world["model"], "--question", "q", "--out", gold,
+                        "--num-beams", "1", "--max-new-tokens", "1", "--no-progress")
+    _one_error(code, err, "not an answers file")
+    assert json.loads(gold.read_text()) == {"question": "capital of france?", "answer": "paris"}

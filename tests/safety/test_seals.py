@@ -155,3 +155,46 @@ def test_reseal_of_a_folder_without_a_manifest_is_one_error(tmp_path):
     assert code == 2 and "nothing to reseal" in err, err
     code, err = run_cli("reseal", tmp_path / "missing")
     assert code == 2 and "no such directory" in err, err
+
+
+def test_reseal_refuses_a_part_of_another_build(world, copy_of, tmp_path):
+    """Second hostile pass: `passages/` swapped in from another build (its own seal intact),
+    then `rag-fast reseal kb`, sealed the swap and search returned the wrong passages."""
+    import shutil
+
+    from conftest import run_cli as cli
+
+    shuffled = tmp_path / "shuffled.jsonl"
+    lines = world["passages"].read_text().splitlines()
+    shuffled.write_text("\n".join(reversed(lines)) + "\n")
+    other = tmp_path / "other"
+    assert cli("index", "build", "--passages", shuffled, "--encoder", world["encoder"],
+               "--out", other, "--no-progress", "--max-length", "32")[0] == 0
+    for part in ("passages", "index"):
+        kb = tmp_path / f"kb-{part}"
+        shutil.copytree(world["kb"], kb)
+        shutil.rmtree(kb / part)
+        shutil.copytree(other / part, kb / part)
+        before = (kb / "manifest.json").read_bytes()
+        code, err = run_cli("reseal", kb)
+        assert code == 2 and f"{part}/manifest.json" in err and "another build" in err, err
+        assert (kb / "manifest.json").read_bytes() == before
+        assert run_cli("index", "search", kb, "which river is paris on")[0] == 2
+
+
+def test_a_file_added_to_a_model_directory_is_refused_until_listed(world, copy_of):
+    """Second hostile pass: a special_tokens_map.json dropped into a sealed model's tokenizer
+    folder changed its EOS and padding with no error."""
+    model = copy_of(world["model"])
+    added = model / "generator_tokenizer" / "special_tokens_map.json"
+    added.write_text(json.dumps({"eos_token": "[CLS]", "pad_token": "[SEP]"}))
+    with pytest.raises(CheckpointError) as info:
+        RagModel.load(str(model))
+    message = str(info.value)
+    assert "generator_tokenizer/special_tokens_map.json" in message, message
+    assert "does not list" in message and "rag-fast reseal" in message, message
+    code, err = run_cli("reseal", model)  # added on purpose: listed, then loaded
+    assert code == 0, err
+    side = json.loads((model / "rag_fast.json").read_text())
+    assert "generator_tokenizer/special_tokens_map.json" in side["files"]
+    RagModel.load(str(model))
