@@ -832,9 +832,10 @@ class DenseIndex:
                 the value, the bound and the corpus size).
         """
         n, d = _shape(embeddings)
-        if n == 0 or d == 0:
-            raise ValueError(f"embeddings: shape [{n}, {d}] has no " + ("rows" if n == 0 else
-                             "dimensions") + "; expected [N >= 1, d >= 1]")
+        if n == 0:
+            raise ValueError(f"embeddings: the corpus is empty (shape [{n}, {d}]); expected N >= 1 rows")
+        if d == 0:
+            raise ValueError(f"embeddings: shape [{n}, {d}] has no dimensions; expected d >= 1")
         batch_size = _check_int("batch_size", batch_size)
         if queries is not None and (len(getattr(queries, "shape", ())) != 2 or queries.shape[1] != d
                                     or queries.shape[0] == 0):

@@ -188,3 +188,13 @@ def test_generate_onto_a_full_disk_names_the_file(world, disk):
         line = _one_line(code, err)
         assert "no space left on device" in line and str(out) in line, line
         assert sorted(p.name for p in disk.path.iterdir()) == ["filler"]
+
+
+def test_vectors_without_dimensions_are_not_called_an_empty_corpus():
+    """Second hostile pass: ten rows of no dimensions were reported as an empty corpus."""
+    import numpy as np
+
+    from rag_fast.retrieval import DenseIndex
+
+    with pytest.raises(ValueError, match=r"shape \[10, 0\] has no dimensions"):
+        DenseIndex.build(np.ones((10, 0), np.float32), "exact", progress=False)
