@@ -276,7 +276,7 @@ def _index_build(args) -> int:
     import numpy as np
 
     from rag_fast.retrieval._files import (atomic_directory, check_apart, check_output_folder,
-                                           describe_files, write_manifest)
+                                           describe_files, part_digests, write_manifest)
     from rag_fast.retrieval.encoders import encode_passages, parse_shard
     from rag_fast.retrieval.index import (PRESETS, SMALL_CORPUS, DenseIndex, _factory_index,
                                           plan_factory)
@@ -346,6 +346,7 @@ def _index_build(args) -> int:
         index.save(tmp / "index")
         files = ["passages/manifest.json", "index/manifest.json"]
         write_manifest(tmp / "manifest.json", {
+            "parts": part_digests(tmp, files),
             "kind": BUNDLE_KIND, "format": 1, "passages_source": str(args.passages),
             "passages_sha256": key["passages_sha256"],
             "encoder": encoder.describe(), "query_encoder": query_encoder.describe(),
@@ -486,7 +487,8 @@ def _reseal(args) -> int:
     from rag_fast.retrieval._files import reseal
 
     if not Path(args.dir).is_dir():
-        raise FileNotFoundError(f"reseal: no such directory {args.dir}")
+        what = "is not a directory" if Path(args.dir).exists() else "no such directory"
+        raise FileNotFoundError(f"reseal: {args.dir}: {what}")
     written = reseal(args.dir)
     if written:
         print("resealed " + ", ".join(str(p) for p in written))

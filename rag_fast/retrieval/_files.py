@@ -244,6 +244,17 @@ def _load_json(path: Path) -> dict:
     return payload
 
 
+def part_digests(root: Path, names: list[str]) -> dict[str, str]:
+    """{part manifest: SHA-256 of the ``files`` it lists} for a bundle's parts: what the parts'
+    data were when the bundle was built, so that ``reseal`` tells an edit of a part's manifest
+    (same data) from a part of another build (other data)."""
+    out = {}
+    for name in names:
+        files = _load_json(Path(root) / name).get("files")
+        out[name] = content_digest({"files": files})
+    return out
+
+
 def _seal_matches(payload: dict) -> bool:
     seal = payload.get(SEAL)
     try:
@@ -297,12 +308,15 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
         if name.endswith("/" + MANIFEST) and listed.parent != root:  # a part of a bundle
             part = _load_json(listed)
             unchanged = describe_files(root, [name])[name] == meta
-            if not unchanged and _seal_matches(part):
-                # its own seal holds: not an edit of this bundle's part but a part of another
-                # build put in its place, which resealing would hide
+            recorded = (payload.get("parts") or {}).get(name)
+            if recorded is not None:  # the data the part listed at build time
+                other = content_digest({"files": part.get("files")}) != recorded
+            else:  # (built before parts were recorded) its own seal holding says the same
+                other = _seal_matches(part)
+            if not unchanged and other:
                 raise StorageError(f"{listed} is not the part this index directory was built "
-                                   f"with (its record in {path} differs and its own seal "
-                                   "matches: a part of another build); not resealed: rebuild")
+                                   f"with (it lists other data than {path} recorded: a part of "
+                                   "another build); not resealed: rebuild the index directory")
             written += _reseal_file(listed.parent, listed)
             updated[name] = describe_files(root, [name])[name]
             continue
@@ -319,7 +333,12 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
     new = {**payload, "files": updated}
     if updated == files and _seal_matches(payload):
         return written
-    text = json.dumps(sealed(new), indent=2, sort_keys=True, ensure_ascii=False)
+    try:
+        text = json.dumps(sealed(new), indent=2, sort_keys=True, ensure_ascii=False,
+                          allow_nan=False)
+    except ValueError as e:  # NaN or infinity: not JSON, never written by rag_fast
+        raise StorageError(f"{path}: cannot be sealed: {e} (NaN or an infinite number in a "
+                           "value; give a finite number)") from None
     atomic_write_bytes(path, text.encode("utf-8"))
     return written + [path]
 
@@ -427,6 +446,17 @@ OUTPUT_MARKER = "rag_fast-output.json"
 RUN_KIND, EVAL_KIND = "rag_fast.train_run", "rag_fast.eval"
 REFRESHED_KIND = "rag_fast.refreshed_index"  # a training run's index/ after refreshes
 _MARKER_FILES = (MANIFEST, "rag_fast.json", OUTPUT_MARKER)
+# the kinds each marker file may name (a model's kind in rag_fast-output.json is not a model);
+# a manifest.json names a stored directory's kind: any other of rag_fast's
+_MARKER_KINDS = {"rag_fast.json": ("rag_fast.model",),
+                 OUTPUT_MARKER: (RUN_KIND, EVAL_KIND, REFRESHED_KIND)}
+
+
+def _names_its_kind(marker: str, kind: object) -> bool:
+    if marker in _MARKER_KINDS:
+        return kind in _MARKER_KINDS[marker]
+    return (isinstance(kind, str) and kind.startswith("rag_fast.")
+            and not any(kind in kinds for kinds in _MARKER_KINDS.values()))
 
 
 def folder_kind(path: str | os.PathLike) -> str | None:
@@ -443,9 +473,35 @@ def folder_kind(path: str | os.PathLike) -> str | None:
         except (OSError, ValueError):
             continue
         kind = payload.get("kind") if isinstance(payload, dict) else None
-        if isinstance(kind, str) and kind.startswith("rag_fast."):
+        if _names_its_kind(name, kind):
             return kind
     return None
+
+
+_OURS_TEMPORARY = re.compile(r"\..*\.(tmp|new|old|trash)-.*|.*\.tmp-\d+")
+
+
+def unlisted_files(root: str | os.PathLike) -> list[str]:
+    """Files under ``root`` that no manifest or marker of rag_fast accounts for: every marker
+    file counts, and every path a marker's ``files`` lists (relative to its folder); the
+    temporaries of rag_fast's writers count too. Symbolic links are not followed."""
+    root = Path(root)
+    found, owned = [], set()
+    for folder, dirs, names in os.walk(root):
+        here = Path(folder)
+        for name in names:
+            found.append(here / name)
+            if name in _MARKER_FILES:
+                owned.add(here / name)
+                try:
+                    with open(here / name, encoding="utf-8") as f:
+                        listed = json.load(f).get("files")
+                except (OSError, ValueError, AttributeError):
+                    listed = None
+                if isinstance(listed, dict):
+                    owned.update(here / str(n) for n in listed)
+    return sorted(str(p.relative_to(root)) for p in found
+                  if p not in owned and not _OURS_TEMPORARY.fullmatch(p.name))
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -484,10 +540,19 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
         return
     found = folder_kind(out)
     if found == kind:
-        if overwrite or reuse:
+        if reuse:
             return
-        raise FileExistsError(f"{flag} {str(out)!r} already exists (pass --overwrite to replace "
-                              "it)")
+        if not overwrite:
+            raise FileExistsError(f"{flag} {str(out)!r} already exists (pass --overwrite to "
+                                  "replace it)")
+        foreign = unlisted_files(out)
+        if not foreign:
+            return
+        raise FileExistsError(
+            f"{flag} {str(out)!r} is {words} but also holds {foreign[0]!r}"
+            + (f" and {len(foreign) - 1} more file(s)" if len(foreign) > 1 else "")
+            + " that rag_fast did not write; refused (--overwrite would delete them): move them "
+            "away or choose another path")
     what = (f"is {KIND_WORDS.get(found, found)}, not {words}" if found is not None else
             "holds files rag_fast did not write")
     raise FileExistsError(f"{flag} {str(out)!r} {what}; refused (even with --overwrite, "

@@ -1041,12 +1041,33 @@ def check_run_folder(output_dir: str, flag: str = "output_dir") -> None:
     Raises:
         FileExistsError: naming ``flag`` and the folder.
     """
-    from rag_fast.retrieval._files import RUN_KIND, check_output_folder, folder_kind
+    from rag_fast.retrieval._files import RUN_KIND, check_output_folder
 
-    legacy = (folder_kind(output_dir) is None  # a run of an earlier rag_fast had no marker
-              and os.path.isfile(os.path.join(output_dir, CHECKPOINT_MANIFEST)))
-    if not legacy:
+    if not _earlier_run(output_dir):
         check_output_folder(output_dir, RUN_KIND, reuse=True, flag=flag)
+    # the trained model is saved to model/ at the end: a folder there must be a model's
+    check_output_folder(os.path.join(output_dir, "model"), "rag_fast.model", overwrite=True,
+                        flag=f"{flag}'s model/")
+
+
+_RUN_FILES = re.compile(r"(checkpoint-last\.(pt|json)(\.tmp-\d+)?|metrics\.jsonl|training\.png|"
+                        r"model|index|index-refresh|\..*\.(tmp|new|old|trash)-.*)")
+
+
+def _earlier_run(output_dir: str) -> bool:
+    """Whether ``output_dir`` is the run folder of an earlier rag_fast (no marker): a verified
+    checkpoint manifest and its payload, and nothing but what a run writes."""
+    from rag_fast.retrieval._files import folder_kind
+
+    manifest = os.path.join(output_dir, CHECKPOINT_MANIFEST)
+    if folder_kind(output_dir) is not None or not os.path.isfile(manifest) \
+            or not os.path.isfile(os.path.join(output_dir, CHECKPOINT)):
+        return False
+    try:
+        _read_manifest(manifest)
+    except CheckpointError:
+        return False
+    return all(_RUN_FILES.fullmatch(name) for name in os.listdir(output_dir))
 
 
 def claim_run_folder(output_dir: str, rank: int = 0, world_size: int = 1,

@@ -260,3 +260,50 @@ def test_generate_out_keeps_a_question_answer_file_of_the_user(world, tmp_path):
                         "--num-beams", "1", "--max-new-tokens", "1", "--no-progress")
     _one_error(code, err, "not an answers file")
     assert json.loads(gold.read_text()) == {"question": "capital of france?", "answer": "paris"}
+
+
+def test_a_marker_vouches_only_for_the_kinds_its_file_holds(world, tmp_path):
+    """Third hostile pass: a hand-made rag_fast-output.json naming kind "rag_fast.model" made
+    `init --out --overwrite` delete the folder's files."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "rag_fast-output.json").write_text(json.dumps({"kind": "rag_fast.model"}))
+    (folder / "thesis.txt").write_text("years of work")
+    code, err = run_cli(*_init_args(world, folder, "--overwrite"))
+    _one_error(code, err, "did not write")
+    assert (folder / "thesis.txt").read_text() == "years of work"
+
+
+@pytest.mark.parametrize("which", ["kb", "model"])
+def test_overwrite_keeps_files_added_to_a_folder_of_its_kind(world, copy_of, which):
+    """Third hostile pass: an index or model directory holding the user's NOTES.md was replaced
+    whole by --overwrite."""
+    folder = copy_of(world[which])
+    (folder / "NOTES.md").write_text("mine")
+    args = (_build_args(world, world["passages"], folder, "--overwrite") if which == "kb" else
+            _init_args(world, folder, "--overwrite"))
+    code, err = run_cli(*args)
+    _one_error(code, err, "NOTES.md", "did not write")
+    assert (folder / "NOTES.md").read_text() == "mine"
+
+
+def test_train_marks_nothing_it_then_refuses(world, tmp_path):
+    """Third hostile pass: a user folder with a stray checkpoint-last.json was taken for an
+    earlier run: the marker was written before the refusal, and the next try trained there."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "checkpoint-last.json").write_text("{}")
+    (out / "training.png").write_text("my plot")
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", out)
+    _one_error(code, err, "did not write")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-last.json", "training.png"]
+    (out / "model").mkdir()
+    (out / "checkpoint-last.json").unlink()
+    (out / "training.png").unlink()
+    (out / "model" / "notes.txt").write_text("mine")  # a foreign model/: refused before training
+    (out / "rag_fast-output.json").write_text(json.dumps({"kind": "rag_fast.train_run"}))
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", out)
+    _one_error(code, err, "model/")
+    assert sorted(p.name for p in out.rglob("*")) == ["model", "notes.txt", "rag_fast-output.json"]

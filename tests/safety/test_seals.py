@@ -164,12 +164,12 @@ def test_reseal_refuses_a_part_of_another_build(world, copy_of, tmp_path):
 
     from conftest import run_cli as cli
 
-    shuffled = tmp_path / "shuffled.jsonl"
-    lines = world["passages"].read_text().splitlines()
-    shuffled.write_text("\n".join(reversed(lines)) + "\n")
+    shuffled = tmp_path / "shuffled.jsonl"  # the same ids over other texts, in another order
+    lines = world["passages"].read_text().replace("seine", "SWAP").replace("tiber", "seine")
+    shuffled.write_text("\n".join(reversed(lines.replace("SWAP", "tiber").splitlines())) + "\n")
     other = tmp_path / "other"
     assert cli("index", "build", "--passages", shuffled, "--encoder", world["encoder"],
-               "--out", other, "--no-progress", "--max-length", "32")[0] == 0
+               "--out", other, "--no-progress", "--max-length", "32", "--pooling", "mean")[0] == 0
     for part in ("passages", "index"):
         kb = tmp_path / f"kb-{part}"
         shutil.copytree(world["kb"], kb)
@@ -177,7 +177,7 @@ def test_reseal_refuses_a_part_of_another_build(world, copy_of, tmp_path):
         shutil.copytree(other / part, kb / part)
         before = (kb / "manifest.json").read_bytes()
         code, err = run_cli("reseal", kb)
-        assert code == 2 and f"{part}/manifest.json" in err and "another build" in err, err
+        assert code == 2 and f"{part}/manifest.json" in err and "another build" in err, (part, err)
         assert (kb / "manifest.json").read_bytes() == before
         assert run_cli("index", "search", kb, "which river is paris on")[0] == 2
 
@@ -198,3 +198,41 @@ def test_a_file_added_to_a_model_directory_is_refused_until_listed(world, copy_o
     side = json.loads((model / "rag_fast.json").read_text())
     assert "generator_tokenizer/special_tokens_map.json" in side["files"]
     RagModel.load(str(model))
+
+
+def test_reseal_refuses_an_unsealed_part_of_another_build_and_finishes_its_own(world,
+                                                                            tmp_path):
+    """Third hostile pass: a swapped part whose own seal was removed got resealed; and a reseal
+    killed after writing a part's manifest left an index that no reseal would accept."""
+    import shutil
+
+    from conftest import run_cli as cli
+    from rag_fast.retrieval._files import _reseal_file
+
+    other = tmp_path / "other"
+    assert cli("index", "build", "--passages", world["passages"], "--encoder", world["encoder"],
+               "--out", other, "--no-progress", "--max-length", "32", "--pooling", "mean")[0] == 0
+    kb = tmp_path / "kb"
+    shutil.copytree(world["kb"], kb)
+    shutil.rmtree(kb / "index")
+    shutil.copytree(other / "index", kb / "index")
+    _edit(kb / "index" / "manifest.json", lambda m: m.pop("seal"))
+    code, err = run_cli("reseal", kb)
+    assert code == 2 and "another build" in err, err
+    # an edit of both parts' manifests, resealed part by part as a killed reseal leaves it
+    kb2 = tmp_path / "kb2"
+    shutil.copytree(world["kb"], kb2)
+    _edit(kb2 / "passages" / "manifest.json", lambda m: m.update(source="edited.jsonl"))
+    _edit(kb2 / "index" / "manifest.json", lambda m: m["meta"].update(note=1))
+    _reseal_file(kb2 / "index", kb2 / "index" / "manifest.json")  # killed after this write
+    code, err = run_cli("reseal", kb2)
+    assert code == 0, err
+    assert run_cli("index", "search", kb2, "which river is paris on")[0] == 0
+
+
+def test_reseal_of_a_manifest_holding_nan_names_the_file(world, copy_of):
+    model = copy_of(world["model"])
+    side = model / "rag_fast.json"
+    side.write_text(side.read_text().replace('"epsilon": 0.0', '"epsilon": NaN'))
+    code, err = run_cli("reseal", model)
+    assert code == 2 and str(side) in err and "NaN" in err, err
