@@ -309,10 +309,10 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
             part = _load_json(listed)
             unchanged = describe_files(root, [name])[name] == meta
             recorded = (payload.get("parts") or {}).get(name)
-            if recorded is not None:  # the data the part listed at build time
-                other = content_digest({"files": part.get("files")}) != recorded
-            else:  # (built before parts were recorded) its own seal holding says the same
-                other = _seal_matches(part)
+            # the data the part listed at build time; without that record (an index directory
+            # of an earlier rag_fast) an edit cannot be told from a part of another build
+            other = (recorded is None
+                     or content_digest({"files": part.get("files")}) != recorded)
             if not unchanged and other:
                 raise StorageError(f"{listed} is not the part this index directory was built "
                                    f"with (it lists other data than {path} recorded: a part of "
@@ -331,6 +331,8 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
                 listed_path(root, name, path)
                 updated[name] = describe_files(root, [name])[name]
     new = {**payload, "files": updated}
+    if payload.get("kind") == "rag_fast.index_bundle" and "parts" not in payload:
+        new["parts"] = part_digests(root, [n for n in updated if n.endswith("/" + MANIFEST)])
     if updated == files and _seal_matches(payload):
         return written
     try:
@@ -478,30 +480,35 @@ def folder_kind(path: str | os.PathLike) -> str | None:
     return None
 
 
-_OURS_TEMPORARY = re.compile(r"\..*\.(tmp|new|old|trash)-.*|.*\.tmp-\d+")
+# the temporaries of rag_fast's folder writers, named ".NAME.TAG-PID[-THREAD]-HEX8"
+_OURS_TEMPORARY = re.compile(r"\..+\.(tmp|new|old|trash)-\d+(-\d+)?-[0-9a-f]{8}")
 
 
 def unlisted_files(root: str | os.PathLike) -> list[str]:
-    """Files under ``root`` that no manifest or marker of rag_fast accounts for: every marker
-    file counts, and every path a marker's ``files`` lists (relative to its folder); the
-    temporaries of rag_fast's writers count too. Symbolic links are not followed."""
+    """Files under ``root`` that no manifest or marker of rag_fast accounts for: a marker file
+    naming a kind of rag_fast's counts (see :func:`folder_kind`), with every path its ``files``
+    lists (relative to its folder); the temporary folders of rag_fast's writers count too.
+    Symbolic links are not followed."""
     root = Path(root)
     found, owned = [], set()
     for folder, dirs, names in os.walk(root):
         here = Path(folder)
+        dirs[:] = [d for d in dirs if not _OURS_TEMPORARY.fullmatch(d)]
         for name in names:
             found.append(here / name)
-            if name in _MARKER_FILES:
-                owned.add(here / name)
-                try:
-                    with open(here / name, encoding="utf-8") as f:
-                        listed = json.load(f).get("files")
-                except (OSError, ValueError, AttributeError):
-                    listed = None
-                if isinstance(listed, dict):
-                    owned.update(here / str(n) for n in listed)
-    return sorted(str(p.relative_to(root)) for p in found
-                  if p not in owned and not _OURS_TEMPORARY.fullmatch(p.name))
+            if name not in _MARKER_FILES:
+                continue
+            try:
+                with open(here / name, encoding="utf-8") as f:
+                    payload = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if not isinstance(payload, dict) or not _names_its_kind(name, payload.get("kind")):
+                continue  # a file of that name that is not rag_fast's
+            owned.add(here / name)
+            if isinstance(payload.get("files"), dict):
+                owned.update(here / str(n) for n in payload["files"])
+    return sorted(str(p.relative_to(root)) for p in found if p not in owned)
 
 
 def _is_empty_dir(path: Path) -> bool:

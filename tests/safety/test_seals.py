@@ -236,3 +236,25 @@ def test_reseal_of_a_manifest_holding_nan_names_the_file(world, copy_of):
     side.write_text(side.read_text().replace('"epsilon": 0.0', '"epsilon": NaN'))
     code, err = run_cli("reseal", model)
     assert code == 2 and str(side) in err and "NaN" in err, err
+
+
+def test_reseal_of_an_index_without_part_records_refuses_a_changed_part(world, tmp_path):
+    """Final hostile pass: an index directory without the parts' records (an earlier rag_fast's,
+    or one whose records were deleted) resealed a part of another build."""
+    import shutil
+
+    from conftest import run_cli as cli
+
+    other = tmp_path / "other"
+    assert cli("index", "build", "--passages", world["passages"], "--encoder", world["encoder"],
+               "--out", other, "--no-progress", "--max-length", "32", "--pooling", "mean")[0] == 0
+    kb = tmp_path / "kb"
+    shutil.copytree(world["kb"], kb)
+    _edit(kb / "manifest.json", lambda m: (m.pop("parts"), m.pop("seal")))
+    assert run_cli("reseal", kb)[0] == 0  # unchanged parts: accepted, and recorded now
+    assert "parts" in json.loads((kb / "manifest.json").read_text())
+    _edit(kb / "manifest.json", lambda m: (m.pop("parts"), m.pop("seal")))
+    shutil.rmtree(kb / "index")
+    shutil.copytree(other / "index", kb / "index")
+    code, err = run_cli("reseal", kb)
+    assert code == 2 and "another build" in err, err
