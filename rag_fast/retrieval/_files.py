@@ -494,6 +494,7 @@ def unlisted_files(root: str | os.PathLike) -> list[str]:
     for folder, dirs, names in os.walk(root):
         here = Path(folder)
         dirs[:] = [d for d in dirs if not _OURS_TEMPORARY.fullmatch(d)]
+        found.extend(here / d for d in dirs if (here / d).is_symlink())  # a link is a file too
         for name in names:
             found.append(here / name)
             if name not in _MARKER_FILES:

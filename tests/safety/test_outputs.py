@@ -314,15 +314,19 @@ def test_train_marks_nothing_it_then_refuses(world, tmp_path):
     {"notes/manifest.json": '{"files": {"thesis.txt": {}}}', "notes/thesis.txt": "mine"},
     {".thesis.old-backup": "mine"},
     {"draft.tmp-2024": "mine"},
-], ids=["foreign-manifest", "foreign-manifest-listing", "hidden-old", "tmp-like"])
+    {"link": None},
+], ids=["foreign-manifest", "foreign-manifest-listing", "hidden-old", "tmp-like", "dir-link"])
 def test_overwrite_takes_no_lookalike_for_its_own_file(world, copy_of, added):
     """Final hostile pass: a user's manifest.json in a subfolder, and names that looked like
     rag_fast's temporaries, were deleted by --overwrite as rag_fast's own."""
     kb = copy_of(world["kb"])
     for name, text in added.items():
         (kb / name).parent.mkdir(parents=True, exist_ok=True)
-        (kb / name).write_text(text)
+        if text is None:  # a link to a folder of the user's
+            (kb / name).symlink_to(world["root"], target_is_directory=True)
+        else:
+            (kb / name).write_text(text)
     code, err = run_cli(*_build_args(world, world["passages"], kb, "--overwrite"))
     _one_error(code, err, "did not write")
     for name, text in added.items():
-        assert (kb / name).read_text() == text
+        assert (kb / name).is_symlink() if text is None else (kb / name).read_text() == text
