@@ -98,16 +98,16 @@ def _hf_wrapper(model: RagModel, config):
     return cls(config, question_encoder=model.question_encoder, generator=model.generator)
 
 
-def _describe(root: str, sizes_only: bool = False) -> dict:
+def _describe(root: str, names_only: bool = False) -> dict:
     """{relative path: {"bytes", "sha256"}} of every file under ``root`` but the side file
-    (``sizes_only``: the paths only, nothing read)."""
+    (``names_only``: {relative path: None}, nothing read)."""
     files = {}
     for folder, _, names in os.walk(root):
         for name in sorted(names):
             full = os.path.join(folder, name)
             rel = os.path.relpath(full, root).replace(os.sep, "/")
             if rel != SIDE_FILE:
-                files[rel] = None if sizes_only else {"bytes": os.path.getsize(full),
+                files[rel] = None if names_only else {"bytes": os.path.getsize(full),
                                                        "sha256": sha256_file(full)}
     return files
 
@@ -246,7 +246,7 @@ def read_side_file(path: str) -> dict | None:
         if sha256_file(full) != record.get("sha256"):
             raise CheckpointError(f"model directory {path} is corrupt: {rel} does not match its "
                                   f"SHA-256 in {SIDE_FILE}")
-    unlisted = sorted(set(_describe(path, sizes_only=True)) - set(side["files"]))
+    unlisted = sorted(set(_describe(path, names_only=True)) - set(side["files"]))
     if unlisted:  # transformers reads some files by name only if they are there
         raise CheckpointError(
             f"model directory {path} holds {unlisted[0]!r}"

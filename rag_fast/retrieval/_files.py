@@ -728,9 +728,10 @@ _NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a 
 
 @contextlib.contextmanager
 def disk_errors(path: str | os.PathLike) -> Iterator[None]:
-    """Say a full disk as a :class:`NoSpaceError` naming ``path`` when a library writing ``path`` fails its own way
-    (``torch.save``'s RuntimeError, safetensors' and faiss's errors): its message names the
-    full disk, or the disk holding ``path`` is nearly full. Other failures pass unchanged."""
+    """Say a full disk as a :class:`NoSpaceError` naming ``path`` when a library writing
+    ``path`` fails its own way: its message names the full disk (safetensors, faiss), or it is
+    a RuntimeError while the disk holding ``path`` is nearly full (``torch.save``, whose error
+    gives no reason). Other failures pass unchanged."""
     try:
         yield
     except NoSpaceError:
@@ -742,8 +743,10 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
     except Exception as e:
         text = str(e)
         free = disk_free(path)
-        if ("No space left" in text or "os error 28" in text or "ENOSPC" in text
-                or (free is not None and free < _NEARLY_FULL)):
+        says_so = "No space left" in text or "os error 28" in text or "ENOSPC" in text
+        # torch.save's RuntimeError on a full disk names no reason ("unexpected pos ...")
+        guess = isinstance(e, RuntimeError) and free is not None and free < _NEARLY_FULL
+        if says_so or guess:
             raise NoSpaceError(path, None, free) from None
         raise
 

@@ -15,7 +15,7 @@ import pytest
 
 from rag_fast.retrieval import _files
 
-from utils import save_tiny_bert
+from utils import IN_CI, save_tiny_bert
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "examples" / "workflow" / "generator-tokenizer"
@@ -174,3 +174,15 @@ def disk(tmp_path, monkeypatch):
     d = Disk(tmp_path / "disk", DISK_KIB, monkeypatch)
     yield d
     d.unmount()
+
+
+@pytest.fixture
+def real_disk(disk):
+    """A real small tmpfs: writers whose full-disk errors the stand-in cannot imitate
+    (safetensors, torch.save, plain writes) need one. Only root may mount it; CI runs as root,
+    so there its absence fails the test instead of skipping it."""
+    if not disk.real:
+        if IN_CI:
+            pytest.fail("CI must be able to mount a small tmpfs (run as root)")
+        pytest.skip("mounting a tmpfs needs root")
+    return disk
