@@ -275,7 +275,7 @@ def _encoder(flag: str, name: str, **kwargs):
 def _index_build(args) -> int:
     import numpy as np
 
-    from rag_fast.retrieval._files import (atomic_directory, check_apart, check_output_folder,
+    from rag_fast.storage import (atomic_directory, check_apart, check_output_folder,
                                            describe_files, part_digests, write_manifest)
     from rag_fast.retrieval.encoders import encode_passages, parse_shard
     from rag_fast.retrieval.index import (PRESETS, SMALL_CORPUS, DenseIndex, _factory_index,
@@ -392,7 +392,7 @@ def _tuning_questions(path: str) -> list[str]:
 
 
 def _load_bundle(directory: str, verify: bool = False):
-    from rag_fast.retrieval._files import read_manifest
+    from rag_fast.storage import read_manifest
     from rag_fast.retrieval.index import DenseIndex
     from rag_fast.retrieval.passages import PassageStore
 
@@ -484,7 +484,7 @@ def _register_reseal(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _reseal(args) -> int:
-    from rag_fast.retrieval._files import reseal
+    from rag_fast.storage import reseal
 
     if not Path(args.dir).is_dir():
         what = "is not a directory" if Path(args.dir).exists() else "no such directory"
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     artefact, no space left), said in one line naming the file, line or key; 1 an unexpected
     error (one line, the traceback in a file); 130 interrupted."""
     from rag_fast import _pool
-    from rag_fast.retrieval._files import StorageError
+    from rag_fast.storage import StorageError
 
     from rag_fast._quiet import set_verbose
 

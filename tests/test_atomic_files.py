@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from rag_fast.retrieval import DenseIndex, StorageError
-from rag_fast.retrieval import _files
-from rag_fast.retrieval._files import atomic_directory, describe_files, read_manifest, write_manifest
+from rag_fast import storage
+from rag_fast.storage import atomic_directory, describe_files, read_manifest, write_manifest
 
 KIND = "rag_fast.test_payload"
 
@@ -40,8 +40,8 @@ from pathlib import Path
 # the module alone, from its file (it needs only the standard library and numpy): a child that
 # imported the rag_fast package would spend seconds importing torch before every kill
 spec = importlib.util.spec_from_file_location("rag_fast_files", sys.argv[5])
-_files = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(_files)
+storage = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(storage)
 out, where, n, exchange = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 calls = {"replace": 0}
 real_replace = os.replace
@@ -56,17 +56,17 @@ def replace(a, b):
     return real_replace(a, b)
 
 os.replace = replace
-if hasattr(_files, "_exchange"):
-    real_exchange = _files._exchange
+if hasattr(storage, "_exchange"):
+    real_exchange = storage._exchange
     def exchange_or_die(a, b):
         if where == "exchange":
             die()
         return real_exchange(a, b) if exchange else False
-    _files._exchange = exchange_or_die
-with _files.atomic_directory(out, overwrite=True, kind="rag_fast.test_payload") as tmp:
+    storage._exchange = exchange_or_die
+with storage.atomic_directory(out, overwrite=True, kind="rag_fast.test_payload") as tmp:
     (tmp / "v.txt").write_text("new")
-    _files.write_manifest(tmp / "manifest.json", {"kind": "rag_fast.test_payload",
-                                              "files": _files.describe_files(tmp, ["v.txt"])})
+    storage.write_manifest(tmp / "manifest.json", {"kind": "rag_fast.test_payload",
+                                              "files": storage.describe_files(tmp, ["v.txt"])})
     if where == "write":
         die()
 print("not killed")
@@ -93,7 +93,7 @@ def test_killed_save_leaves_old_or_new_and_no_leftovers(tmp_path, where, n, exch
     out = tmp_path / "out"
     save(out, "old", overwrite=False)
     proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(out), where, str(n),
-                           str(int(exchange)), _files.__file__],
+                           str(int(exchange)), storage.__file__],
                           capture_output=True, text=True, timeout=120)
     # (with the exchange the save makes no n-th rename: it is not killed and installs "new")
     completed = proc.returncode == 0 and "not killed" in proc.stdout
@@ -141,7 +141,7 @@ def test_exception_between_renames_without_exchange_restores_the_old(tmp_path, m
             raise OSError("simulated")
         return real(a, b)
 
-    monkeypatch.setattr(_files, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="simulated"):
         save(out, "new")

@@ -99,7 +99,7 @@ def test_save_load_round_trip(tmp_path, family, mode):
 
 
 def test_load_names_a_corrupt_or_missing_file(tmp_path):
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     _model().save(str(tmp_path / "m"))
     weights = tmp_path / "m" / "generator" / "model.safetensors"

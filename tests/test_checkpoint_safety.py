@@ -189,7 +189,7 @@ def test_save_killed_between_renames_is_completed_on_resume(tmp_path):
 def test_stale_temporaries_are_removed_by_the_next_save(tmp_path):
     stale = ["checkpoint-last.pt.tmp-99999", "checkpoint-last.json.tmp-99998",
              "checkpoint-last.pt.tmp-1"]
-    from rag_fast.retrieval._files import RUN_KIND, write_marker
+    from rag_fast.storage import RUN_KIND, write_marker
 
     write_marker(tmp_path, RUN_KIND)  # a run's folder, where the user keeps a file of theirs
     for name in stale + ["other.tmp-1"]:

@@ -33,7 +33,7 @@ def edited(saved, tmp_path, preset: str, edit) -> str:
     was sealed again (as ``rag-fast reseal`` accepts an edit): loading still checks every key."""
     import shutil
 
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     path = tmp_path / f"{preset}-edited"
     shutil.copytree(saved[preset], path)
@@ -188,7 +188,7 @@ def index_dir(tmp_path):
     """An index directory as `rag-fast index build` lays it out, bundle manifest included."""
     from rag_fast.models.retriever_io import BUNDLE_KIND
     from rag_fast.retrieval import Passage, PassageStore
-    from rag_fast.retrieval._files import describe_files, write_manifest
+    from rag_fast.storage import describe_files, write_manifest
 
     root = tmp_path / "kb"
     PassageStore.create([Passage(f"p{i}", f"title {i}", f"text {i}") for i in range(50)],

@@ -103,7 +103,7 @@ def test_transformers_folder_loads_and_generates_the_same_tokens(mode, settings,
 
 
 def test_every_file_is_verified(tmp_path):
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     path = tmp_path / "m"
     _ours("token").save(str(path))

@@ -239,7 +239,7 @@ def test_truncated_file_is_a_clear_error(tmp_path, exact):
 
 
 def test_dimension_mismatch_is_a_clear_error(tmp_path, exact):
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     path = _saved(tmp_path, exact)
     with pytest.raises(ValueError, match="expected_dim=384 does not match the index dimension 64"):

@@ -193,7 +193,7 @@ def test_small_corpus_is_exact_without_lists(data, tmp_path):
 
 
 def _edit_manifest(src, dst, edit):
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     shutil.copytree(src, dst)
     manifest = json.loads((dst / "manifest.json").read_text())
@@ -250,7 +250,7 @@ def test_mapped_file_descriptors_are_closed(saved, tmp_path):
     import gc
     import os
 
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     lying = _edit_manifest(saved, tmp_path / "lying", lambda m: m.update(factory="HNSW32"))
     shutil.copy(DenseIndex.build(_clustered(1000, D, 5), "hnsw", progress=False).save(

@@ -34,7 +34,7 @@ def _print_metrics(metrics: dict, as_json: bool = False) -> None:
 
 def _write_atomic(path: Path, text: str) -> None:
     """``text`` to a temporary file beside ``path``, then renamed over it (never half written)."""
-    from rag_fast.retrieval._files import atomic_write_bytes
+    from rag_fast.storage import atomic_write_bytes
 
     atomic_write_bytes(path, text.encode("utf-8"))
 
@@ -45,7 +45,7 @@ _EVAL_FILES = {"predictions.jsonl", "metrics.json"}
 def _check_out(out: Path, args) -> None:
     """``--out`` apart from the inputs, and empty or an evaluation's own folder (an earlier
     rag_fast's, holding only its two files, included)."""
-    from rag_fast.retrieval._files import EVAL_KIND, check_apart, check_output_folder, folder_kind
+    from rag_fast.storage import EVAL_KIND, check_apart, check_output_folder, folder_kind
 
     check_apart(out, "--out", {"--data": args.data, "--model": args.model, "--index": args.index})
     legacy = (out.is_dir() and folder_kind(out) is None
@@ -100,7 +100,7 @@ def load_model_for_cli(model_dir: str, index: str | None, device: str | None,
 def run(args: argparse.Namespace) -> int:
     from rag_fast.evaluation import answer_metrics, evaluate, label_accuracy, load_qa
     from rag_fast.evaluation.metrics import exact_match_one, f1_one
-    from rag_fast.retrieval._files import EVAL_KIND, check_apart, write_marker
+    from rag_fast.storage import EVAL_KIND, check_apart, write_marker
 
     if (args.predictions is None) == (args.model is None):
         raise ValueError("give exactly one of --predictions FILE and --model DIR")

@@ -68,7 +68,7 @@ def _check_out(args) -> None:
     """``--out`` apart from the inputs, and missing, empty or an earlier answers file of
     ``rag-fast generate`` (every line an object with exactly "question", "answer" (a string)
     and "passages" (a list), as it writes them): a file it did not write is never replaced."""
-    from rag_fast.retrieval._files import check_apart
+    from rag_fast.storage import check_apart
 
     check_apart(args.out, "--out", {"--questions": args.questions, "--model": args.model,
                                     "--index": args.index, "--tokenizer": args.tokenizer})
@@ -160,7 +160,7 @@ def _batch_from_rows(model, rows: list[dict]):
 def run(args) -> int:
     from rag_fast.evaluation.cli import check_new_tokens
     from rag_fast.models.rag_model import passage_fields
-    from rag_fast.retrieval._files import disk_errors
+    from rag_fast.storage import disk_errors
 
     for flag, value in (("--batch-size", args.batch_size), ("--num-beams", args.num_beams),
                         ("--max-new-tokens", args.max_new_tokens)):

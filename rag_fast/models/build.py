@@ -309,7 +309,7 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from rag_fast.models.checkpoint import KIND
-    from rag_fast.retrieval._files import check_apart, check_output_folder
+    from rag_fast.storage import check_apart, check_output_folder
 
     # before anything is read: --out apart from every input, and only ever an empty folder or a
     # model directory (replaced with --overwrite)

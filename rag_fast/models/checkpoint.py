@@ -16,7 +16,7 @@ So ``RagTokenForGeneration.from_pretrained(DIR)`` (or ``RagSequenceForGeneration
 model rag_fast saved, and ``RagModel.load`` opens any ``transformers`` RAG folder (without
 ``rag_fast.json`` the settings come from its RagConfig). Weights are safetensors: loading never
 runs code. A directory is written and replaced as index directories are
-(``rag_fast.retrieval._files.atomic_directory``: after a kill the path holds the old or the
+(``rag_fast.storage.atomic_directory``: after a kill the path holds the old or the
 new model, leftovers of dead writers are cleaned); loading checks every file against
 ``rag_fast.json`` and names the file that does not match.
 
@@ -44,7 +44,7 @@ import torch
 
 from rag_fast._quiet import quiet_transformers
 from rag_fast.models.rag_model import RagModel
-from rag_fast.retrieval._files import sha256_file
+from rag_fast.storage import sha256_file
 
 FORMAT = 2
 KIND = "rag_fast.model"
@@ -122,7 +122,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
     Raises:
         CheckpointError: a model without a transformers generator and question encoder.
     """
-    from rag_fast.retrieval._files import atomic_directory, disk_errors, sealed
+    from rag_fast.storage import atomic_directory, disk_errors, sealed
 
     causal = bool(getattr(model, "is_causal", False))
     if causal:
@@ -206,7 +206,7 @@ def read_side_file(path: str) -> dict | None:
         CheckpointError: invalid JSON, an unknown kind or format, a missing file, or a file
             whose size or SHA-256 differs from the record (named in the message).
     """
-    from rag_fast.retrieval._files import StorageError, check_files_entry, check_seal
+    from rag_fast.storage import StorageError, check_files_entry, check_seal
 
     side_path = os.path.join(path, SIDE_FILE)
     if not os.path.isfile(side_path):
@@ -402,7 +402,7 @@ def load_rag_model(
 
     from rag_fast import _pool
     from rag_fast.models import _dropout
-    from rag_fast.retrieval._files import recover_directory
+    from rag_fast.storage import recover_directory
 
     # the environment's settings, named as themselves before any file is read (RagModel checks
     # them too, where a failure would read as the saved options')

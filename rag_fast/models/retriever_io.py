@@ -23,7 +23,7 @@ def read_bundle_manifest(path: str | Path) -> dict | None:
         ValueError: a manifest that is not valid JSON, not an index bundle's, or edited after
             it was written (``rag_fast.retrieval.StorageError``).
     """
-    from rag_fast.retrieval._files import check_seal
+    from rag_fast.storage import check_seal
 
     manifest_path = Path(path) / "manifest.json"
     if not manifest_path.is_file():
@@ -65,7 +65,7 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
         rag_fast.retrieval.StorageError: missing, truncated or corrupt files.
     """
     from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
-    from rag_fast.retrieval._files import read_manifest
+    from rag_fast.storage import read_manifest
 
     root = Path(path)
     if not root.is_dir():

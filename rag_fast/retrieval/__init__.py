@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "StorageError": "rag_fast.retrieval._files",
-    "NoSpaceError": "rag_fast.retrieval._files",
+    "StorageError": "rag_fast.storage",
+    "NoSpaceError": "rag_fast.storage",
     "Encoder": "rag_fast.retrieval.encoders",
     "encode_passages": "rag_fast.retrieval.encoders",
     "parse_shard": "rag_fast.retrieval.encoders",

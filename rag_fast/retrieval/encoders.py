@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rag_fast._validation import brief_error
-from rag_fast.retrieval._files import no_space, reserve_space
+from rag_fast.storage import no_space, reserve_space
 from rag_fast.retrieval.passages import PassageStore
 
 POOLINGS = ("auto", "cls", "mean", "pooler")

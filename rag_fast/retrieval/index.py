@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 
 from rag_fast import _ext
 from rag_fast.retrieval._exact import exact_search
-from rag_fast.retrieval._files import (
+from rag_fast.storage import (
     MANIFEST,
     NoSpaceError,
     StorageError,

@@ -31,7 +31,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rag_fast._jsonl import decoded_lines, json_type, lone_surrogate, read_objects
-from rag_fast.retrieval._files import (
+from rag_fast.storage import (
     MANIFEST,
     RaggedArray,
     RaggedWriter,

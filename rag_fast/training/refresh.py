@@ -107,7 +107,7 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path) -> Pat
     Raises:
         FileNotFoundError: ``refreshed`` is not a directory.
     """
-    from rag_fast.retrieval._files import REFRESHED_KIND, atomic_directory, write_marker
+    from rag_fast.storage import REFRESHED_KIND, atomic_directory, write_marker
 
     refreshed = Path(refreshed)
     if not refreshed.is_dir():
@@ -324,7 +324,7 @@ class IndexRefresher:
         writers (a kill during a refresh)."""
         if self.root is None or (not self.sharded and self.rank != 0) or not self.root.is_dir():
             return
-        from rag_fast.retrieval._files import _remove_leftovers
+        from rag_fast.storage import remove_leftovers
 
         for step, path in self._entries():
             if step < keep or (after and step > keep):
@@ -332,4 +332,4 @@ class IndexRefresher:
         for p in self.root.iterdir():
             m = _LEFTOVER.fullmatch(p.name)
             if m:
-                _remove_leftovers(self.root / m.group(1))
+                remove_leftovers(self.root / m.group(1))

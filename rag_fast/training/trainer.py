@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rag_fast.retrieval._files import atomic_write, disk_errors, fsync_dir, sha256_file
+from rag_fast.storage import atomic_write, disk_errors, fsync_dir, sha256_file
 from rag_fast.training.refresh import REFRESH_ENCODERS, IndexRefresher, question_encoder_embedder
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -1041,7 +1041,7 @@ def check_run_folder(output_dir: str, flag: str = "output_dir") -> None:
     Raises:
         FileExistsError: naming ``flag`` and the folder.
     """
-    from rag_fast.retrieval._files import RUN_KIND, check_output_folder
+    from rag_fast.storage import RUN_KIND, check_output_folder
 
     if not _earlier_run(output_dir):
         check_output_folder(output_dir, RUN_KIND, reuse=True, flag=flag)
@@ -1057,7 +1057,7 @@ _RUN_FILES = re.compile(r"(checkpoint-last\.(pt|json)(\.tmp-\d+)?|metrics\.jsonl
 def _earlier_run(output_dir: str) -> bool:
     """Whether ``output_dir`` is the run folder of an earlier rag_fast (no marker): a verified
     checkpoint manifest and its payload, and nothing but what a run writes."""
-    from rag_fast.retrieval._files import folder_kind
+    from rag_fast.storage import folder_kind
 
     manifest = os.path.join(output_dir, CHECKPOINT_MANIFEST)
     if folder_kind(output_dir) is not None or not os.path.isfile(manifest) \
@@ -1078,7 +1078,7 @@ def claim_run_folder(output_dir: str, rank: int = 0, world_size: int = 1,
     Raises:
         FileExistsError: naming ``flag`` and the folder.
     """
-    from rag_fast.retrieval._files import RUN_KIND, folder_kind, write_marker
+    from rag_fast.storage import RUN_KIND, folder_kind, write_marker
 
     check_run_folder(output_dir, flag)
     if world_size > 1:

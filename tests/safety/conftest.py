@@ -13,7 +13,7 @@ from pathlib import Path
 import faiss
 import pytest
 
-from rag_fast.retrieval import _files
+from rag_fast import storage
 
 from utils import IN_CI, save_tiny_bert
 
@@ -143,7 +143,7 @@ class Disk:
             raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
 
         self.monkeypatch.setattr(os, "posix_fallocate", fallocate)
-        self.monkeypatch.setattr(_files, "disk_free", lambda path: 1 << 40)
+        self.monkeypatch.setattr(storage, "disk_free", lambda path: 1 << 40)
         if self.real:
             return
         real_pwrite = os.pwrite

@@ -54,7 +54,7 @@ def test_a_multi_line_library_error_is_folded_into_one_line(world, monkeypatch):
 def test_a_safetensors_header_of_2_62_bytes_is_one_error(world, copy_of):
     """Probe 9: a crafted header length gave a traceback (files re-listed and resealed, as a
     hostile folder would be)."""
-    from rag_fast.retrieval._files import describe_files, sealed
+    from rag_fast.storage import describe_files, sealed
 
     model = copy_of(world["model"])
     weights = model / "model.safetensors"
@@ -200,20 +200,21 @@ def test_only_a_reasonless_runtime_error_on_a_nearly_full_disk_is_taken_for_a_fu
         tmp_path, monkeypatch):
     """A library's write failing on a nearly full disk: torch.save's RuntimeError gives no
     reason and is said as a full disk; any other error keeps its own words."""
-    from rag_fast.retrieval import NoSpaceError, _files
+    from rag_fast import storage
+    from rag_fast.retrieval import NoSpaceError
 
     path = tmp_path / "f.pt"
-    monkeypatch.setattr(_files, "disk_free", lambda p: 1024)
+    monkeypatch.setattr(storage, "disk_free", lambda p: 1024)
     with pytest.raises(NoSpaceError, match="no space left on device writing"):
-        with _files.disk_errors(path):
+        with storage.disk_errors(path):
             raise RuntimeError("unexpected pos 119232 vs 119184")
     with pytest.raises(ValueError, match="a bug"):
-        with _files.disk_errors(path):
+        with storage.disk_errors(path):
             raise ValueError("a bug")
-    monkeypatch.setattr(_files, "disk_free", lambda p: 1 << 40)
+    monkeypatch.setattr(storage, "disk_free", lambda p: 1 << 40)
     with pytest.raises(RuntimeError, match="unexpected pos"):
-        with _files.disk_errors(path):
+        with storage.disk_errors(path):
             raise RuntimeError("unexpected pos 1 vs 2")
     with pytest.raises(NoSpaceError):  # the message says so, whatever the free space
-        with _files.disk_errors(path):
+        with storage.disk_errors(path):
             raise RuntimeError("I/O error: No space left on device (os error 28)")

@@ -40,7 +40,7 @@ def _hostile_model(world, tmp_path, marker) -> Path:
     listed in rag_fast.json (hashes and seal made again, as an attacker would)."""
     import shutil
 
-    from rag_fast.retrieval._files import describe_files, sealed
+    from rag_fast.storage import describe_files, sealed
 
     model = tmp_path / "model"
     shutil.copytree(world["model"], model)

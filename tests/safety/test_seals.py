@@ -66,7 +66,7 @@ def test_files_outside_the_folder_are_refused_before_they_are_opened(world, copy
                                                                      monkeypatch):
     """Probe 4: an entry ``../../etc/hostname`` was read and its size reported (an oracle for
     any file the user can read)."""
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     model = copy_of(world["model"])
     side = model / "rag_fast.json"
@@ -87,7 +87,7 @@ def test_files_outside_the_folder_are_refused_before_they_are_opened(world, copy
 
 
 def test_a_symbolic_link_out_of_the_folder_is_refused(world, copy_of, tmp_path):
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     model = copy_of(world["model"])
     secret = tmp_path / "secret.txt"
@@ -103,7 +103,7 @@ def test_a_symbolic_link_out_of_the_folder_is_refused(world, copy_of, tmp_path):
 
 def test_an_int_in_files_is_one_error(world, copy_of):
     """Probe 9: an ``int`` in rag_fast.json's ``files`` gave a traceback."""
-    from rag_fast.retrieval._files import sealed
+    from rag_fast.storage import sealed
 
     model = copy_of(world["model"])
     side = model / "rag_fast.json"
@@ -207,7 +207,7 @@ def test_reseal_refuses_an_unsealed_part_of_another_build_and_finishes_its_own(w
     import shutil
 
     from conftest import run_cli as cli
-    from rag_fast.retrieval._files import _reseal_file
+    from rag_fast.storage import _reseal_file
 
     other = tmp_path / "other"
     assert cli("index", "build", "--passages", world["passages"], "--encoder", world["encoder"],

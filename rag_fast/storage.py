@@ -434,7 +434,7 @@ def recover_directory(out: str | os.PathLike) -> bool:
         return False
 
 
-def _remove_leftovers(out: Path) -> None:
+def remove_leftovers(out: Path) -> None:
     """Remove the temporary siblings of ``out`` whose writers are no longer alive."""
     for _, path in _leftovers(out):
         shutil.rmtree(path, ignore_errors=True)
@@ -778,7 +778,7 @@ def atomic_directory(out: str | os.PathLike, overwrite: bool = False,
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     recover_directory(out)
-    _remove_leftovers(out)
+    remove_leftovers(out)
     if out.exists() and not overwrite and not (out.is_dir() and _is_empty_dir(out)):
         raise FileExistsError(f"output path {str(out)!r} already exists (pass overwrite=True)")
     if out.exists() or out.is_symlink():
