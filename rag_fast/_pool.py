@@ -4,10 +4,9 @@ losses, the RAG-Token marginal and its gradient, and the LM head's weight gradie
 
 Why: torch's CPU allocator hands a large buffer back to the operating system when it is freed
 (glibc unmaps blocks above its mmap threshold), so the next call of the same size gets fresh
-pages, which the kernel zeroes and maps one page fault at a time. For the logits' gradient of
-B4 K5 T32 V50265 (123 MiB fp32) that costs 12 ms of the 32 ms a RAG-Token eps 0.1 forward +
-backward took on a 2-core AMD EPYC; on reused memory the call takes 20-23 ms
-(docs/design.md, "The CPU buffer pool").
+pages, which the kernel zeroes and maps one page fault at a time: for a logits' gradient of
+a hundred MiB and more, a large share of the op's time (measured in docs/design.md, "The CPU
+buffer pool").
 
 How: a buffer of at least :data:`MIN_BYTES` is a private anonymous memory map (2 MiB aligned,
 transparent huge pages requested) of which the tensor holds a slice (a ``memoryview``, the

@@ -46,9 +46,8 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
     Training, evaluation and serving open their index here, so by default every file's
     content is verified: a flipped byte or a NaN written into the stored vectors is an error
     naming the file, not garbage flowing into passage embeddings. The check is a streamed
-    SHA-256 of each file (constant memory), measured at about 0.95 s per GiB of index
-    directory (~1.05 GiB/s, one core, from the page cache; a cold cache adds the disk's read
-    time).
+    SHA-256 of each file (constant memory, one core; its rate is in ``docs/tuning.md``,
+    "Verifying files on load"; a cold cache adds the disk's read time).
 
     Args:
         path: an index directory (see the module docstring).

@@ -70,8 +70,7 @@ def inner_products(queries: torch.Tensor, vectors: torch.Tensor,
     """``out[b, n] = queries[b] . vectors[n]`` (float32, CPU) by rag_fast's C++ kernel: every
     score by the same sequence of operations (``csrc/inner_products.cpp``), so a pair's score
     is the same bit for bit whatever the other queries and vectors, unlike a BLAS matrix
-    product's on some CPUs. On a 2-core Xeon it ran at 0.75x the speed of torch's matmul for
-    128 queries over 200K and 1M vectors of 768, 1.02x to 1.04x for one query.
+    product's on some CPUs (its speed against torch's matmul: ``docs/retrieval.md``).
 
     Args:
         queries: ``[B, d]``; vectors: ``[N, d]``; both float32 on the CPU with rows of

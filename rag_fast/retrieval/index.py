@@ -1160,11 +1160,8 @@ class DenseIndex:
         in nor on how the corpus is cut into shards. faiss's ``IndexFlatIP`` scores pair by
         pair only below ``queries x d = faiss.cvar.distance_compute_blas_threshold`` (128 000
         in faiss 1.15: 166 queries of 768) and by a BLAS product above it, whose rounding may
-        change with the shapes. Below the switch it is the slower: on a 2-core Xeon it took
-        2.4x (2.6K vectors of 384) to 10x-11x (200K and 1M of 768) as long for 128 queries and
-        2.2x to 2.3x for one query over 200K and 1M vectors (the exact rows of
-        ``benchmarks/results/cpu-index-full.json``); for one query over 2.6K vectors it took
-        0.12 ms, this path 0.20 ms. Above it, faiss's BLAS is about 2x faster than the kernel. The
+        change with the shapes. Which of the two is faster depends on the batch and the corpus
+        (measured in ``docs/retrieval.md`` and the exact rows of the index bench). The
         same top-k by score; equal scores listed by descending id, as faiss lists them (which
         of several vectors tied at the k-th place is kept is unspecified, as with faiss:
         :func:`rag_fast.retrieval.sharded.search_exact_ties` decides them). None without the
