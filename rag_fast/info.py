@@ -12,6 +12,8 @@ import os
 import platform
 import sys
 import warnings
+from rag_fast import _ext
+from rag_fast.kernels import triton_status
 
 
 def _version(dist: str) -> str:
@@ -31,8 +33,6 @@ def _faiss_info() -> tuple[str, str]:
 
 
 def _triton_info() -> tuple[str, str]:
-    from rag_fast.kernels import triton_status
-
     return triton_status()
 
 
@@ -41,7 +41,6 @@ def collect() -> dict[str, str]:
     import torch
 
     import rag_fast
-    from rag_fast import _ext
 
     info: dict[str, str] = {
         "rag_fast": rag_fast.__version__,
@@ -73,8 +72,6 @@ def collect() -> dict[str, str]:
 
 
 def main() -> None:
-    from rag_fast import _ext
-
     with warnings.catch_warnings():  # the extension's warning is printed below, in full
         warnings.filterwarnings("ignore", message=r"rag_fast C\+\+ extension unavailable")
         info = collect()

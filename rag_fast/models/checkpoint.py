@@ -44,7 +44,13 @@ import torch
 
 from rag_fast._quiet import quiet_transformers
 from rag_fast.models.rag_model import RagModel
-from rag_fast.storage import sha256_file
+from rag_fast import _pool
+from rag_fast.models import _dropout
+from rag_fast.retrieval.encoders import unloadable
+from rag_fast.storage import (
+    StorageError, atomic_directory, check_files_entry, check_seal, disk_errors, recover_directory,
+    sealed, sha256_file,
+)
 
 FORMAT = 2
 KIND = "rag_fast.model"
@@ -122,7 +128,6 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
     Raises:
         CheckpointError: a model without a transformers generator and question encoder.
     """
-    from rag_fast.storage import atomic_directory, disk_errors, sealed
 
     causal = bool(getattr(model, "is_causal", False))
     if causal:
@@ -206,7 +211,6 @@ def read_side_file(path: str) -> dict | None:
         CheckpointError: invalid JSON, an unknown kind or format, a missing file, or a file
             whose size or SHA-256 differs from the record (named in the message).
     """
-    from rag_fast.storage import StorageError, check_files_entry, check_seal
 
     side_path = os.path.join(path, SIDE_FILE)
     if not os.path.isfile(side_path):
@@ -351,8 +355,6 @@ def _load_tokenizer(folder: str):
     own code, an ``auto_map``, is refused)."""
     from transformers import AutoTokenizer
 
-    from rag_fast.retrieval.encoders import unloadable
-
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (whatever fails: one line naming the folder)
@@ -399,10 +401,6 @@ def load_rag_model(
             do not fit the config.
     """
     import transformers
-
-    from rag_fast import _pool
-    from rag_fast.models import _dropout
-    from rag_fast.storage import recover_directory
 
     # the environment's settings, named as themselves before any file is read (RagModel checks
     # them too, where a failure would read as the saved options')

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
+from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
+from rag_fast.storage import check_seal, read_manifest
 
 BUNDLE_KIND = "rag_fast.index_bundle"
 
@@ -23,7 +26,6 @@ def read_bundle_manifest(path: str | Path) -> dict | None:
         ValueError: a manifest that is not valid JSON, not an index bundle's, or edited after
             it was written (``rag_fast.retrieval.StorageError``).
     """
-    from rag_fast.storage import check_seal
 
     manifest_path = Path(path) / "manifest.json"
     if not manifest_path.is_file():
@@ -63,8 +65,6 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
             ``n_docs`` above the index's passage count.
         rag_fast.retrieval.StorageError: missing, truncated or corrupt files.
     """
-    from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
-    from rag_fast.storage import read_manifest
 
     root = Path(path)
     if not root.is_dir():
@@ -119,8 +119,6 @@ def load_sharded_retriever(path: str | Path, *, n_docs: int = 5, preset: str = "
             or ``index.preset``: an unknown preset (from any rank, on every rank).
     """
     import torch.distributed as dist
-
-    from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
 
     root = Path(path)
     if not dist.is_available() or not dist.is_initialized():

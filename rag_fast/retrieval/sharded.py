@@ -53,7 +53,9 @@ import torch
 import torch.distributed as dist
 
 from rag_fast.retrieval.index import DenseIndex, _check_int
-from rag_fast.retrieval.passages import PassageStore
+from rag_fast.retrieval.encoders import parse_shard, shard_rows
+from rag_fast.retrieval.passages import PassageStore, tokenizer_key
+from rag_fast.retrieval.retriever import RetrievedPassages, _special_tokens
 
 _SETTINGS = ("nprobe", "ef_search", "rerank")
 
@@ -193,7 +195,6 @@ class ShardedIndex:
                 raise ValueError(f"index must be a DenseIndex, got {type(index).__name__}")
             offset = _check_int("offset", offset, 0, 2**62)
             if shard is not None:
-                from rag_fast.retrieval.encoders import parse_shard
 
                 shard = parse_shard(shard)
             if store is not None and not isinstance(store, PassageStore):
@@ -300,7 +301,6 @@ class ShardedIndex:
                 other than the number of shards, a duplicated or missing shard, keys that differ.
             StorageError: (a ValueError) the staged passages are corrupt.
         """
-        from rag_fast.retrieval.encoders import parse_shard, shard_rows
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialised")
@@ -534,8 +534,6 @@ class ShardedIndex:
     def _tokenizer_parts(self, tokenizer) -> dict:
         """What generator inputs need of ``tokenizer``, computed once per tokenizer object:
         its store key (a hash of its vocabulary) and its special tokens."""
-        from rag_fast.retrieval.passages import tokenizer_key
-        from rag_fast.retrieval.retriever import _special_tokens
 
         cache = self.__dict__.setdefault("_tokenizer_cache", {})
         entry = cache.get(id(tokenizer))
@@ -654,7 +652,6 @@ class ShardedIndex:
         Returns:
             :class:`~rag_fast.retrieval.retriever.RetrievedPassages` (version 0).
         """
-        from rag_fast.retrieval.retriever import RetrievedPassages
 
         scores, ids = self.search(question_embeddings, n_docs, **search_kwargs)
         device = question_embeddings.device
