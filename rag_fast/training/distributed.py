@@ -20,10 +20,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def world() -> tuple[int, int]:
     """``(rank, world_size)`` of the initialised process group, or ``(0, 1)``."""
     if dist.is_available() and dist.is_initialized():
