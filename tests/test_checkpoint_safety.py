@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import rag_fast.training.trainer as trainer_module
+import rag_fast.training.plot as plot_module
 from rag_fast.training import (CheckpointError, TrainConfig, Trainer, load_checkpoint, lr_lambda,
                                plot_training, resolve_device)
 from test_training import collate, loss_fn, make_dataset, make_model, params
@@ -297,7 +297,7 @@ def test_no_matplotlib_warns_once_and_skips_the_plot(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(trainer_module, "_warned_no_matplotlib", False)
+    monkeypatch.setattr(plot_module, "_warned_no_matplotlib", False)
     with pytest.warns(UserWarning, match="matplotlib is not installed"):
         trainer, _ = trained(tmp_path)
     assert not (tmp_path / "training.png").exists()

@@ -176,7 +176,7 @@ def test_bad_training_input():
 
 
 def test_optimizer_is_fused_adamw_where_every_parameter_allows_it():
-    from rag_fast.training.trainer import make_optimizer
+    from rag_fast.training.optim import make_optimizer
 
     config = TrainConfig(max_steps=1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))

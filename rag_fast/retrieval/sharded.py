@@ -143,7 +143,9 @@ def _shard_index(root: Path, path: Path, emb: np.ndarray, shard: tuple[int, int]
     return index
 
 
-def _comm_device(group, device) -> torch.device:
+def comm_device(group, device) -> torch.device:
+    """Where ``group``'s collectives exchange tensors: ``device`` when given, else the current
+    CUDA device for an NCCL group and the CPU for any other backend."""
     if device is not None:
         return torch.device(device)
     backend = str(dist.get_backend(group))
@@ -188,7 +190,7 @@ class ShardedIndex:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.device = _comm_device(self.group, device)
+        self.device = comm_device(self.group, device)
         error = None
         try:
             if not isinstance(index, DenseIndex):

@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     # before the model, the index or the data are read: the run's folder apart from every input,
     # and only ever empty or one of rag-fast train's runs (which it resumes)
     from rag_fast.storage import check_apart
-    from rag_fast.training.trainer import check_run_folder
+    from rag_fast.training import check_run_folder
 
     flag = "--output-dir" if args.output_dir is not None else f"{args.config}: train.output_dir"
     index_path = (config["index"] or {}).get("path")

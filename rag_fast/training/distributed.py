@@ -1,7 +1,8 @@
 """Process groups for data-parallel training: one process per device, gloo on CPU, nccl on GPU.
 
 ``rag-fast train`` under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) joins the group with
-:func:`init_from_env`; :func:`spawn` starts ``world_size`` local processes (tests, one machine).
+:func:`init_from_env`; :func:`spawn` starts ``world_size`` local processes (tests, one machine);
+:func:`world` is this process's rank and the group's size.
 """
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised process group, or ``(0, 1)``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def init_from_env(device: torch.device | str | None = None, backend: str | None = None) -> bool:

@@ -52,6 +52,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rag_fast.retrieval.encoders import shard_rows
+from rag_fast.retrieval.index import DenseIndex
+from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever, comm_device
+from rag_fast.storage import REFRESHED_KIND, atomic_directory, remove_leftovers, write_marker
+
 REFRESH_DIR = "index-refresh"
 REFRESH_ENCODERS = ("question_encoder",)
 _NAME = re.compile(r"step-(\d{8})(?:-shard-(\d+)-of-(\d+))?")
@@ -107,8 +112,6 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path) -> Pat
     Raises:
         FileNotFoundError: ``refreshed`` is not a directory.
     """
-    from rag_fast.storage import REFRESHED_KIND, atomic_directory, write_marker
-
     refreshed = Path(refreshed)
     if not refreshed.is_dir():
         raise FileNotFoundError(f"refresh_index_every: no refreshed index at {str(refreshed)!r}")
@@ -134,8 +137,6 @@ def _name(step: int, shard: tuple[int, int] | None) -> str:
 def build_like(old, vectors: np.ndarray, meta: dict | None = None):
     """A :class:`DenseIndex` over ``vectors`` with ``old``'s preset, search settings and
     placement of the inverted lists (in RAM or on disk)."""
-    from rag_fast.retrieval.index import DenseIndex
-
     settings = {k: old.params[k] for k in ("nprobe", "ef_search", "rerank") if k in old.params}
     # an index whose inverted lists live on disk is rebuilt the same way
     return DenseIndex.build(vectors, old.preset, progress=False, meta=meta,
@@ -158,8 +159,6 @@ class IndexRefresher:
 
     def __init__(self, retriever, embed: PassageEmbedder, output_dir: str | None, rank: int,
                  world_size: int):
-        from rag_fast.retrieval.sharded import ShardedRetriever
-
         if retriever is None:
             raise ValueError("refresh_index_every: the model has no retriever to refresh")
         self.sharded = isinstance(retriever, ShardedRetriever)
@@ -181,14 +180,10 @@ class IndexRefresher:
         if self.sharded:
             s = self.retriever.sharded
             return s.offset, s.offset + len(s.index)
-        from rag_fast.retrieval.encoders import shard_rows
-
         return shard_rows(len(self.retriever.store), (self.rank, self.world_size))
 
     def _comm_device(self) -> torch.device:
-        from rag_fast.retrieval.sharded import _comm_device
-
-        return _comm_device(dist.group.WORLD, None)
+        return comm_device(dist.group.WORLD, None)
 
     def _agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank when ``what`` failed on any rank."""
@@ -205,8 +200,6 @@ class IndexRefresher:
 
     def _gather(self, local: np.ndarray, count: int) -> np.ndarray:
         """The rows of every rank, in store order (single index, W > 1)."""
-        from rag_fast.retrieval.encoders import shard_rows
-
         sizes = [shard_rows(count, (r, self.world_size)) for r in range(self.world_size)]
         width = max(hi - lo for lo, hi in sizes)
         device = self._comm_device()
@@ -224,8 +217,6 @@ class IndexRefresher:
         if not self.sharded:
             version = self.retriever.swap(local_index, self.retriever.store)
         else:
-            from rag_fast.retrieval.sharded import ShardedIndex
-
             old = self.retriever.sharded
             new = ShardedIndex(local_index, old.offset, group=old.group, store=old.store,
                                device=old.device, shard=old.shard,
@@ -280,8 +271,6 @@ class IndexRefresher:
             ValueError: on every rank, naming the directory: it is missing or not the index of
                 that step (the run's ``index-refresh/`` was removed or changed).
         """
-        from rag_fast.retrieval.index import DenseIndex
-
         error = index = None
         try:
             path = self._path(step)
@@ -324,8 +313,6 @@ class IndexRefresher:
         writers (a kill during a refresh)."""
         if self.root is None or (not self.sharded and self.rank != 0) or not self.root.is_dir():
             return
-        from rag_fast.storage import remove_leftovers
-
         for step, path in self._entries():
             if step < keep or (after and step > keep):
                 shutil.rmtree(path, ignore_errors=True)

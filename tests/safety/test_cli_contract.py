@@ -71,7 +71,7 @@ def test_a_safetensors_header_of_2_62_bytes_is_one_error(world, copy_of):
 @pytest.mark.parametrize("change", ["extra-meta", "state-field", "state-not-object"])
 def test_a_checkpoint_with_unexpected_metadata_is_one_error(world, tmp_path, change):
     """Probe 9: a checkpoint whose metadata held something unexpected gave a traceback."""
-    from rag_fast.training.trainer import _write_checkpoint
+    from rag_fast.training.checkpoint import _write_checkpoint
 
     out = tmp_path / "run"
     assert run_cli("train", "--config", world["config"], "--model", world["model"],
