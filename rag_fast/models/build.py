@@ -35,7 +35,7 @@ def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
     """(model, tokenizer, pooling, normalize) of a Hugging Face encoder name or folder."""
     import transformers
 
-    from rag_fast.retrieval.encoders import _sentence_transformers_pooling
+    from rag_fast.retrieval.encoders import sentence_transformers_pooling
 
     config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     if config.model_type == "dpr":  # AutoModel maps every DPR checkpoint to one class
@@ -46,7 +46,7 @@ def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
     else:
         model = transformers.AutoModel.from_pretrained(name, trust_remote_code=False)
     tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-    st = _sentence_transformers_pooling(Path(name)) if Path(name).is_dir() else None
+    st = sentence_transformers_pooling(Path(name)) if Path(name).is_dir() else None
     pooling, normalize = st if st else ("cls", False)
     return model, tokenizer, pooling, normalize
 
@@ -146,13 +146,13 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
 
 def _check_source(value: str, what: str, config_ok: bool = False) -> None:
     """A model name, folder (or, with ``config_ok``, JSON config) argument that can only be a
-    path (see ``_looks_like_path``; or a ``.json`` name) and does not exist: a ValueError naming
+    path (see ``looks_like_path``; or a ``.json`` name) and does not exist: a ValueError naming
     ``what`` (the argument or flag) instead of the hub's complaint about the name's form."""
-    from rag_fast.retrieval.encoders import _looks_like_path
+    from rag_fast.retrieval.encoders import looks_like_path
 
     if Path(value).expanduser().exists():
         return
-    if _looks_like_path(value) or value.endswith(".json"):
+    if looks_like_path(value) or value.endswith(".json"):
         config = ", or a JSON config for random weights" if config_ok else ""
         raise ValueError(f"{what} {value!r}: no such file or folder (expected a model name, a "
                          f"folder holding a transformers model{config})")
