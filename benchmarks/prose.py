@@ -49,7 +49,7 @@ class Corpus:
     def stand_ins(self) -> list[str]:
         """What ``rag-fast index build`` measures an index on without ``--queries``: one
         sentence from each of up to 1000 sampled indexed passages."""
-        from rag_fast.cli import TUNING_QUESTIONS
+        from rag_fast.retrieval.bundle import TUNING_QUESTIONS
         from rag_fast.retrieval.passages import stand_in_questions
 
         return stand_in_questions(self, TUNING_QUESTIONS)

@@ -80,7 +80,7 @@ def test_a_malformed_jsonl_line_is_described_once(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--num-beams", "--max-new-tokens"])
 def test_generate_names_the_option_below_one(tmp_path, flag):
-    from rag_fast.generation import cli as generation_cli
+    from rag_fast.cli import generate as generation_cli
     from rag_fast.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--model", str(tmp_path), "--question", "q",

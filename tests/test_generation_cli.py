@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rag_fast.generation import cli
+from rag_fast.cli import generate as cli
 from rag_fast.testing import tiny_hf_rag
 
 

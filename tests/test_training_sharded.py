@@ -267,7 +267,7 @@ def test_shard_index_saved_and_reused(tmp_path):
 
 def test_sharded_needs_a_process_group_and_valid_config(tmp_path):
     from rag_fast.models.retriever_io import load_sharded_retriever
-    from rag_fast.training.cli import load_config
+    from rag_fast.training.run import load_config
 
     stage(tmp_path / "kb.staging", 2)
     with pytest.raises(ValueError, match=r"index.sharded: a sharded index needs torch.distributed: "

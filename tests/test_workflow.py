@@ -126,7 +126,7 @@ def test_generate_answers_with_the_trained_model(ran):
 
 # ---- the README documents what the code does ----------------------------------------------
 def test_readme_holds_the_training_schema_and_the_example_config():
-    from rag_fast.training.cli import schema_markdown
+    from rag_fast.training.run import schema_markdown
 
     text = (REPO / "README.md").read_text(encoding="utf-8")
     assert "<!-- train-schema -->\n" + schema_markdown() + "\n" in text

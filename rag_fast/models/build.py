@@ -29,13 +29,14 @@ import torch
 from rag_fast._quiet import quiet_transformers
 from rag_fast._validation import brief_error
 from rag_fast.models.rag_model import RagModel, check_arguments
+from rag_fast.models.retriever_io import read_bundle_manifest
+from rag_fast.retrieval.encoders import (looks_like_path, needs_code,
+                                         sentence_transformers_pooling, unloadable)
 
 
 def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
     """(model, tokenizer, pooling, normalize) of a Hugging Face encoder name or folder."""
     import transformers
-
-    from rag_fast.retrieval.encoders import _sentence_transformers_pooling
 
     config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     if config.model_type == "dpr":  # AutoModel maps every DPR checkpoint to one class
@@ -46,14 +47,12 @@ def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
     else:
         model = transformers.AutoModel.from_pretrained(name, trust_remote_code=False)
     tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-    st = _sentence_transformers_pooling(Path(name)) if Path(name).is_dir() else None
+    st = sentence_transformers_pooling(Path(name)) if Path(name).is_dir() else None
     pooling, normalize = st if st else ("cls", False)
     return model, tokenizer, pooling, normalize
 
 
 def _index_query_encoder(index: str) -> dict:
-    from rag_fast.models.retriever_io import read_bundle_manifest
-
     manifest = read_bundle_manifest(index)
     if manifest is None or "query_encoder" not in manifest:
         raise ValueError(f"index {index!r} has no manifest.json naming its question encoder "
@@ -72,7 +71,9 @@ def _index_size(index: str) -> int | None:
     return count if isinstance(count, int) else None
 
 
-def _check_n_docs(n_docs: int, index: str | None, name: str = "n_docs") -> None:
+def check_n_docs(n_docs: int, index: str | None, name: str = "n_docs") -> None:
+    """Refuse more passages per question (``n_docs``) than the index directory ``index``
+    holds; ``name``: the argument or flag named in the error."""
     size = _index_size(index) if index is not None else None
     if size is not None and n_docs > size:
         raise ValueError(f"{name}={n_docs} is more passages per question than the index "
@@ -146,13 +147,11 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
 
 def _check_source(value: str, what: str, config_ok: bool = False) -> None:
     """A model name, folder (or, with ``config_ok``, JSON config) argument that can only be a
-    path (see ``_looks_like_path``; or a ``.json`` name) and does not exist: a ValueError naming
+    path (see ``looks_like_path``; or a ``.json`` name) and does not exist: a ValueError naming
     ``what`` (the argument or flag) instead of the hub's complaint about the name's form."""
-    from rag_fast.retrieval.encoders import _looks_like_path
-
     if Path(value).expanduser().exists():
         return
-    if _looks_like_path(value) or value.endswith(".json"):
+    if looks_like_path(value) or value.endswith(".json"):
         config = ", or a JSON config for random weights" if config_ok else ""
         raise ValueError(f"{what} {value!r}: no such file or folder (expected a model name, a "
                          f"folder holding a transformers model{config})")
@@ -161,8 +160,6 @@ def _check_source(value: str, what: str, config_ok: bool = False) -> None:
 def _loading(what: str, name: str, load):
     """``load()``, its OSError (a name that is neither a folder nor loadable from the hub or
     the local cache) as one ValueError line naming ``what``."""
-    from rag_fast.retrieval.encoders import needs_code, unloadable
-
     try:
         return load()
     except (OSError, ValueError) as e:
@@ -230,7 +227,7 @@ def build_rag_model(
     # RagModel's own checks, before any model is downloaded or loaded
     check_arguments(mode=mode, n_docs=n_docs, epsilon=epsilon,
                     max_context_length=max_context_length, max_question_length=max_question_length)
-    _check_n_docs(n_docs, index)
+    check_n_docs(n_docs, index)
     spec = _index_query_encoder(index) if index is not None else None
     if question_encoder is None:
         if spec is None:
@@ -275,78 +272,3 @@ def build_rag_model(
                      max_question_length=max_question_length)
     model.index_path = os.path.abspath(index) if index is not None else None
     return model
-
-
-def register(subparsers) -> None:
-    """Add ``init`` to the ``rag-fast`` command's subparsers."""
-    p = subparsers.add_parser(
-        "init", help="create a starting model directory from a question encoder and a generator",
-        description="Create a model directory (a transformers RAG folder plus rag_fast.json) to "
-                    "train from: a question encoder and a generator by Hugging Face name or "
-                    "local folder; a generator JSON config file gives random weights.")
-    p.add_argument("--generator", required=True, metavar="NAME|DIR|FILE.json",
-                   help="generator, seq2seq (BART, T5, ...) or decoder-only (Qwen2, Llama, "
-                        "GPT-2, ...): name, folder, or a JSON config (random weights)")
-    p.add_argument("--question-encoder", default=None, metavar="NAME|DIR",
-                   help="question encoder (default: the --index's question encoder)")
-    p.add_argument("--index", default=None, metavar="DIR",
-                   help="index directory: its question encoder and pooling, recorded in the model")
-    p.add_argument("--generator-tokenizer", default=None, metavar="NAME|DIR",
-                   help="generator tokenizer (default: the generator's folder)")
-    p.add_argument("--mode", choices=["token", "sequence"], default="token",
-                   help="RAG-Token or RAG-Sequence (default token)")
-    p.add_argument("--n-docs", type=int, default=5, help="passages per question (default 5)")
-    p.add_argument("--label-smoothing", type=float, default=0.0, help="epsilon (default 0)")
-    p.add_argument("--max-context-length", type=int, default=128,
-                   help="generator tokens per passage + question (default 128)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation of a config generator")
-    p.add_argument("--out", required=True, metavar="DIR", help="model directory to write")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a model directory at --out (never a folder of another kind or "
-                        "one holding other files)")
-    p.set_defaults(func=_run)
-
-
-def _run(args) -> int:
-    from rag_fast.models.checkpoint import KIND
-    from rag_fast.storage import check_apart, check_output_folder
-
-    # before anything is read: --out apart from every input, and only ever an empty folder or a
-    # model directory (replaced with --overwrite)
-    check_apart(args.out, "--out", {"--index": args.index, "--generator": args.generator,
-                                    "--generator-tokenizer": args.generator_tokenizer,
-                                    "--question-encoder": args.question_encoder})
-    check_output_folder(args.out, KIND, overwrite=args.overwrite, flag="--out")
-    # build_rag_model's checks (RagModel's), named as the flags that gave the values
-    flags = {"n_docs": ("--n-docs", args.n_docs), "epsilon": ("--label-smoothing",
-                                                              args.label_smoothing),
-             "max_context_length": ("--max-context-length", args.max_context_length)}
-    for name, (flag, value) in flags.items():
-        try:
-            check_arguments(**{name: value})
-        except ValueError as e:
-            raise ValueError(f"{flag}{str(e).removeprefix(name)}") from None
-    if args.index is not None:
-        _check_n_docs(args.n_docs, args.index, name="--n-docs")
-    if (os.path.isfile(args.generator) and args.generator.endswith(".json")
-            and args.generator_tokenizer is None):
-        raise ValueError(f"--generator {args.generator!r} is a config file: give "
-                         "--generator-tokenizer (a tokenizer name or folder) for its vocabulary")
-    out = Path(args.out)
-    try:
-        model = build_rag_model(generator=args.generator, question_encoder=args.question_encoder,
-                                index=args.index, generator_tokenizer=args.generator_tokenizer,
-                                mode=args.mode, n_docs=args.n_docs, epsilon=args.label_smoothing,
-                                max_context_length=args.max_context_length, seed=args.seed)
-    except ValueError as e:  # an error about an argument, said as the flag that gave it
-        message = str(e)
-        for name in ("generator", "generator_tokenizer", "question_encoder"):
-            if message.startswith(f"{name} "):
-                raise ValueError("--" + name.replace("_", "-") + message[len(name):]) from None
-        raise
-    model.save(str(out))
-    params = sum(p.numel() for p in model.parameters())
-    kind = "decoder-only " if model.is_causal else ""
-    print(f"initialised a {kind}RAG-{args.mode.capitalize()} model "
-          f"({params / 1e6:.1f}M parameters, n_docs={model.n_docs}) -> {out}")
-    return 0

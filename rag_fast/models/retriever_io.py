@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
 from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
+from rag_fast.retrieval.bundle import BUNDLE_KIND
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
 from rag_fast.storage import check_seal, read_manifest
-
-BUNDLE_KIND = "rag_fast.index_bundle"
 
 
 def read_bundle_manifest(path: str | Path) -> dict | None:

@@ -50,7 +50,7 @@ def shard_rows(count: int, shard: tuple[int, int]) -> tuple[int, int]:
     return count * i // n, count * (i + 1) // n
 
 
-def _sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
+def sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
     """(pooling, normalize) from a sentence-transformers folder, or None if it is not one."""
     try:
         modules = json.loads((path / "modules.json").read_text())
@@ -68,7 +68,7 @@ def _sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
     return pooling, normalize
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     """A name that can only be a folder: a model name is "name" or "org/name"."""
     return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or "\\" in name
 
@@ -79,7 +79,7 @@ def _encoder_config(name: str):
     import transformers
 
     path = Path(name).expanduser()
-    if not path.exists() and _looks_like_path(name):
+    if not path.exists() and looks_like_path(name):
         raise ValueError(f"encoder {name!r}: no such folder (expected a folder holding a "
                          "transformers model, e.g. config.json and its weights, or a model name)")
     if path.is_dir() and not (path / "config.json").is_file():
@@ -165,7 +165,7 @@ class Encoder:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path,
                                                                      trust_remote_code=False)
         self.model = model_cls.from_pretrained(name_or_path, trust_remote_code=False).to(self.device, dtype).eval()
-        st = _sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
+        st = sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
         if pooling == "auto":
             pooling = "pooler" if self.is_dpr else (st[0] if st else "cls")
         self.pooling = pooling

@@ -18,6 +18,7 @@ from rag_fast import cli
 from rag_fast._jsonl import decoded_lines, read_objects
 from rag_fast.evaluation import DatasetError, load_qa
 from rag_fast.retrieval import Passage, read_passages
+from rag_fast.retrieval.bundle import read_tuning_questions
 from rag_fast.retrieval.passages import PassageFormatError
 from rag_fast.training import TrainConfig
 
@@ -86,9 +87,9 @@ def test_a_bom_is_dropped_from_txt_documents_and_query_files(tmp_path):
     assert [p.text for p in read_passages(doc)] == ["first words"]
     queries = _write(tmp_path / "q.txt", BOM + b"who?\n")
     assert [line for _, line in decoded_lines(queries)] == ["who?\n"]
-    assert cli._tuning_questions(str(queries)) == ["who?"]
+    assert read_tuning_questions(str(queries)) == ["who?"]
     jsonl = _write(tmp_path / "q.jsonl", BOM + b'{"question": "who?"}\n')
-    assert cli._tuning_questions(str(jsonl)) == ["who?"]
+    assert read_tuning_questions(str(jsonl)) == ["who?"]
 
 
 # ---- 2. a lone surrogate is refused where it is read, naming file:line and the field ------
@@ -204,7 +205,7 @@ def test_a_utf16_file_is_refused_not_read_as_garbage(tmp_path, capsys, encoding,
         load_qa(str(path))
     queries = _write(tmp_path / "q.txt", "who?\n".encode(encoding))
     with pytest.raises(ValueError, match=rf"^{queries}:1: .*{words}"):
-        cli._tuning_questions(str(queries))
+        read_tuning_questions(str(queries))
     passages = _write(tmp_path / "p.tsv", "id\ttext\n1\tone\n".encode(encoding))
     with pytest.raises(PassageFormatError, match=rf"^{passages}:1: .*{words}"):
         list(read_passages(passages))

@@ -23,7 +23,7 @@ def _one_line(code, err, status=2):
 
 
 def test_an_unexpected_exception_is_one_line_and_a_traceback_file(world, monkeypatch, capsys):
-    import rag_fast.generation.cli as generate
+    import rag_fast.cli.generate as generate
 
     def broken(args):
         raise KeyError("a bug")
@@ -41,7 +41,7 @@ def test_an_unexpected_exception_is_one_line_and_a_traceback_file(world, monkeyp
 
 
 def test_a_multi_line_library_error_is_folded_into_one_line(world, monkeypatch):
-    import rag_fast.generation.cli as generate
+    import rag_fast.cli.generate as generate
 
     def broken(args):
         raise ValueError("first line\n  second line\n\nthird")

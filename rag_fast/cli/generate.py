@@ -23,7 +23,15 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
 from rag_fast._jsonl import read_objects
+from rag_fast._validation import not_a_file
+from rag_fast.cli.common import check_new_tokens, check_positive, load_model
+from rag_fast.models.checkpoint import resolve_model_dir
+from rag_fast.models.rag_model import passage_fields
+from rag_fast.storage import check_apart, disk_errors
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,8 +76,6 @@ def _check_out(args) -> None:
     """``--out`` apart from the inputs, and missing, empty or an earlier answers file of
     ``rag-fast generate`` (every line an object with exactly "question", "answer" (a string)
     and "passages" (a list), as it writes them): a file it did not write is never replaced."""
-    from rag_fast.storage import check_apart
-
     check_apart(args.out, "--out", {"--questions": args.questions, "--model": args.model,
                                     "--index": args.index, "--tokenizer": args.tokenizer})
     path = Path(args.out)
@@ -99,8 +105,6 @@ def read_questions(args) -> list[dict]:
         return [{"question": args.question}]
     path = Path(args.questions)
     if not path.is_file():
-        from rag_fast._validation import not_a_file
-
         raise FileNotFoundError(f"--questions {path}: {not_a_file(path)}")
     rows = []
     for _, where, row in read_objects(path):
@@ -121,15 +125,12 @@ def read_questions(args) -> list[dict]:
 
 
 def _load(args):
-    from rag_fast.evaluation.cli import load_model_for_cli
-    from rag_fast.models.checkpoint import resolve_model_dir
-
     model_dir = resolve_model_dir(args.model)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model: no such directory {model_dir}")
-    model = load_model_for_cli(model_dir, args.index, args.device, require_index=False)
+    model = load_model(model_dir, args.index, args.device, require_index=False)
     if args.tokenizer is not None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: import time
 
         model.generator_tokenizer = AutoTokenizer.from_pretrained(
             args.tokenizer, trust_remote_code=False)
@@ -140,8 +141,6 @@ def _load(args):
 
 def _batch_from_rows(model, rows: list[dict]):
     """Contexts and scores of questions that bring their own passages (no index)."""
-    import torch
-
     K = model.n_docs
     passages, scores = [], []
     for n, r in enumerate(rows):
@@ -158,14 +157,8 @@ def _batch_from_rows(model, rows: list[dict]):
 
 
 def run(args) -> int:
-    from rag_fast.evaluation.cli import check_new_tokens
-    from rag_fast.models.rag_model import passage_fields
-    from rag_fast.storage import disk_errors
-
-    for flag, value in (("--batch-size", args.batch_size), ("--num-beams", args.num_beams),
-                        ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    check_positive(("--batch-size", args.batch_size), ("--num-beams", args.num_beams),
+                   ("--max-new-tokens", args.max_new_tokens))
     if args.out:
         _check_out(args)
     rows = read_questions(args)
@@ -180,13 +173,9 @@ def run(args) -> int:
         if value is not None:  # unset: the model's generation config decides
             settings[name] = value
     if getattr(args, "seed", None) is not None:
-        import torch
-
         settings["rng"] = torch.Generator(device=model.device).manual_seed(args.seed)
     bar = None
     if args.out and not args.no_progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
     out = sys.stdout
     if args.out:

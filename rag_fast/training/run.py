@@ -1,4 +1,7 @@
-"""``rag-fast train``: train a model directory on question-answer data from a JSON config.
+"""A training run from its JSON config file: reading and checking the file, and running it.
+
+This is the library behind ``rag-fast train`` (:mod:`rag_fast.cli.train`); its errors name the
+file and key, and the command-line options that can stand in for them.
 
 The config file (paths in it are relative to the file's own folder)::
 
@@ -36,10 +39,25 @@ the CPU) with the model on its own device, and trains its slice of every global 
 """
 from __future__ import annotations
 
-import argparse
+import hashlib
 import json
 import os
 import time
+
+import torch.distributed as dist
+
+from rag_fast._validation import IMPLS, not_a_file
+from rag_fast.evaluation import evaluate, load_qa
+from rag_fast.models import RagModel
+from rag_fast.models.checkpoint import SIDE_FILE, resolve_model_dir
+from rag_fast.models.rag_model import LM_HEAD_LOSSES, MODES, POOLINGS, check_arguments
+from rag_fast.models.retriever_io import TimedRetriever, load_retriever, load_sharded_retriever
+from rag_fast.storage import check_apart
+from rag_fast.training import Trainer, TrainConfig, rag_collate, rag_loss
+from rag_fast.training.distributed import init_from_env
+from rag_fast.training.refresh import export_index_directory
+from rag_fast.training.checkpoint import check_run_folder
+from rag_fast.training.trainer import resolve_device
 
 TOP_LEVEL = {
     "model": "model directory (str) or {'path': DIR, RagModel options...} ('path' optional "
@@ -107,9 +125,6 @@ def _directory_section(value, key: str, allowed: tuple, expected: str, path: str
 
 def _model_option_words() -> dict[str, str]:
     """RagModel option -> what the config's ``model`` section must give, in JSON's words."""
-    from rag_fast._validation import IMPLS
-    from rag_fast.models.rag_model import LM_HEAD_LOSSES, MODES, POOLINGS
-
     positive, flag = "a positive integer", "true or false"
     return {
         "n_docs": positive, "epsilon": "a number in [0, 1]", "mode": _one_of(MODES),
@@ -128,8 +143,6 @@ def _check_model_options(model: dict | None, path: str) -> None:
     """Every RagModel option of the ``model`` section has a value RagModel takes (its own
     checks, ``check_arguments``); else a ValueError names the file and ``model.KEY`` (before any
     model is loaded)."""
-    from rag_fast.models.rag_model import check_arguments
-
     words = _model_option_words()
     for key, value in (model or {}).items():
         if key in MODEL_OPTIONS:
@@ -152,8 +165,6 @@ def load_config(path: str, model: str | None = None, index: str | None = None) -
             ``model`` / ``index`` section without ``"path"`` that the command line does not give.
     """
     if not os.path.isfile(path):
-        from rag_fast._validation import not_a_file
-
         raise FileNotFoundError(f"config file {path}: {not_a_file(path)}")
     with open(path, "rb") as f:
         data = f.read()
@@ -225,22 +236,16 @@ def load_config(path: str, model: str | None = None, index: str | None = None) -
 
 def train_config(values: dict, path: str):
     """TrainConfig of the ``train`` section; errors name the file and ``train.KEY``."""
-    from rag_fast.training import TrainConfig
-
     try:
         return TrainConfig.from_dict(values)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: train: {e}") from None
 
 
-def _origin(model_dir: str) -> dict | None:
+def run_origin(model_dir: str) -> dict | None:
     """What a run starts from, saved in each checkpoint (Trainer's ``origin``): the SHA-256 of
     the model directory's ``rag_fast.json``, which holds every other file's (the same weights
     under another path, mount or symlink are the same origin), and the path, for messages."""
-    import hashlib
-
-    from rag_fast.models.checkpoint import SIDE_FILE
-
     path = os.path.join(model_dir, SIDE_FILE)
     if not os.path.isfile(path):  # a bare transformers folder: nothing to compare
         return None
@@ -249,7 +254,7 @@ def _origin(model_dir: str) -> dict | None:
     return {"id": f"{SIDE_FILE} sha256 {digest}", "model": os.path.abspath(model_dir)}
 
 
-def load_retriever(spec: dict | None, n_docs: int = 5, n_docs_from: str | None = None):
+def section_retriever(spec: dict | None, n_docs: int = 5, n_docs_from: str | None = None):
     """The retriever of the config's ``index`` section, or None.
 
     ``{"path": DIR, "verify": bool}``: a Retriever over an index directory. With
@@ -259,51 +264,36 @@ def load_retriever(spec: dict | None, n_docs: int = 5, n_docs_from: str | None =
     """
     if not spec:
         return None
-    from rag_fast.models.retriever_io import load_retriever as load
-    from rag_fast.models.retriever_io import load_sharded_retriever
-
     verify = bool(spec.get("verify", True))
     if spec.get("sharded"):
         return load_sharded_retriever(spec["path"], n_docs=n_docs, verify=verify,
                                       preset=spec.get("preset", "exact"),
                                       cache=bool(spec.get("cache", False)))
-    return load(spec["path"], n_docs=n_docs, verify=verify, n_docs_from=n_docs_from)
+    return load_retriever(spec["path"], n_docs=n_docs, verify=verify, n_docs_from=n_docs_from)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
+def run_training(config: dict, path: str, output_flag: str | None = None):
+    """Run the training a checked config (:func:`load_config`) describes and save the trained
+    model directory ``OUTPUT_DIR/model``; return the final TrainState.
 
-    from rag_fast.evaluation import evaluate, load_qa
-    from rag_fast.models import RagModel
-    from rag_fast.models.checkpoint import resolve_model_dir
-    from rag_fast.training import Trainer, rag_collate, rag_loss
-    from rag_fast.training.distributed import init_from_env
-    from rag_fast.training.trainer import resolve_device
-
-    # --model / --index replace the file's paths before the sections are checked: a section
-    # may then leave its "path" out, its other options still apply
-    config = load_config(args.config, model=args.model, index=args.index)
-    if args.output_dir is not None:
-        if not args.output_dir:
-            raise ValueError("--output-dir: expected a folder path, got ''")
-        config["train"]["output_dir"] = args.output_dir
-    if args.device is not None:
-        resolve_device(args.device, "--device")  # the flag's value, not the file's: named so
-        config["train"]["device"] = args.device
-    tc = train_config(config["train"], args.config)
+    ``path``: the config file, named in errors. ``output_flag``: what set ``output_dir``, named
+    in errors about it (default ``PATH: train.output_dir``). Before the model, the index or the
+    data are read, the output folder is checked to be apart from every input and only ever
+    empty or one of ``rag-fast train``'s runs, which the run resumes when ``resume`` is set.
+    Under ``torchrun`` each process joins the group; lines on resuming and the result are
+    printed by rank 0.
+    """
+    tc = train_config(config["train"], path)
     if config["model"] is None:
-        raise ValueError(f"{args.config}: no model: set \"model\" or pass --model DIR")
+        raise ValueError(f"{path}: no model: set \"model\" or pass --model DIR")
     if not tc.output_dir:
-        raise ValueError(f"{args.config}: train.output_dir is not set (or pass --output-dir DIR)")
+        raise ValueError(f"{path}: train.output_dir is not set (or pass --output-dir DIR)")
     # before the model, the index or the data are read: the run's folder apart from every input,
     # and only ever empty or one of rag-fast train's runs (which it resumes)
-    from rag_fast.storage import check_apart
-    from rag_fast.training import check_run_folder
-
-    flag = "--output-dir" if args.output_dir is not None else f"{args.config}: train.output_dir"
+    flag = output_flag or f"{path}: train.output_dir"
     index_path = (config["index"] or {}).get("path")
     check_apart(tc.output_dir, flag, {
-        "--config": args.config, "the model": (config["model"] or {}).get("path"),
+        "--config": path, "the model": (config["model"] or {}).get("path"),
         "the index": index_path, "data.train": config["data"].get("train"),
         "data.eval": config["data"].get("eval")})
     check_run_folder(tc.output_dir, flag)
@@ -311,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
         if not os.path.isfile(file):
             problem = "is not a file" if os.path.exists(file) else "dataset file not found:"
             where = (f"{file} {problem}" if os.path.exists(file) else f"{problem} {file}")
-            raise ValueError(f"{args.config}: data.{key}: {where} (a relative path is read from "
+            raise ValueError(f"{path}: data.{key}: {where} (a relative path is read from "
                              "the config file's folder)")
 
     device = resolve_device(tc.device)
@@ -324,15 +314,13 @@ def run(args: argparse.Namespace) -> int:
         index = {"path": model.index_path}
         check_apart(tc.output_dir, flag, {"the index the model records": model.index_path})
     if index is None:
-        raise ValueError(f"{args.config}: no index: the model records none; set \"index\" or "
+        raise ValueError(f"{path}: no index: the model records none; set \"index\" or "
                          "pass --index DIR (an index directory from `rag-fast index build`)")
     if index.get("sharded") and not dist.is_initialized():
-        raise ValueError(f"{args.config}: index.sharded: a sharded index needs one process per "
+        raise ValueError(f"{path}: index.sharded: a sharded index needs one process per "
                          "shard: run under torchrun (--nproc-per-node = the number of shards)")
-    retriever = load_retriever(index, model.n_docs, n_docs_from=f"the model {model_dir!r}")
+    retriever = section_retriever(index, model.n_docs, n_docs_from=f"the model {model_dir!r}")
     if not index.get("sharded"):
-        from rag_fast.models.retriever_io import TimedRetriever
-
         retriever = TimedRetriever(retriever)  # retrieval_s per step in metrics.jsonl
     model.retriever = retriever
     model.to(device).train()
@@ -343,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         eval_data = load_qa(config["data"]["eval"])
         eval_fn = lambda m: evaluate(m, eval_data, progress=False).metrics  # noqa: E731
     trainer = Trainer(model, train_data, rag_collate(model), rag_loss, tc, eval_fn,
-                      origin=_origin(model_dir))
+                      origin=run_origin(model_dir))
     if config["resume"] and trainer.resume():
         print(f"resumed from step {trainer.state.step} ({trainer.checkpoint_path()})")
     first_step = trainer.state.step
@@ -356,8 +344,6 @@ def run(args: argparse.Namespace) -> int:
         recorded = None if index.get("sharded") else index["path"]
         if recorded is not None and trainer.refresher is not None and state.refreshed_at:
             # the index of the trained encoder (the last refresh), not the stale starting one
-            from rag_fast.training.refresh import export_index_directory
-
             recorded = str(export_index_directory(
                 retriever.store, trainer.refresher._path(state.refreshed_at),
                 os.path.join(tc.output_dir, "index")))
@@ -373,14 +359,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{done} in {time.perf_counter() - start:.0f} s ({summary}); "
               f"model: {final}  (metrics: {os.path.join(tc.output_dir, tc.metrics_file or '')}, "
               f"plot: {os.path.join(tc.output_dir, tc.plot_file or '')})")
-    return 0
+    return state
+
+
 
 
 def schema_markdown() -> str:
     """The ``train`` section's fields as a Markdown table (README.md holds this table verbatim;
     a test keeps them equal)."""
-    from rag_fast.training import TrainConfig
-
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for name, kind, default, text in TrainConfig.schema():
         shown = json.dumps(list(default) if isinstance(default, tuple) else default)
@@ -389,9 +375,9 @@ def schema_markdown() -> str:
     return "\n".join(rows)
 
 
-def _schema_help() -> str:
-    from rag_fast.training import TrainConfig
-
+def schema_help() -> str:
+    """The config file's sections and the ``train`` section's fields, as ``rag-fast train
+    --help`` ends with them."""
     lines = ["config file (JSON; paths relative to its folder):"]
     lines += [f"  {k:<8} {v}" for k, v in TOP_LEVEL.items()]
     lines.append("train (TrainConfig) fields:")
@@ -399,21 +385,3 @@ def _schema_help() -> str:
         lines.append(f"  {name:<24} {kind:<14} default {default!r:<16} {text}")
     lines.append("example: examples/workflow/train.json")
     return "\n".join(lines)
-
-
-_DESCRIPTION = __doc__.splitlines()[0].replace("``", "")
-
-
-def register(subparsers) -> None:
-    """Add ``train`` to the ``rag-fast`` command's subparsers."""
-    p = subparsers.add_parser("train", help="train a model directory (JSON config)",
-                              description=_DESCRIPTION, epilog=_schema_help(),
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, metavar="FILE", help="JSON training configuration")
-    p.add_argument("--model", default=None, metavar="DIR", help="model directory to start from")
-    p.add_argument("--index", default=None, metavar="DIR", help="index directory to retrieve from")
-    p.add_argument("--output-dir", default=None, metavar="DIR",
-                   help="where checkpoints, metrics, plot and the trained model/ go")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when CUDA is available)")
-    p.set_defaults(func=run)

@@ -1,0 +1,187 @@
+"""The ``rag-fast`` command.
+
+    rag-fast index build --passages FILE --encoder NAME [--preset ivfpq] [--on-disk] --out DIR [--shard i/n]
+    rag-fast index search DIR "question" [-k 5]
+    rag-fast index info DIR
+    rag-fast init --index DIR --generator NAME|DIR|CONFIG.json --out MODEL_DIR
+    rag-fast train --config FILE [--model MODEL_DIR] [--output-dir RUN_DIR]
+    rag-fast eval --data dev.jsonl --model RUN_DIR [--out EVAL_DIR]
+    rag-fast generate --model RUN_DIR --question "..."
+    rag-fast reseal DIR                  accept a hand edit of a model's or an index's manifest
+
+One module per top-level command (``index``, ``reseal``, ``init``, ``train``, ``eval``,
+``generate``): its ``register(subparsers)`` adds the sub-parser and sets ``func``, which parses
+nothing more and calls the library. :data:`COMMANDS` lists them; :mod:`rag_fast.cli.common`
+holds what several commands share. This module holds the error contract: errors the user can
+fix (bad arguments, missing or corrupt files) print one line and exit 2; an unexpected error
+prints one line and exits 1 with the traceback in a file; Ctrl-C exits 130. Third-party logs
+and progress bars are off unless ``--verbose``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from rag_fast import _pool
+from rag_fast._quiet import set_verbose
+from rag_fast.cli import eval as eval_command
+from rag_fast.cli import generate, index, init, reseal, train
+from rag_fast.storage import StorageError
+
+# top-level command -> its registrar (the order of `rag-fast --help`)
+COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "index": index.register,
+    "reseal": reseal.register,
+    "init": init.register,
+    "train": train.register,
+    "eval": eval_command.register,
+    "generate": generate.register,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a command given an option it does not know reports that
+    option first: in ``index build --encoderr x`` the mistake is the typo, not the ``--encoder``
+    argparse then finds missing. :func:`main` hands every command's parser the arguments
+    (``argv``) before parsing."""
+
+    argv: list[str] | None = None
+    top_options: frozenset[str] = frozenset()
+
+    def error(self, message: str):
+        if message.startswith("the following arguments are required") and self.argv:
+            known = self.top_options | {s for a in self._actions for s in a.option_strings}
+            unknown = [a for a in self.argv
+                       if a.startswith("--") and a.split("=", 1)[0] not in known]
+            if unknown:
+                _unknown_options(self, unknown)
+        super().error(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="rag-fast", description="Fast Retrieval-Augmented Generation. The workflow: "
+        "index build -> init -> train -> eval -> generate, each reading what the one before wrote.")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show third-party logs and progress bars (transformers, hub)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for register in COMMANDS.values():
+        register(subparsers)
+    _mark_commands(parser)
+    return parser
+
+
+def _mark_commands(parser: argparse.ArgumentParser) -> None:
+    """Give every command's own parser (``index build``, ``train``, ...) a default naming
+    itself, so that an option it does not know is reported with its usage, not the top level's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(_command_parser=sub)
+                _mark_commands(sub)
+
+
+def _give_argv(parser: argparse.ArgumentParser, argv: list[str], top: frozenset[str]) -> None:
+    """Hand every command's parser the command line (see :class:`_Parser`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if isinstance(sub, _Parser):
+                    sub.argv, sub.top_options = argv, top
+                _give_argv(sub, argv, top)
+
+
+def _unknown_options(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit as argparse does (status 2, the command's usage), naming the unknown arguments and
+    the command's closest option."""
+    import difflib
+
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1)
+            if close:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+    parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                 + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars a failed command left open, so that its error starts a line."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    for bar in list(getattr(tqdm, "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001  (a bar that cannot close is no reason to fail)
+            pass
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: an OSError as its reason and the file it names, anything
+    else as its message with line breaks folded."""
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    else:
+        text = str(exc) or type(exc).__name__
+    if isinstance(exc, KeyError):  # str(KeyError) is the key's repr
+        text = f"missing key {text}"
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _report_unexpected(exc: BaseException, verbose: bool) -> int:
+    """An exception rag_fast did not expect: one line, and the traceback in a file (or on
+    stderr with --verbose). Exit status 1."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    where = None
+    if verbose:
+        print(text, file=sys.stderr, end="")
+    else:
+        try:
+            fd, where = tempfile.mkstemp(prefix="rag-fast-error-", suffix=".txt")
+            with open(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError:
+            where = None
+    tail = (f"; the full traceback is in {where}" if where else
+            "" if verbose else "; run with `rag-fast --verbose ...` for the traceback")
+    print(f"rag-fast: unexpected error: {type(exc).__name__}: {one_line(exc)}{tail} (please "
+          "report it)", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a command. Exit status: 0 done; 2 an expected failure (bad argument, input, file or
+    artefact, no space left), said in one line naming the file, line or key; 1 an unexpected
+    error (one line, the traceback in a file); 130 interrupted."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _give_argv(parser, argv, frozenset(s for a in parser._actions for s in a.option_strings))
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unknown_options(getattr(args, "_command_parser", parser), extra)
+    set_verbose(args.verbose)
+    try:
+        _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
+        return int(args.func(args) or 0)
+    except (ValueError, OSError, StorageError) as exc:
+        _end_progress_bars()
+        print(f"rag-fast: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        _end_progress_bars()
+        said = ("the run's last checkpoint (if one was written) is kept: the same command "
+                "resumes from it" if args.command == "train" else
+                "nothing was written at the output path")
+        print(f"rag-fast: interrupted; {said}", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001  (a bug: said in one line, traceback kept)
+        _end_progress_bars()
+        return _report_unexpected(exc, args.verbose)

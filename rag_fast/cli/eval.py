@@ -1,0 +1,99 @@
+"""``rag-fast eval``: score a model directory, or a file of predictions, on a QA dataset.
+
+    rag-fast eval --data dev.jsonl --model DIR [--index DIR] [--out DIR]   answers of a model
+    rag-fast eval --data dev.jsonl --predictions preds.txt                 one answer per line
+
+With a model, ``--out`` (default ``eval-<data name>``) receives ``predictions.jsonl`` (per
+question: the question, the gold answers, the prediction, its EM and F1, and the retrieved
+passages' titles and scores) and ``metrics.json`` (EM, F1, BLEU-1, ROUGE-L, recall@K, rounded
+to 4 digits); the metrics are printed as a table. ``--model`` may be a model directory or the
+``output_dir`` of ``rag-fast train``; ``--index`` defaults to the index the model records.
+A model's answers are decoded greedily (``rag-fast generate`` uses beam search, 4 beams by
+default; ``--num-beams 1`` there gives the same answer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rag_fast._jsonl import decoded_lines
+from rag_fast.cli.common import check_new_tokens, check_positive, load_model, resolve_device
+from rag_fast.evaluation import answer_metrics, evaluate, label_accuracy, load_qa
+from rag_fast.evaluation.report import EVAL_FILES, round_metrics, write_evaluation
+from rag_fast.storage import EVAL_KIND, check_apart, check_output_folder, folder_kind
+
+
+def _print_metrics(metrics: dict, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps(metrics))
+        return
+    width = max(len(k) for k in metrics)
+    for key, value in metrics.items():
+        print(f"{key:<{width}}  {value:.4f}")
+
+
+def _check_out(out: Path, args) -> None:
+    """``--out`` apart from the inputs, and empty or an evaluation's own folder (an earlier
+    rag_fast's, holding only its two files, included)."""
+    check_apart(out, "--out", {"--data": args.data, "--model": args.model, "--index": args.index})
+    legacy = (out.is_dir() and folder_kind(out) is None
+              and {p.name for p in out.iterdir()} <= set(EVAL_FILES))
+    if not legacy:
+        check_output_folder(out, EVAL_KIND, reuse=True, flag="--out")
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.predictions is None) == (args.model is None):
+        raise ValueError("give exactly one of --predictions FILE and --model DIR")
+    check_positive(("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens))
+    out = Path(args.out or f"eval-{Path(args.data).stem}")
+    if args.model is not None:  # before anything is read (a bad --device first: no I/O)
+        resolve_device(args.device, "--device")
+        _check_out(out, args)
+    examples = load_qa(args.data)
+    answers = [list(e.answers) for e in examples]
+    if args.predictions is not None:
+        predictions = [line.rstrip("\r\n") for _, line in decoded_lines(args.predictions)]
+        if len(predictions) != len(examples):
+            raise ValueError(f"{args.predictions} has {len(predictions)} lines for "
+                             f"{len(examples)} examples in {args.data}")
+        metrics = answer_metrics(predictions, answers)
+        if all(e.label is not None for e in examples):
+            metrics["accuracy"] = label_accuracy(predictions, [e.label for e in examples])
+        _print_metrics(round_metrics(metrics), args.json)
+        return 0
+
+    model = load_model(args.model, args.index, args.device)
+    check_new_tokens(model, args.max_new_tokens)
+    check_apart(out, "--out", {"the model's index": getattr(model, "index_path", None)})
+    result = evaluate(model, examples, batch_size=args.batch_size,
+                      max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+    metrics, count = write_evaluation(out, examples, result, data=args.data, model=args.model)
+    _print_metrics(metrics, args.json)
+    if args.json:
+        return 0
+    print(f"{count} predictions: {out / 'predictions.jsonl'}; metrics: {out / 'metrics.json'}")
+    return 0
+
+
+_DESCRIPTION = __doc__.splitlines()[0].replace("``", "")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``eval`` to the ``rag-fast`` command's subparsers."""
+    p = subparsers.add_parser("eval", help="evaluate a model or predictions (EM, F1, BLEU-1, "
+                              "ROUGE-L, recall@K)", description=_DESCRIPTION)
+    p.add_argument("--data", required=True, help="JSONL (question, answers) or TSV dataset")
+    p.add_argument("--predictions", help="one predicted answer per line, in dataset order")
+    p.add_argument("--model", metavar="DIR", help="model directory (or rag-fast train's output)")
+    p.add_argument("--index", metavar="DIR", default=None,
+                   help="index directory (default: the one the model records)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="where predictions.jsonl and metrics.json go (default eval-<data name>)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.set_defaults(func=run)

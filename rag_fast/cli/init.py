@@ -1,0 +1,87 @@
+"""``rag-fast init``: a starting model directory from a question encoder and a generator.
+
+The model is built by :func:`rag_fast.models.build.build_rag_model`; this module checks the
+options first (named as the flags that gave them) and writes the model directory.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rag_fast.models.build import build_rag_model, check_n_docs
+from rag_fast.models.checkpoint import KIND
+from rag_fast.models.rag_model import check_arguments
+from rag_fast.storage import check_apart, check_output_folder
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``init`` to the ``rag-fast`` command's subparsers."""
+    p = subparsers.add_parser(
+        "init", help="create a starting model directory from a question encoder and a generator",
+        description="Create a model directory (a transformers RAG folder plus rag_fast.json) to "
+                    "train from: a question encoder and a generator by Hugging Face name or "
+                    "local folder; a generator JSON config file gives random weights.")
+    p.add_argument("--generator", required=True, metavar="NAME|DIR|FILE.json",
+                   help="generator, seq2seq (BART, T5, ...) or decoder-only (Qwen2, Llama, "
+                        "GPT-2, ...): name, folder, or a JSON config (random weights)")
+    p.add_argument("--question-encoder", default=None, metavar="NAME|DIR",
+                   help="question encoder (default: the --index's question encoder)")
+    p.add_argument("--index", default=None, metavar="DIR",
+                   help="index directory: its question encoder and pooling, recorded in the model")
+    p.add_argument("--generator-tokenizer", default=None, metavar="NAME|DIR",
+                   help="generator tokenizer (default: the generator's folder)")
+    p.add_argument("--mode", choices=["token", "sequence"], default="token",
+                   help="RAG-Token or RAG-Sequence (default token)")
+    p.add_argument("--n-docs", type=int, default=5, help="passages per question (default 5)")
+    p.add_argument("--label-smoothing", type=float, default=0.0, help="epsilon (default 0)")
+    p.add_argument("--max-context-length", type=int, default=128,
+                   help="generator tokens per passage + question (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation of a config generator")
+    p.add_argument("--out", required=True, metavar="DIR", help="model directory to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a model directory at --out (never a folder of another kind or "
+                        "one holding other files)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # before anything is read: --out apart from every input, and only ever an empty folder or a
+    # model directory (replaced with --overwrite)
+    check_apart(args.out, "--out", {"--index": args.index, "--generator": args.generator,
+                                    "--generator-tokenizer": args.generator_tokenizer,
+                                    "--question-encoder": args.question_encoder})
+    check_output_folder(args.out, KIND, overwrite=args.overwrite, flag="--out")
+    # build_rag_model's checks (RagModel's), named as the flags that gave the values
+    flags = {"n_docs": ("--n-docs", args.n_docs), "epsilon": ("--label-smoothing",
+                                                              args.label_smoothing),
+             "max_context_length": ("--max-context-length", args.max_context_length)}
+    for name, (flag, value) in flags.items():
+        try:
+            check_arguments(**{name: value})
+        except ValueError as e:
+            raise ValueError(f"{flag}{str(e).removeprefix(name)}") from None
+    if args.index is not None:
+        check_n_docs(args.n_docs, args.index, name="--n-docs")
+    if (os.path.isfile(args.generator) and args.generator.endswith(".json")
+            and args.generator_tokenizer is None):
+        raise ValueError(f"--generator {args.generator!r} is a config file: give "
+                         "--generator-tokenizer (a tokenizer name or folder) for its vocabulary")
+    out = Path(args.out)
+    try:
+        model = build_rag_model(generator=args.generator, question_encoder=args.question_encoder,
+                                index=args.index, generator_tokenizer=args.generator_tokenizer,
+                                mode=args.mode, n_docs=args.n_docs, epsilon=args.label_smoothing,
+                                max_context_length=args.max_context_length, seed=args.seed)
+    except ValueError as e:  # an error about an argument, said as the flag that gave it
+        message = str(e)
+        for name in ("generator", "generator_tokenizer", "question_encoder"):
+            if message.startswith(f"{name} "):
+                raise ValueError("--" + name.replace("_", "-") + message[len(name):]) from None
+        raise
+    model.save(str(out))
+    params = sum(p.numel() for p in model.parameters())
+    kind = "decoder-only " if model.is_causal else ""
+    print(f"initialised a {kind}RAG-{args.mode.capitalize()} model "
+          f"({params / 1e6:.1f}M parameters, n_docs={model.n_docs}) -> {out}")
+    return 0

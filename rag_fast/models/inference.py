@@ -1,0 +1,59 @@
+"""A model directory opened to answer questions: its retriever attached, on its device.
+
+``rag-fast eval`` and ``rag-fast generate`` open their model here; the errors name the
+options those commands spell (``--model``, ``--index``, ``--max-new-tokens``).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rag_fast.models.rag_model import RagModel
+from rag_fast.models.retriever_io import load_retriever
+
+
+def load_for_inference(model_dir: str, index: str | None, device: torch.device | str,
+                       require_index: bool = True) -> RagModel:
+    """The model directory ``model_dir`` with its retriever (over ``index``, else the index the
+    model records; none when it records none and ``require_index`` is False), moved to
+    ``device`` in eval mode.
+
+    Raises:
+        ValueError: ``require_index`` and no index given or recorded.
+        FileNotFoundError: the index directory does not exist.
+    """
+    model = RagModel.load(model_dir)
+    index = index or model.index_path
+    if index is None:
+        if require_index:
+            raise ValueError(f"--model {model_dir!r} records no index directory: pass --index DIR")
+    else:
+        if not os.path.isdir(index):
+            raise FileNotFoundError(f"index directory {index!r} does not exist (the model "
+                                    "records it; pass --index DIR if it moved)")
+        model.retriever = load_retriever(index, n_docs=model.n_docs,
+                                         n_docs_from=f"the model {model_dir!r}")
+        model.index_path = index
+    return model.to(device).eval()
+
+
+def check_new_tokens(model, max_new_tokens: int, flag: str = "--max-new-tokens") -> None:
+    """Refuse more new tokens than the generator has positions (with a decoder-only one, the
+    prompt's longest context included), before decoding allocates for them."""
+    config = getattr(getattr(model, "generator", None), "config", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        positions = getattr(config, "n_positions", None)
+    if not isinstance(positions, int):
+        return  # relative positions (T5): no fixed bound
+    room = positions - (int(model.max_context_length) if getattr(model, "is_causal", False)
+                        else 0)
+    if max_new_tokens > room:
+        raise ValueError(f"{flag} {max_new_tokens} is more than the generator can place "
+                         f"({positions} positions" + (f", {model.max_context_length} of them the "
+                                                      "prompt" if room != positions else "")
+                         + f"); use at most {max(room, 1)}")
+
+
+__all__ = ["check_new_tokens", "load_for_inference"]
