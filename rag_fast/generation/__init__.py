@@ -2,8 +2,9 @@
 over any Hugging Face encoder-decoder generator (BART through a lean fast path; T5, Pegasus,
 Marian, mBART, ... through their own decoder modules)."""
 from rag_fast.generation._decoder import UnsupportedGeneratorError, make_decoder
+from rag_fast.generation._search import start_token_id
 from rag_fast.generation.rag_sequence import rag_sequence_generate
 from rag_fast.generation.rag_token import rag_token_generate
 
 __all__ = ["UnsupportedGeneratorError", "make_decoder", "rag_sequence_generate",
-           "rag_token_generate"]
+           "rag_token_generate", "start_token_id"]

@@ -87,6 +87,15 @@ def _pick(value, *fallbacks):
     return None
 
 
+def start_token_id(config) -> int | None:
+    """The decoder start token a ``GenerationConfig``-like ``config`` gives an encoder-decoder
+    search: its ``decoder_start_token_id``, else its ``bos_token_id`` (None: neither set).
+    Every answer starts with it, in decoding and in training labels."""
+    start = _pick(getattr(config, "decoder_start_token_id", None),
+                  getattr(config, "bos_token_id", None))
+    return None if start is None else int(start)
+
+
 def settings_from(
     config,
     vocab_size: int,
@@ -183,7 +192,7 @@ def settings_from(
         min_len = 1 + int(min_new_tokens)
     else:
         min_len = int(_pick(min_length, cfg("min_length"), 0))
-    start = _pick(decoder_start_token_id, cfg("decoder_start_token_id"), cfg("bos_token_id"))
+    start = _pick(decoder_start_token_id, start_token_id(config))
     if start is None:
         raise ValueError("decoder_start_token_id is not set (neither given nor in the config)")
     stop = _pick(early_stopping, cfg("early_stopping"), False)

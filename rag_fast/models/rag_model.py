@@ -29,6 +29,7 @@ from torch import nn
 
 from rag_fast import _pool
 from rag_fast._validation import IMPLS, check_context_length, check_decoding_scores
+from rag_fast.generation import start_token_id
 from rag_fast.models import _causal, _dropout, _lean, _seq2seq
 from rag_fast.ops import linear_rag_nll, rag_sequence_nll, rag_token_nll
 
@@ -334,6 +335,20 @@ class RagModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.generator.parameters()).device
+
+    @property
+    def decoder_start_token_id(self) -> int | None:
+        """The first decoder token of every answer, as :meth:`generate` starts it (the
+        generation config's ``decoder_start_token_id``, else its BOS, else the generator
+        config's); training labels start with it too (``rag_fast.training.encode_targets``).
+        None for a decoder-only generator, whose answers continue the prompt."""
+        if self.is_causal:
+            return None
+        view = _TransformersView(self)
+        config = view.generation_config if self.mode == "token" else getattr(
+            self.generator, "generation_config", None)
+        start = start_token_id(config)
+        return start_token_id(self.generator.config) if start is None else start
 
     @property
     def max_positions(self) -> int | None:
