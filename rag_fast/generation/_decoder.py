@@ -168,17 +168,6 @@ def is_bart(generator: torch.nn.Module) -> bool:
     )
 
 
-def make_decoder(generator: torch.nn.Module):
-    """The decoder for ``generator``: :class:`BartDecoder` for BART (the fast path), else
-    :class:`rag_fast.generation._generic_decoder.GenericDecoder`."""
-    check_generator(generator)
-    if is_bart(generator):
-        return BartDecoder(generator)
-    from rag_fast.generation._generic_decoder import GenericDecoder
-
-    return GenericDecoder(generator)
-
-
 @dataclass
 class CrossState:
     """Cross-attention inputs shared by every decoder row reading an encoder row."""
@@ -325,7 +314,7 @@ class BartDecoder:
             out += self.lm_bias.view(-1)
         return out.view(*lead, self.vocab_size)
 
-    def new_cache(self, rows: int, max_len: int) -> "SelfAttentionCache":
+    def new_cache(self, rows: int, max_len: int) -> SelfAttentionCache:
         """An empty self-attention cache: per layer one ``[2, rows, H, max_len, hd]`` buffer."""
         p = self.lm_weight
         return SelfAttentionCache([
