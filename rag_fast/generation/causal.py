@@ -194,9 +194,9 @@ class _Session:
     """The prefilled prompts of N (question, passage) rows and their cached decoder, Q decoder
     rows per prompt (the beams: the prompt's cache is copied Q times by the first reorder)."""
 
-    def __init__(self, adapter: DecoderOnly, Q: int) -> None:
+    def __init__(self, adapter: DecoderOnly, Q: int, max_length: int) -> None:
         self.a, self.Q = adapter, Q
-        N, max_new = adapter.ids.shape[0], adapter.max_new
+        N, max_new = adapter.ids.shape[0], max_length - 1
         mask = adapter.mask
         self.mask = torch.cat([mask, mask.new_ones((N, max_new))], dim=1)
         self.lengths = mask.sum(1)  # real prompt tokens per row: the first answer position
@@ -228,14 +228,14 @@ class _Session:
 
 class DecoderOnly:
     """:class:`~rag_fast.generation._search.GeneratorAdapter` of a decoder-only generator over
-    left-padded prompts ``ids [B*K, S]`` with ``mask``, for answers of up to ``max_new``
-    tokens. Hypotheses carry a placeholder start column (the pad token), dropped on output."""
+    left-padded prompts ``ids [B*K, S]`` with ``mask``. Hypotheses carry a placeholder start
+    column (the pad token), dropped on output."""
 
     sample_per_question = False  # one draw per step for all rows together
 
-    def __init__(self, generator: nn.Module, ids: torch.Tensor, mask: torch.Tensor, K: int,
-                 max_new: int) -> None:
-        self.generator, self.K, self.max_new = generator, K, max_new
+    def __init__(self, generator: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                 K: int) -> None:
+        self.K = K
         self.ids, self.mask = ids, mask.to(torch.long)
         self.device = ids.device
         self.body = backbone(generator)
@@ -252,7 +252,7 @@ class DecoderOnly:
     def session(self, Q: int, max_length: int, *, search: str = "token", rows=None) -> _Session:
         if rows is not None:
             raise ValueError("a decoder-only session covers every prompt row")
-        return _Session(self, Q)
+        return _Session(self, Q, max_length)
 
     def history(self, s: DecodingSettings, scores, seqs, group: int):
         G = scores.shape[0]
@@ -455,9 +455,7 @@ def causal_generate(
         context_attention_mask = torch.ones_like(context_input_ids)
     check_prompts(context_input_ids, context_attention_mask)
     check_decoding_scores(doc_scores.detach())
-    pad = int(generator.config.pad_token_id)
-    head = lm_head(generator)
-    V = int(head.weight.shape[0])
+    adapter = DecoderOnly(generator, context_input_ids.long(), context_attention_mask, K)
     if mode == "sequence":
         R = int(num_return_sequences or 1)
         if settings.get("num_beams") is None:
@@ -465,7 +463,8 @@ def causal_generate(
         settings["num_return_sequences"] = settings["num_beams"]
     elif num_return_sequences is not None:
         settings["num_return_sequences"] = num_return_sequences
-    s = _resolve_settings(generator, generation_config, V, pad, settings)
+    s = _resolve_settings(generator, generation_config, adapter.vocab_size,
+                          adapter.pad_token_id, settings)
     max_new = s.max_length - 1
     limit = getattr(generator.config, "max_position_embeddings", None)
     if limit and context_input_ids.shape[1] + max_new - 1 > int(limit):
@@ -473,10 +472,7 @@ def causal_generate(
             f"prompts of {context_input_ids.shape[1]} tokens and up to {max_new} answer tokens "
             f"need {context_input_ids.shape[1] + max_new - 1} positions but the generator has "
             f"{limit} (config.max_position_embeddings); shorten the prompts or max_new_tokens")
-    dtype = torch.float64 if head.weight.dtype == torch.float64 else torch.float32
-    log_prior = torch.log_softmax(doc_scores.detach().to(dtype), dim=1)
-    adapter = DecoderOnly(generator, context_input_ids.long(), context_attention_mask, K,
-                          max_new)
+    log_prior = torch.log_softmax(doc_scores.detach().to(adapter.score_dtype), dim=1)
     if mode == "token":
         return rag_token_search(adapter, log_prior, s, B, K, impl, rng)
     return rag_sequence_search(adapter, log_prior, s, B, K, R, decoding, impl, rng)
