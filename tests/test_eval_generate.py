@@ -92,9 +92,9 @@ def test_seq2seq_generate_one_beam_is_eval(tmp_path, mode):
                        context_attention_mask=ctx["attention_mask"], doc_scores=out.doc_scores,
                        num_beams=1, max_length=5)
     assert torch.equal(out.sequences, want), (out.sequences, want)
-    # training labels start with the token decoding starts from
+    # training labels start with the token decoding starts from, then BOS (transformers' BART)
     assert model.decoder_start_token_id == 2
-    assert encode_targets(model, ["w8 w9", "w5"])[:, 0].tolist() == [2, 2]
+    assert encode_targets(model, ["w8 w9", "w5"]).tolist() == [[2, 0, 8, 9, 2], [2, 0, 5, 2, 1]]
     # the command line, on the same passages and scores
     assert _cli_answers(tmp_path, model_dir, result.doc_scores, 4) == result.predictions
 
