@@ -33,9 +33,8 @@ question here, so that case at B=8, 20 tokens would take most of an hour alone).
 decoding bench is estimated at about 10 minutes on 2 idle cores. --quick: the small generator
 only, B=1, 6 new tokens, within about a minute.
 
-Threads: rag_fast's decoder steps choose one or all intra-op threads by timing both
-(rag_fast.generation._decoder.StepThreads); the one warm-up run per provider covers that
-calibration, so the timed runs see the chosen mode.
+Threads: rag_fast's BART decoder steps run on one intra-op thread, its LM head on all
+(rag_fast.generation._decoder.STEP_ONE_THREAD, docs/tuning.md).
 """
 from __future__ import annotations
 

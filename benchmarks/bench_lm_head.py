@@ -52,6 +52,7 @@ def _cases(ctx: Context) -> list[tuple[str, float]]:
 
 def run(ctx: Context) -> list[Row]:
     import rag_fast
+    from rag_fast.generation.heads import LMHead
     from rag_fast.models import _seq2seq
     from rag_fast.testing import shift_targets_left, tiny_hf_rag
 
@@ -69,7 +70,7 @@ def run(ctx: Context) -> list[Row]:
     grads_mb = (W.numel() * elem + h.numel() * elem + s.numel() * 4) / 2**20
     hf = {mode: tiny_hf_rag(mode, n_docs=K, pad_token_id=PAD) for mode in ("token", "sequence")}
     workspace = _seq2seq.LogitsWorkspace()
-    head = _seq2seq.LMHead(W, None, 1.0)
+    head = LMHead(W, None, 1.0)
     dname = str(dtype).replace("torch.", "")
     rows: list[Row] = []
     for mode, eps in _cases(ctx):

@@ -215,14 +215,14 @@ def _causal_losses(gen, mode: str, providers, target: int, device: str) -> dict:
     """provider -> ``loss(scores_leaf)`` over the decoder-only ``gen``. The baseline runs the
     generator's own forward (``logits_to_keep``: the LM head on the answer positions only, the
     cheapest way ``transformers`` offers) and :func:`materialised_rag_loss`."""
-    from rag_fast.models import _causal
+    from rag_fast.generation.causal import position_ids
 
     prompts, mask, answers = (t.to(device) for t in _causal_inputs(gen.config.vocab_size,
                                                                     target))
     T = answers.shape[1]
     ids = torch.cat([prompts, answers.repeat_interleave(K, 0)[:, :-1]], 1)
     full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], T - 1)], 1)
-    positions = _causal.position_ids(full_mask)
+    positions = position_ids(full_mask)
 
     def eager(s):
         logits = gen(input_ids=ids, attention_mask=full_mask, position_ids=positions,

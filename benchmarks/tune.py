@@ -91,13 +91,14 @@ def print_table(title: str, rows: list[dict], current: str | None, unit: str = "
 
 # ---- LM_HEAD_CHUNK -------------------------------------------------------------------------
 def cmd_lm_head_chunk(args) -> int:
+    from rag_fast.generation.heads import LMHead
     from rag_fast.models import _seq2seq
 
     current = _seq2seq.LM_HEAD_CHUNK
     g = torch.Generator().manual_seed(0)
     N, d, V = args.rows, args.dim, args.vocab
     states = torch.randn(N, d, generator=g).requires_grad_()
-    head = _seq2seq.LMHead(weight=torch.randn(V, d, generator=g) * 0.02,
+    head = LMHead(weight=torch.randn(V, d, generator=g) * 0.02,
                            bias=torch.randn(V, generator=g) * 0.02, scale=1.0)
     workspace = _seq2seq.LogitsWorkspace()
     want = torch.nn.functional.linear(states.detach(), head.weight, head.bias)

@@ -181,6 +181,9 @@ def word_tokenizer(texts: list[str]):
 
 
 def tiny_bart(vocab_size: int, d_model: int, layers: int, seed: int):
+    """A small BART trained from scratch. Its answers start from BOS, as `rag-fast init`
+    aligns them (decoder start = BOS): no pretrained convention to keep, and the shortest
+    labels, ``[BOS, tokens, EOS]``."""
     from transformers import BartConfig, BartForConditionalGeneration
 
     config = BartConfig(
@@ -188,7 +191,7 @@ def tiny_bart(vocab_size: int, d_model: int, layers: int, seed: int):
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=4 * d_model,
         decoder_ffn_dim=4 * d_model, max_position_embeddings=64, dropout=0.0,
         attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
-        eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=None,
+        eos_token_id=2, decoder_start_token_id=0, forced_bos_token_id=None,
         forced_eos_token_id=None)
     torch.manual_seed(seed)
     return BartForConditionalGeneration(config)

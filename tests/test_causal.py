@@ -1,6 +1,6 @@
 """Decoder-only generators (any ``*ForCausalLM``) in RagModel: training losses, gradients and
-decoding against rag_fast.reference_causal, an fp64 oracle that runs the generator's own forward
-once per (question, passage[, hypothesis]) unpadded, without cache.
+decoding against rag_fast.generation.reference_causal, an fp64 oracle that runs the generator's
+own forward once per (question, passage[, hypothesis]) unpadded, without cache.
 
 Tiny random Llama, Qwen2 and GPT-2 configs (2 layers, no hub), in float64; prompts of different
 lengths per passage (left-padded here), a missing passage (score -inf) and padded answers.
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag_fast import reference_causal as rc
+from rag_fast.generation import reference_causal as rc
+from rag_fast.generation import causal
 from rag_fast.generation.causal import _resolve_settings, causal_generate
 from rag_fast.models import RagModel, _causal
 
@@ -73,7 +74,7 @@ def test_left_padded_rows_give_the_unpadded_logits(family):
     prompts, ids, mask = _prompts(V, LENGTHS)
     answers = torch.tensor([[5, 6, 7, EOS], [8, EOS, PAD, PAD]])
     states = _causal.answer_states(g, ids, mask, answers)  # [B*K, T, d]
-    head = _causal.lm_head(g)
+    head = causal.lm_head(g)
     logits = torch.nn.functional.linear(states, head.weight, head.bias)
     assert logits.shape == (6, 4, V)
     for b in range(2):
@@ -248,7 +249,7 @@ def test_bad_generators_and_inputs_are_refused():
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         RagModel(g, n_docs=3)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
-        _causal.lm_head(g)
+        causal.lm_head(g)
     g.config.final_logit_softcapping = None
     model = RagModel(g, n_docs=3)
     assert model.is_causal

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 import rag_fast
 from rag_fast import _ext
-from rag_fast.generation import rag_sequence
+from rag_fast.generation import encoder_decoder
 from test_custom_ops import OPS, _args
 from utils import requires_ext, requires_triton
 
@@ -180,14 +180,14 @@ def test_rag_sequence_rescoring_on_cuda_tensors_runs_triton(triton_route):
     C++ row statistics; now they go to Triton, or impl="cpp" raises."""
     logits = torch.randn(5, 3, 17, generator=torch.Generator().manual_seed(2))  # [U, K, V]
     dec = _Decoder(cuda_like(logits))
-    _, lse, xsum = rag_sequence._lm_row_stats(dec, None, "auto")
+    _, lse, xsum = encoder_decoder._lm_row_stats(dec, None, "auto")
     assert [name for name, _ in triton_route] == ["row_stats"]
     assert _values(lse).dtype == torch.float64  # the fused row statistics' lse
     torch.testing.assert_close(_values(lse), torch.logsumexp(logits.double(), -1), rtol=1e-6,
                                atol=1e-6)
     torch.testing.assert_close(_values(xsum), logits.sum(-1), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="impl='cpp' needs CPU tensors, got logits on cuda:0"):
-        rag_sequence._lm_row_stats(dec, None, "cpp")
+        encoder_decoder._lm_row_stats(dec, None, "cpp")
 
 
 LAUNCHERS = {"token_marginal": ["row_stats", "token_marginal"]}  # else: the op's name
@@ -221,10 +221,10 @@ def test_meta_tensors_never_reach_a_kernel(monkeypatch):
     assert marginal.is_meta and marginal.shape == (2, 4, 9)
     with pytest.raises(ValueError, match="impl='cpp' needs CPU tensors, got logits on meta"):
         rag_fast.rag_sequence_nll(logits, scores, targets, impl="cpp")
-    _, lse, xsum = rag_sequence._lm_row_stats(_Decoder(logits[:, :, 0]), None, "auto")
+    _, lse, xsum = encoder_decoder._lm_row_stats(_Decoder(logits[:, :, 0]), None, "auto")
     assert lse.is_meta and lse.shape == (2, 3) and xsum.shape == (2, 3)
     with pytest.raises(ValueError, match="impl='cpp' needs CPU tensors, got logits on meta"):
-        rag_sequence._lm_row_stats(_Decoder(logits[:, :, 0]), None, "cpp")
+        encoder_decoder._lm_row_stats(_Decoder(logits[:, :, 0]), None, "cpp")
 
 
 def test_cpp_kernels_are_called_only_from_the_cpu_implementations():

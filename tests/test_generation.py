@@ -151,14 +151,13 @@ def test_generator_without_encoder():
     assert issubclass(UnsupportedGeneratorError, ValueError)
 
 
-@pytest.mark.parametrize("mode", ["single", "all", "auto"])
-def test_step_threads_modes_give_transformers_ids(mode, monkeypatch):
-    # With two intra-op threads a step runs on one or both (as chosen); the ids never change.
+@pytest.mark.parametrize("one_thread_steps", [True, False])
+def test_step_threads_give_transformers_ids(one_thread_steps, monkeypatch):
+    # With two intra-op threads a step runs on one or both; the ids never change.
     from rag_fast.generation import _decoder
 
     torch.set_num_threads(2)  # the autouse fixture restores the caller's setting
-    monkeypatch.setattr(_decoder, "STEP_THREADS_MODE", mode)
-    _decoder.STEP_THREADS.reset()
+    monkeypatch.setattr(_decoder, "STEP_ONE_THREAD", one_thread_steps)
     settings = dict(num_beams=3, max_length=12)
     for kind, generate in (("token", rag_token_generate), ("sequence", rag_sequence_generate)):
         model = _model(kind, 0)
@@ -166,39 +165,3 @@ def test_step_threads_modes_give_transformers_ids(mode, monkeypatch):
         expected = _hf(model, ids, mask, scores, **settings)
         assert torch.equal(generate(model, ids, mask, scores, **settings), expected), kind
         assert torch.get_num_threads() == 2  # restored after every step
-    decided = [_decoder.STEP_THREADS.decision(key) for key in _decoder.STEP_THREADS._times]
-    if mode == "auto":  # 11 steps per search: calibrated (both modes timed), then decided
-        assert decided and all(d is not None for d in decided)
-    else:
-        assert decided == []  # forced modes time nothing
-
-
-def test_step_threads_calibrate_then_follow_the_faster_mode():
-    from rag_fast.generation._decoder import StepThreads
-
-    st = StepThreads()
-    key = (160, 256, 1024, 2, 2)
-    seen = []
-    for _ in range(2 * st.SAMPLES):  # calibration alternates, one thread first
-        single = st.choose(key)
-        seen.append(single)
-        st.record(key, single, 1.0 if single else 3.0)
-    assert seen == [True, False] * st.SAMPLES
-    assert st.decision(key) is True
-    picks = [st.choose(key) for _ in range(st.RECHECK_EVERY)]
-    assert picks.count(False) == 1 and picks[-1] is False  # one re-check of the slower mode
-    for _ in range(st.SAMPLES):  # the load changes: all threads become the faster mode
-        st.record(key, False, 0.5)
-    assert st.decision(key) is False and st.choose(key) is False
-    assert st.decision(("other",)) is None  # unseen shapes start uncalibrated
-
-
-def test_step_threads_environment_variable_is_checked():
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, RAG_FAST_STEP_THREADS="some")
-    out = subprocess.run([sys.executable, "-c", "import rag_fast.generation"], env=env,
-                         capture_output=True, text=True)
-    assert out.returncode != 0 and "RAG_FAST_STEP_THREADS" in out.stderr

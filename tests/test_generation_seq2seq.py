@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rag_fast.generation import rag_sequence_generate, rag_token_generate
-from rag_fast.generation._decoder import BartDecoder, make_decoder
+from rag_fast.generation._decoder import BartDecoder
+from rag_fast.generation.encoder_decoder import make_decoder
 from rag_fast.generation._generic_decoder import GenericDecoder
 
 V, K, B, S = 60, 3, 3, 9

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from rag_fast.generation.heads import lm_head
 from rag_fast.models import CheckpointError, RagModel, Retrieved, rag_model
 from rag_fast.testing import tiny_hf_rag
 
@@ -194,7 +195,7 @@ def test_lm_head_matches_generator_logits_for_bart_and_t5():
         mask = torch.ones_like(ids)
         expected = gen(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
         states = _seq2seq.decode(gen, dec, _seq2seq.encode(gen, ids, mask), mask)
-        got = _seq2seq.lm_logits(_seq2seq.lm_head(gen), states)
+        got = _seq2seq.lm_logits(lm_head(gen), states)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -10,6 +10,12 @@ from rag_fast.evaluation.data import QAExample
 from rag_fast.evaluation.metrics import answer_metrics, label_accuracy, retrieval_recall
 
 
+# Greedy decoding: one beam and one answer, RAG-Sequence's thorough rescoring, no sampling and
+# no penalties (a model directory's generation config may set them for `rag-fast generate`).
+GREEDY = dict(num_beams=1, num_return_sequences=1, min_new_tokens=0, decoding="thorough",
+              do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0)
+
+
 @dataclass
 class EvalResult:
     """metrics; per question: the predicted answer, the passages retrieved and their scores."""
@@ -28,7 +34,9 @@ def evaluate(
     max_new_tokens: int = 16,
     progress: bool = False,
 ) -> EvalResult:
-    """Greedy answers of ``model`` (a RagModel with a retriever and tokenizers) on ``examples``.
+    """Greedy answers of ``model`` (a RagModel with a retriever and tokenizers) on ``examples``:
+    ``model.generate`` with one beam (the search ``rag-fast generate --num-beams 1`` runs), no
+    sampling and no penalties whatever the generation config says (:data:`GREEDY`).
 
     ``progress``: a progress bar over the questions (stderr).
 
@@ -36,12 +44,13 @@ def evaluate(
     of the K retrieved passages) and ``accuracy`` when examples carry labels.
 
     Raises:
-        ValueError: no examples.
+        ValueError: no examples, a model without a generator tokenizer, max_new_tokens < 1.
     """
-    from rag_fast.models.decoding import greedy_decode
-
     if not examples:
         raise ValueError("no examples to evaluate (empty dataset)")
+    if model.generator_tokenizer is None:
+        raise ValueError("evaluate needs the model's generator_tokenizer (to write the "
+                         "contexts and decode the answers)")
     was_training = model.training
     model.eval()
     predictions, passages, scores = [], [], []
@@ -54,7 +63,8 @@ def evaluate(
         with torch.no_grad():
             for start in range(0, len(examples), batch_size):
                 batch = examples[start:start + batch_size]
-                out = greedy_decode(model, [e.question for e in batch], max_new_tokens=max_new_tokens)
+                out = model.generate([e.question for e in batch], max_new_tokens=max_new_tokens,
+                                     **GREEDY)
                 predictions += out.texts
                 passages += out.passages
                 scores += out.doc_scores.float().cpu().tolist()

@@ -13,101 +13,19 @@ scaled embeddings, layernorm_embedding), ``lm_head`` plus ``final_logits_bias``.
 """
 from __future__ import annotations
 
-import os
-import statistics
-import threading
-import time
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-# How an incremental step picks its intra-op threads: "auto" (timed, see StepThreads), "single"
-# or "all"; from the environment variable RAG_FAST_STEP_THREADS, read once at import.
-STEP_THREADS_MODE = os.environ.get("RAG_FAST_STEP_THREADS", "auto").strip().lower() or "auto"
-if STEP_THREADS_MODE not in ("auto", "single", "all"):
-    raise ValueError(
-        f"RAG_FAST_STEP_THREADS must be 'auto', 'single' or 'all', got {STEP_THREADS_MODE!r}"
-    )
-
-
-class StepThreads:
-    """Whether an incremental decoder step runs on one intra-op thread or on all of them,
-    decided by timing both on this machine, in this process, for each step shape.
-
-    A decoder step is many small ops (the LM head, which always keeps every thread, is not part
-    of it). On idle cores a second thread speeds the larger ones up; on cores shared with other
-    work, every multi-threaded op waits at a barrier for a thread that may not be scheduled, and
-    a step can run several times slower than on one thread. Which one wins depends on the
-    machine, its load and the step's size, so no flop threshold fits every machine (the former
-    fixed threshold, 1e9 flops of the largest matmul, tuned on a busy VM, kept even
-    BART-base-sized steps of 160 rows on one thread, while the baseline used two on an idle
-    machine). Instead, per shape key (rows, d_model, ffn, layers, threads):
-
-    - calibration: the first ``2 * SAMPLES`` timed steps alternate one thread / all threads;
-    - then every step runs the mode whose median of its last ``SAMPLES`` timed steps is lower;
-    - one step in ``RECHECK_EVERY`` runs the other mode, so the choice follows a change of load.
-
-    Steps at position 0 are not timed (their first touch of fresh caches is not representative).
-    The ids never depend on the choice (the same ops run either way, and tests check decoding
-    against ``transformers`` in every mode). The constants were chosen, not measured into
-    place: none depends on a machine's speed. Tuning: ``SAMPLES`` trades calibration cost (the
-    slower mode is run ``SAMPLES`` times per shape and process) against robustness to one
-    noisy step; ``RECHECK_EVERY`` trades the cost of re-checking the slower mode (at most
-    1/RECHECK_EVERY of the steps) against how fast the choice follows a change of load. Set
-    ``RAG_FAST_STEP_THREADS=single`` or ``all`` to bypass the timing (e.g. to compare both).
-    """
-
-    SAMPLES = 3
-    RECHECK_EVERY = 64
-    MAX_KEYS = 256
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._times: dict[tuple, dict[bool, deque]] = {}
-        self._steps: dict[tuple, int] = {}
-
-    def choose(self, key: tuple) -> bool:
-        """True: run this step on one thread."""
-        with self._lock:
-            times = self._times.get(key)
-            if times is None:
-                if len(self._times) >= self.MAX_KEYS:
-                    self._times.clear()
-                    self._steps.clear()
-                times = self._times[key] = {True: deque(maxlen=self.SAMPLES),
-                                            False: deque(maxlen=self.SAMPLES)}
-            n_single, n_multi = len(times[True]), len(times[False])
-            if n_single < self.SAMPLES or n_multi < self.SAMPLES:
-                return n_single <= n_multi  # calibration: alternate, one thread first
-            step = self._steps.get(key, 0) + 1
-            self._steps[key] = step
-            best = statistics.median(times[True]) <= statistics.median(times[False])
-            return (not best) if step % self.RECHECK_EVERY == 0 else best
-
-    def record(self, key: tuple, single: bool, seconds: float) -> None:
-        with self._lock:
-            times = self._times.get(key)
-            if times is not None:
-                times[single].append(seconds)
-
-    def decision(self, key: tuple) -> bool | None:
-        """The current choice for ``key`` (True: one thread), None while calibrating."""
-        with self._lock:
-            times = self._times.get(key)
-            if times is None or min(len(times[True]), len(times[False])) < self.SAMPLES:
-                return None
-            return statistics.median(times[True]) <= statistics.median(times[False])
-
-    def reset(self) -> None:
-        with self._lock:
-            self._times.clear()
-            self._steps.clear()
-
-
-STEP_THREADS = StepThreads()
+# Whether an incremental decoder step on the CPU runs on one intra-op thread (the LM head, which
+# is not part of it, keeps every thread). A step is many small ops: on cores shared with other
+# work each multi-threaded op waits at a barrier for a thread that may not be scheduled, and the
+# step runs slower than on one thread. Measured (docs/tuning.md, "Decoding"), one thread was as
+# fast as timing both modes per shape at run time (the former StepThreads) and far faster than
+# all threads on shared cores; set False (module attribute) to run steps on every thread.
+STEP_ONE_THREAD = True
 
 
 @contextmanager
@@ -166,17 +84,6 @@ def is_bart(generator: torch.nn.Module) -> bool:
         and all(hasattr(layer, name) for layer in layers for name in needed)
         and hasattr(generator, "lm_head")
     )
-
-
-def make_decoder(generator: torch.nn.Module):
-    """The decoder for ``generator``: :class:`BartDecoder` for BART (the fast path), else
-    :class:`rag_fast.generation._generic_decoder.GenericDecoder`."""
-    check_generator(generator)
-    if is_bart(generator):
-        return BartDecoder(generator)
-    from rag_fast.generation._generic_decoder import GenericDecoder
-
-    return GenericDecoder(generator)
 
 
 @dataclass
@@ -308,8 +215,7 @@ class BartDecoder:
         The logits are the largest tensor of a decoding step ([N, 50265] fp32: 32 MB for
         N=160); allocating them afresh every step (and once more for the bias addition) costs
         a page fault per 4 KiB page, since tensors this large are mapped fresh by the
-        allocator. Measured on one thread of a 2-core VM (benchmark allocator settings), the
-        LM head of 160 rows: d 256, 65 ms afresh, 36 ms into the buffer; d 768, 132 and 102 ms.
+        allocator (measured gain: docs/tuning.md, "Decoding").
         """
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -325,7 +231,7 @@ class BartDecoder:
             out += self.lm_bias.view(-1)
         return out.view(*lead, self.vocab_size)
 
-    def new_cache(self, rows: int, max_len: int) -> "SelfAttentionCache":
+    def new_cache(self, rows: int, max_len: int) -> SelfAttentionCache:
         """An empty self-attention cache: per layer one ``[2, rows, H, max_len, hd]`` buffer."""
         p = self.lm_weight
         return SelfAttentionCache([
@@ -342,21 +248,8 @@ class BartDecoder:
             cache[i][1, :, :, pos] = v[:, :, 0]
             return cache[i][0, :, :, : pos + 1], cache[i][1, :, :, : pos + 1], False
 
-        threads = torch.get_num_threads()
-        if tokens.device.type != "cpu" or threads == 1 or STEP_THREADS_MODE == "all":
+        with _single_thread(STEP_ONE_THREAD and tokens.device.type == "cpu"):
             return self._layers(self._embed(tokens[:, None], positions), cross, Q, self_kv)[:, 0]
-        if STEP_THREADS_MODE == "single":
-            with _single_thread(True):
-                return self._layers(self._embed(tokens[:, None], positions), cross, Q,
-                                    self_kv)[:, 0]
-        key = (tokens.shape[0], self.d_model, self.ffn_dim, len(self.layers), threads)
-        single = STEP_THREADS.choose(key)
-        start = time.perf_counter()
-        with _single_thread(single):
-            h = self._layers(self._embed(tokens[:, None], positions), cross, Q, self_kv)[:, 0]
-        if pos > 0:
-            STEP_THREADS.record(key, single, time.perf_counter() - start)
-        return h
 
     @staticmethod
     def reorder_cache(cache: list[torch.Tensor], rows: torch.Tensor, length: int) -> None:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rag_fast.models._seq2seq import lm_head, lm_logits
+from rag_fast.generation._decoder import check_generator
+from rag_fast.generation.heads import head_logits, lm_head
 
 
 def cache_argument(module: torch.nn.Module) -> str:
@@ -74,8 +75,6 @@ class GenericDecoder:
     """Incremental and teacher-forced decoding through a seq2seq generator's own modules."""
 
     def __init__(self, generator: torch.nn.Module) -> None:
-        from rag_fast.generation._decoder import check_generator
-
         check_generator(generator)
         self.generator = generator
         self.decoder = generator.get_decoder()
@@ -103,7 +102,7 @@ class GenericDecoder:
     # decoder side -----------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head, as the generator's forward applies it: ``hidden [..., d]`` -> ``[..., V]``."""
-        return lm_logits(self.lm, hidden)
+        return head_logits(self.lm, hidden)
 
     def step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)

@@ -1,4 +1,5 @@
-"""Decoding settings and the beam-search bookkeeping shared by RAG-Token and RAG-Sequence.
+"""Decoding settings, the generator adapter protocol and the beam-search bookkeeping shared by
+RAG-Token and RAG-Sequence.
 
 The bookkeeping follows ``transformers``' vectorised beam search step by step, so that the same
 step scores give the same hypotheses: keep the ``2W`` best candidates, continue the ``W`` best
@@ -9,9 +10,9 @@ the fused beam step (rag_fast.ops.rag_token_beam_step); ties anywhere go to the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -19,6 +20,72 @@ from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
 from rag_fast.reference_decoding import select_top
 
 NEG = -1.0e9  # the "excluded" score transformers uses (not -inf: it must stay orderable)
+# RAG-Sequence's thorough rescoring skips (hypothesis, passage) pairs whose share of a score is
+# below exp(-PAIR_GAP) (invisible in float32: exp(-40) ~ 4e-18, far below float32's relative
+# resolution 6e-8) and hypotheses that cannot reach the answers; BOUND_SLACK (nats) absorbs the
+# rounding between the beam search's sums and the rescoring's (float32 sums of at most a few
+# hundred terms differ by far less than 1 nat). Both are correctness margins derived from
+# float32, not tuned on a machine; raising either only prunes less (slower, same ids).
+PAIR_GAP = 40.0
+BOUND_SLACK = 1.0
+
+
+class Session(Protocol):
+    """The cached decoder of one search: E prompt rows (a question with one passage), Q decoder
+    rows reading each (the beams), decoder rows ordered ``(e, q)``."""
+
+    def logits(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """Feed ``tokens [E*Q]`` at answer position ``pos`` (0: the start token) ->
+        next-token logits ``[E, Q, V]``, valid until the next call."""
+
+    def reorder(self, rows: torch.Tensor, length: int) -> None:
+        """Decoder row r continues from row ``rows[r]`` (same prompt row), ``length``
+        positions decoded."""
+
+
+class GeneratorAdapter(Protocol):
+    """What the RAG-Token and RAG-Sequence searches need of a generator family, for the B*K
+    (question, passage) inputs of one decoding, encoded (or prefilled) once: cached steps
+    (:meth:`session`), the logits processors that read a row's history, the teacher-forced
+    scores of RAG-Sequence's thorough decoding, and the family's output format.
+    Implementations: ``encoder_decoder.EncoderDecoder`` and ``causal.DecoderOnly``."""
+
+    vocab_size: int
+    score_dtype: torch.dtype  # of log-priors and summed log-probabilities
+    pad_token_id: int
+    device: torch.device
+    sample_per_question: bool  # sampled RAG-Sequence searches run one question at a time
+
+    def session(self, Q: int, max_length: int, *, search: str = "token",
+                rows: torch.Tensor | None = None) -> Session:
+        """A fresh cached decoder over prompt rows ``rows`` (None: all), Q decoder rows each.
+        ``search``: ``"token"`` or ``"sequence"`` (RAG-Sequence's per-passage searches)."""
+
+    def history(self, s: DecodingSettings, scores: torch.Tensor, seqs: torch.Tensor,
+                group: int) -> torch.Tensor:
+        """``scores [G, W, V]`` after the processors that read each row's history (repetition
+        penalty, no-repeat n-grams), given the hypotheses ``seqs [G, W, t]`` (start token
+        first) of G groups of ``group`` consecutive prompt rows; float32."""
+
+    def hypotheses(self, hyps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The finished hypotheses ``[E, W, L]`` as RAG-Sequence compares and scores them."""
+
+    def bounds_hold(self, s: DecodingSettings) -> bool:
+        """Whether the searches' summed log-probabilities bound the teacher-forced scores."""
+
+    def sequence_scores(self, uniq: torch.Tensor, lengths: torch.Tensor, valid: torch.Tensor,
+                        log_prior: torch.Tensor, impl: str, lower: torch.Tensor | None,
+                        keep: int) -> torch.Tensor:
+        """RAG-Sequence log-likelihoods ``[B, N]`` of hypotheses ``uniq [B, N, L]`` (answer
+        ``lengths [B, N]``, ``valid [B, N]``) against every passage of their question."""
+
+    def token_output(self, seqs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """RAG-Token's returned ids from hypotheses ``[M, L]`` and answer lengths ``[M]``."""
+
+    def sequence_output(self, chosen: torch.Tensor, lengths: torch.Tensor, found: torch.Tensor,
+                        width: torch.Tensor, R: int) -> torch.Tensor:
+        """RAG-Sequence's returned ids ``[B*R, L']`` from the best hypotheses ``chosen [B, n,
+        L]`` (``found``: a real one), their ``lengths`` and each question's width ``[B]``."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +139,17 @@ class DecodingSettings:
             names.append("no_repeat_ngram_size")
         return names
 
+    def without_history(self) -> DecodingSettings:
+        """These settings with the repetition penalty and the n-gram ban off (a generator
+        adapter's :meth:`GeneratorAdapter.history` applies them); min length, forced tokens and
+        the sampling warpers stay."""
+        return replace(self, repetition_penalty=1.0, no_repeat_ngram_size=0)
+
+    def history_only(self) -> DecodingSettings:
+        """These settings with only the repetition penalty and the n-gram ban on."""
+        return replace(self, min_length=0, forced_bos_token_id=None, forced_eos_token_id=None,
+                       do_sample=False)
+
     @property
     def processed(self) -> bool:
         """Whether a step needs the plain-PyTorch processor path (sampling, repetition
@@ -85,6 +163,15 @@ def _pick(value, *fallbacks):
         if v is not None:
             return v
     return None
+
+
+def start_token_id(config) -> int | None:
+    """The decoder start token a ``GenerationConfig``-like ``config`` gives an encoder-decoder
+    search: its ``decoder_start_token_id``, else its ``bos_token_id`` (None: neither set).
+    Every answer starts with it, in decoding and in training labels."""
+    start = _pick(getattr(config, "decoder_start_token_id", None),
+                  getattr(config, "bos_token_id", None))
+    return None if start is None else int(start)
 
 
 def settings_from(
@@ -183,7 +270,7 @@ def settings_from(
         min_len = 1 + int(min_new_tokens)
     else:
         min_len = int(_pick(min_length, cfg("min_length"), 0))
-    start = _pick(decoder_start_token_id, cfg("decoder_start_token_id"), cfg("bos_token_id"))
+    start = _pick(decoder_start_token_id, start_token_id(config))
     if start is None:
         raise ValueError("decoder_start_token_id is not set (neither given nor in the config)")
     stop = _pick(early_stopping, cfg("early_stopping"), False)
@@ -467,6 +554,7 @@ def beam_search(
     reorder: Callable[[torch.Tensor, int], None],
     impl: str,
     log_probs: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    history: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     rng: torch.Generator | None = None,
 ) -> BeamState:
     """Run ``state`` to the end: per step, ``step_logits(last tokens [B, W], position)`` gives
@@ -475,19 +563,23 @@ def beam_search(
 
     When the settings need the processor path (``s.processed``), ``log_probs(logits)`` turns
     the step logits into the ``[B, W, V]`` log-probabilities transformers' beam search would
-    process, and :func:`processed_candidates` picks the candidates (drawing from ``rng`` when
-    sampling)."""
+    process, ``history(log_probs, seqs [B, W, t])`` applies the processors that read the
+    hypotheses (repetition penalty, n-grams: the generator adapter's), and
+    :func:`processed_candidates` the others and picks the candidates (drawing from ``rng``
+    when sampling)."""
     s = state.s
-    if s.processed and log_probs is None:
+    if s.processed and (log_probs is None or history is None):
         raise ValueError(
             f"{s.processor_settings()} are not supported by this decoder (its beam search "
             "applies min length and forced BOS/EOS only); unset them")
+    rest = s.without_history()
     while not state.done:
         t = state.cur_len
         logits = step_logits(state.running[:, :, t - 1], t - 1)
         if s.processed:
-            cand = processed_candidates(s, log_probs(logits), state.running_scores,
-                                        state.running[:, :, :t], t, rng)
+            seqs = state.running[:, :, :t]
+            cand = processed_candidates(rest, history(log_probs(logits), seqs),
+                                        state.running_scores, seqs, t, rng)
             sources = state.advance(*cand)
             if not state.done:
                 reorder(sources, t)

@@ -1,19 +1,28 @@
-"""RAG decoding with a decoder-only generator (any Hugging Face ``*ForCausalLM``).
+"""The decoder-only generator adapter (any Hugging Face ``*ForCausalLM``), and
+:func:`causal_generate`, RAG-Token and RAG-Sequence decoding through it.
 
-Each (question, passage) prompt is left-padded to S columns (see ``rag_fast.models._causal``)
-and prefilled once; its key/value cache is then shared by the W beams: copied W times after
-the first step (when every beam still holds the bare prompt) and reordered after the beams
-from then on. Each step feeds one token per (question, passage, beam) row with position id
-``real prompt length + answer index`` and the prompt's padding masked.
+For a decoder-only generator the passage and the question are a prompt and the answer continues
+it. One row per (question, passage):
 
-* RAG-Token: the K passages' step logits of a (question, beam) meet in the fused beam step
-  (``rag_fast.ops.rag_token_beam_step``), as ``rag_fast.generation.rag_token`` does for BART;
-  greedy (one beam) or beam search with the shared bookkeeping of ``generation._search``.
-* RAG-Sequence: one search per (question, passage) (greedy or W beams), the union of each
-  question's hypotheses (first occurrence first), then either every hypothesis scored against
-  every passage by teacher forcing (``decoding="thorough"``: ``logsumexp_k (log p(z_k|x) +
-  sum_t log p(y_t | x, z_k, y<t))``, EOS included, nothing after it), or only against the
-  passages whose search produced it, with the search's own sum (``"fast"``).
+    prompt[b, k] = tokens of join_context(title, text, question)     left-padded to S columns
+    row[b, k]    = prompt[b, k] ++ answer[b, :T-1]                    S + T - 1 columns
+    state[b,k,t] = backbone(row)[S - 1 + t]                           t = 0 .. T-1
+
+so answer position t is predicted from the token before it (the last prompt token for t = 0)
+and its target is ``answer[b, t]``. Left padding puts every row's last prompt token in column
+S - 1, so the answer positions line up across the K rows. The padding is masked and the
+position ids count real tokens only, so a padded row gives the states of the same row unpadded
+(checked in tests/test_causal.py against an unpadded fp64 run). The states are the backbone's
+last hidden states (its final norm applied): what the LM head reads, a plain linear map here
+(heads that are not one, final-logit soft-capping or logit scaling, are refused).
+
+Decoding: each prompt is prefilled once; its key/value cache is then shared by the W beams:
+copied W times after the first step (when every beam still holds the bare prompt) and
+reordered after the beams from then on. Each step feeds one token per (question, passage, beam)
+row with position id ``real prompt length + answer index`` and the prompt's padding masked.
+The searches are ``rag_token.rag_token_search`` and ``rag_sequence.rag_sequence_search``, as
+for an encoder-decoder generator; RAG-Sequence's thorough rescoring scores ``logsumexp_k
+(log p(z_k|x) + sum_t log p(y_t | x, z_k, y<t))``, EOS included, nothing after it.
 
 Returned sequences are the answer tokens only (no prompt, no start token) ``[B*R, L]``,
 padded with the generator's pad token after each answer's EOS (or its last token); L is the
@@ -23,8 +32,8 @@ Lengths: ``max_new_tokens`` (or ``max_length``, which here also counts answer to
 prompts' lengths differing) bounds the answer; ``min_new_tokens`` / ``min_length`` likewise.
 
 Sampling (``do_sample`` with ``temperature``, ``top_k``, ``top_p``), ``repetition_penalty`` and
-``no_repeat_ngram_size`` take a plain-PyTorch step instead of the fused one, with the seq2seq
-path's semantics: RAG-Token processes the passage-marginal log-probabilities of each
+``no_repeat_ngram_size`` take a plain-PyTorch step instead of the fused one, with the
+encoder-decoder semantics: RAG-Token processes the passage-marginal log-probabilities of each
 (question, beam); RAG-Sequence processes each passage's own search (the generator's logits when
 greedy, their log-softmax in beam search, as ``transformers``' ``generate`` does). As
 ``transformers`` does for a causal LM, the repetition penalty and the n-gram ban read the whole
@@ -36,7 +45,7 @@ all rows together: RAG-Token's questions, or all (question, passage) searches of
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import inspect
 
 import torch
 from torch import nn
@@ -44,20 +53,136 @@ from torch import nn
 from rag_fast._validation import check_decoding_scores
 from rag_fast.generation._generic_decoder import cache_argument
 from rag_fast.generation._inputs import check_rng
-from rag_fast.generation._search import (
-    BeamState,
-    DecodingSettings,
-    MinLengthBias,
-    apply_processors,
-    beam_search,
-    forced_token,
-    pick_tokens,
-    processed_candidates,
-    settings_from,
-)
-from rag_fast.models import _causal
+from rag_fast.generation._search import DecodingSettings, settings_from
+from rag_fast.generation.heads import LMHead
+from rag_fast.generation.rag_sequence import check_decoding, rag_sequence_search
+from rag_fast.generation.rag_token import rag_token_search
 from rag_fast.ops import rag_sequence_nll
-from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
+
+# Rescoring (RAG-Sequence, thorough) materialises the logits of at most this many bytes at
+# once: a cap on its peak memory (lower it to bound memory, at the cost of smaller matmuls).
+SCORE_CHUNK_BYTES = 256 * 2**20
+
+
+# Config fields that make the logits a non-linear or rescaled function of the last hidden
+# state (RagModel's linear LM head would silently differ from the generator's own logits), with
+# the values that leave them a plain linear map: soft-capping off (None or 0), scales of 1.
+_NONLINEAR_HEAD_FIELDS = {"final_logit_softcapping": (None, 0, 0.0), "logit_scale": (None, 1, 1.0),
+                          "logits_scaling": (None, 1, 1.0),
+                          "output_multiplier_scale": (None, 1, 1.0)}
+
+
+def is_causal(generator: nn.Module) -> bool:
+    """Whether ``generator`` is a decoder-only model (its config says not encoder-decoder)."""
+    config = getattr(generator, "config", None)
+    return config is not None and not getattr(config, "is_encoder_decoder", False)
+
+
+def backbone(generator: nn.Module) -> nn.Module:
+    """The transformer under the LM head (``model`` for Llama/Qwen2/Mistral, ``transformer`` for
+    GPT-2), which returns the final-normed hidden states."""
+    for name in (getattr(generator, "base_model_prefix", None), "model", "transformer"):
+        module = getattr(generator, name, None) if name else None
+        if isinstance(module, nn.Module) and module is not generator:
+            return module
+    raise ValueError(
+        f"generator {type(generator).__name__} has no 'model' or 'transformer' backbone: "
+        "RagModel drives Hugging Face *ForCausalLM models")
+
+
+def check_causal(generator: nn.Module) -> None:
+    """Raise ValueError unless ``generator`` is a decoder-only LM RagModel can drive: a
+    ``*ForCausalLM`` with a backbone, an ``nn.Linear`` LM head, a linear logits map and a
+    ``pad_token_id``."""
+    config = getattr(generator, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"generator {type(generator).__name__} is not a decoder-only model "
+                         "(config.is_encoder_decoder must be False)")
+    if not callable(getattr(generator, "get_output_embeddings", None)):
+        raise ValueError(f"generator must be a Hugging Face *ForCausalLM with "
+                         f"get_output_embeddings(); got {type(generator).__name__}")
+    head = generator.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"generator's output embeddings must be nn.Linear, got "
+                         f"{type(head).__name__}")
+    body = backbone(generator)
+    try:
+        accepts = inspect.signature(body.forward).parameters
+    except (TypeError, ValueError):  # no introspectable signature: trust the call
+        accepts = {"position_ids": None}
+    if "position_ids" not in accepts:
+        raise ValueError(
+            f"generator {type(generator).__name__}'s backbone takes no position_ids: RagModel "
+            "left-pads prompts and needs positions that count real tokens only")
+    _check_linear_logits(config)
+    if getattr(config, "pad_token_id", None) is None:
+        raise ValueError(
+            "generator.config.pad_token_id is None: a decoder-only generator needs a pad token "
+            "to pad prompts and answers; set generator.config.pad_token_id (e.g. to "
+            "generator.config.eos_token_id, or the tokenizer's pad_token_id)")
+
+
+def _check_linear_logits(config) -> None:
+    for name, neutral in _NONLINEAR_HEAD_FIELDS.items():
+        value = getattr(config, name, None)
+        if value not in neutral:
+            raise ValueError(
+                f"generator config sets {name}={value!r}: its logits are not a plain linear map "
+                "of the last hidden state, which RagModel's LM head (and its fused loss) assume")
+
+
+def lm_head(generator: nn.Module) -> LMHead:
+    """The generator's LM head as ``(weight [V, d], bias [V] or None, scale=1.0)``.
+
+    Raises:
+        ValueError: a head that is not ``nn.Linear`` or logits that are not linear in the
+            hidden state (final-logit soft-capping, logit scaling).
+    """
+    head = generator.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"generator's output embeddings must be nn.Linear, got "
+                         f"{type(head).__name__}")
+    _check_linear_logits(generator.config)
+    return LMHead(head.weight, head.bias, 1.0)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting real tokens only: ``cumsum(mask) - 1``, 0 on leading padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def check_prompts(context_input_ids: torch.Tensor, context_attention_mask: torch.Tensor) -> None:
+    """Prompts ``[N, S]`` must be integer ids with a mask of the same shape, left-padded: every
+    row's last column a real token."""
+    if context_input_ids.dim() != 2:
+        raise ValueError(f"context_input_ids must be [B*K, S], got "
+                         f"{tuple(context_input_ids.shape)}")
+    if context_attention_mask is None or (tuple(context_attention_mask.shape)
+                                          != tuple(context_input_ids.shape)):
+        raise ValueError("context_attention_mask must have the shape of context_input_ids "
+                         f"{tuple(context_input_ids.shape)}")
+    if context_input_ids.shape[1] == 0:
+        raise ValueError("context_input_ids has no columns: a decoder-only generator needs "
+                         "a prompt")
+    if not torch.compiler.is_compiling() and not bool(context_attention_mask[:, -1].bool().all()):
+        raise ValueError(
+            "context_input_ids must be left-padded for a decoder-only generator (the last "
+            "column of every row a real token, context_attention_mask 1 there): tokenize with "
+            "padding_side='left' (RagModel.build_contexts does)")
+
+
+def answer_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  answer_ids: torch.Tensor) -> dict:
+    """The backbone's inputs for prompts ``[N, S]`` (left-padded) continued by ``answer_ids``
+    ``[N, T]``: ``input_ids``, ``attention_mask`` and ``position_ids`` of ``S + T - 1``
+    columns (the last answer token is never an input). Answer padding needs no mask: it only
+    follows the real answer tokens."""
+    N = prompt_ids.shape[0]
+    T = answer_ids.shape[1]
+    ids = torch.cat([prompt_ids, answer_ids[:, : T - 1]], dim=1)
+    mask = torch.cat([prompt_mask.to(torch.long),
+                      prompt_mask.new_ones((N, T - 1), dtype=torch.long)], dim=1)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids(mask)}
 
 
 def _cache_of(out):
@@ -65,56 +190,132 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
-# Rescoring (RAG-Sequence, thorough) materialises the logits of at most this many bytes at
-# once: a cap on its peak memory (lower it to bound memory, at the cost of smaller matmuls).
-SCORE_CHUNK_BYTES = 256 * 2**20
+class _Session:
+    """The prefilled prompts of N (question, passage) rows and their cached decoder, Q decoder
+    rows per prompt (the beams: the prompt's cache is copied Q times by the first reorder)."""
 
-
-class _Prompts:
-    """The prefilled prompts of N (question, passage) rows and their incremental decoder."""
-
-    def __init__(self, generator: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                 max_new: int) -> None:
-        self.generator = generator
-        self.body = _causal.backbone(generator)
-        self.cache_arg = cache_argument(self.body)
-        self.head = _causal.lm_head(generator)
-        N, S = ids.shape
-        self.S, self.rows = S, N
-        mask = mask.to(torch.long)
-        self.prompt_ids, self.prompt_mask = ids, mask  # [N, S]: what the processors read
-        # the attention mask of every step: the prompt's, then ones for the answer tokens
+    def __init__(self, adapter: DecoderOnly, Q: int, max_length: int) -> None:
+        self.a, self.Q = adapter, Q
+        N, max_new = adapter.ids.shape[0], max_length - 1
+        mask = adapter.mask
         self.mask = torch.cat([mask, mask.new_ones((N, max_new))], dim=1)
         self.lengths = mask.sum(1)  # real prompt tokens per row: the first answer position
-        out = self.body(input_ids=ids, attention_mask=mask, position_ids=_causal.position_ids(mask),
-                        use_cache=True, return_dict=True)
+        out = adapter.body(input_ids=adapter.ids, attention_mask=mask,
+                           position_ids=position_ids(mask), use_cache=True, return_dict=True)
         self.cache = _cache_of(out)
-        self.first_logits = self.logits(out.last_hidden_state[:, -1])  # [N, V]
+        self.first = adapter.logits(out.last_hidden_state[:, -1])  # [N, V]
+        self.expanded = Q == 1
+
+    def logits(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        if pos == 0:  # the prefill's logits, the same for every decoder row of a prompt
+            return self.first[:, None, :].expand(-1, self.Q, -1)
+        width = self.a.ids.shape[1] + pos
+        out = self.a.body(input_ids=tokens.reshape(-1, 1), attention_mask=self.mask[:, :width],
+                          position_ids=(self.lengths + pos - 1)[:, None], use_cache=True,
+                          return_dict=True, **{self.a.cache_arg: self.cache})
+        self.cache = _cache_of(out)
+        return self.a.logits(out.last_hidden_state[:, -1]).view(-1, self.Q, self.first.shape[-1])
+
+    def reorder(self, rows: torch.Tensor, length: int) -> None:
+        if not self.expanded:  # every beam still holds the bare prompt: copy it Q times
+            self.cache.batch_repeat_interleave(self.Q)
+            self.mask = self.mask.repeat_interleave(self.Q, dim=0)
+            self.lengths = self.lengths.repeat_interleave(self.Q)
+            self.expanded = True
+        else:  # same prompt: mask and lengths unchanged
+            self.cache.reorder_cache(rows)
+
+
+class DecoderOnly:
+    """:class:`~rag_fast.generation._search.GeneratorAdapter` of a decoder-only generator over
+    left-padded prompts ``ids [B*K, S]`` with ``mask``. Hypotheses carry a placeholder start
+    column (the pad token), dropped on output."""
+
+    sample_per_question = False  # one draw per step for all rows together
+
+    def __init__(self, generator: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                 K: int) -> None:
+        self.K = K
+        self.ids, self.mask = ids, mask.to(torch.long)
+        self.device = ids.device
+        self.body = backbone(generator)
+        self.cache_arg = cache_argument(self.body)
+        self.head = lm_head(generator)
+        self.vocab_size = int(self.head.weight.shape[0])
+        self.pad_token_id = int(generator.config.pad_token_id)
+        self.score_dtype = (torch.float64 if self.head.weight.dtype == torch.float64
+                            else torch.float32)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(hidden, self.head.weight, self.head.bias)
 
-    def expand(self, W: int) -> None:
-        """Copy every row's cache W times (rows (n, j) consecutively)."""
-        if W > 1:
-            self.cache.batch_repeat_interleave(W)
-            self.mask = self.mask.repeat_interleave(W, dim=0)
-            self.lengths = self.lengths.repeat_interleave(W)
-        self.rows *= W
+    def session(self, Q: int, max_length: int, *, search: str = "token", rows=None) -> _Session:
+        if rows is not None:
+            raise ValueError("a decoder-only session covers every prompt row")
+        return _Session(self, Q, max_length)
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Row r continues from row ``index[r]`` (same prompt: mask and lengths unchanged)."""
-        self.cache.reorder_cache(index)
+    def history(self, s: DecodingSettings, scores, seqs, group: int):
+        G = scores.shape[0]
+        S = self.ids.shape[1]
+        return prompt_processors(s, scores, self.ids.view(G, group, S),
+                                 self.mask.view(G, group, S), seqs[:, :, 1:])
 
-    def step(self, tokens: torch.Tensor, answer_index: int) -> torch.Tensor:
-        """Feed answer token ``answer_index`` of every row -> next-token logits ``[rows, V]``."""
-        width = self.S + answer_index + 1
-        kwargs = {self.cache_arg: self.cache}
-        out = self.body(input_ids=tokens.reshape(-1, 1), attention_mask=self.mask[:, :width],
-                        position_ids=(self.lengths + answer_index)[:, None],
-                        use_cache=True, return_dict=True, **kwargs)
-        self.cache = _cache_of(out)
-        return self.logits(out.last_hidden_state[:, -1])
+    def hypotheses(self, hyps, lengths):
+        """Answer tokens past each hypothesis' length become padding."""
+        cols = torch.arange(hyps.shape[2], device=hyps.device)
+        return hyps.masked_fill(cols[None, None, :] > lengths[:, :, None], self.pad_token_id)
+
+    def bounds_hold(self, s: DecodingSettings) -> bool:
+        return False
+
+    def sequence_scores(self, uniq, lengths, valid, log_prior, impl, lower, keep):
+        """Teacher forcing: rows (b, n, k) = prompt (b, k) ++ hypothesis (b, n), a chunk of
+        questions at a time (the chunk's logits stay under SCORE_CHUNK_BYTES)."""
+        B, N = uniq.shape[:2]
+        K, device, pad = self.K, self.device, self.pad_token_id
+        answers = uniq[:, :, 1:].masked_fill(~valid[:, :, None], pad)
+        L = answers.shape[2]
+        cols = torch.arange(L, device=device)
+        counted = (cols[None, None, :] < lengths[:, :, None]) & valid[:, :, None]
+        targets = answers.masked_fill(~counted, -100)
+        ids, mask, head = self.ids, self.mask, self.head
+        V = self.vocab_size
+        per_question = N * K * L * V * head.weight.element_size()
+        step = max(1, SCORE_CHUNK_BYTES // max(1, per_question))
+        scores = torch.empty((B, N), dtype=log_prior.dtype, device=device)
+        for b0 in range(0, B, step):
+            b1 = min(B, b0 + step)
+            nb = b1 - b0
+            prompt_row = (torch.arange(b0, b1, device=device)[:, None, None] * K
+                          + torch.arange(K, device=device)[None, None, :]).expand(nb, N, K)
+            prompt_row = prompt_row.reshape(-1)
+            rows = answers[b0:b1].repeat_interleave(K, dim=1).reshape(nb * N * K, L)
+            out = self.body(**answer_inputs(ids[prompt_row], mask[prompt_row], rows),
+                            use_cache=False, return_dict=True)
+            states = out.last_hidden_state[:, ids.shape[1] - 1:]
+            logits = nn.functional.linear(states, head.weight, head.bias)  # [nb*N*K, L, V]
+            prior = log_prior[b0:b1, None, :].expand(nb, N, K).reshape(nb * N, K)
+            nll = rag_sequence_nll(logits, prior, targets[b0:b1].reshape(nb * N, L), n_docs=K,
+                                   ignore_index=-100, reduction="none", impl=impl)
+            scores[b0:b1] = (-nll).view(nb, N).to(log_prior.dtype)
+            del logits, states, out
+        return scores
+
+    def token_output(self, seqs, lengths):
+        """Hypotheses ``[M, 1 + L]`` (placeholder column 0) -> answers ``[M, longest]``."""
+        width = max(1, int(lengths.max())) if lengths.numel() else 1
+        out = seqs[:, 1:1 + width]
+        cols = torch.arange(out.shape[1], device=out.device)
+        return out.masked_fill(cols[None, :] >= lengths[:, None], self.pad_token_id)
+
+    def sequence_output(self, chosen, lengths, found, width, R):
+        B, n = chosen.shape[:2]
+        lengths = lengths.masked_fill(~found, 0)
+        if n < R:
+            chosen = torch.cat([chosen, chosen.new_full((B, R - n, chosen.shape[2]),
+                                                        self.pad_token_id)], dim=1)
+            lengths = torch.cat([lengths, lengths.new_zeros((B, R - n))], dim=1)
+        return self.token_output(chosen.reshape(B * R, -1), lengths.reshape(B * R))
 
 
 def _resolve_settings(generator: nn.Module, generation_config, V: int, pad: int,
@@ -188,12 +389,6 @@ def prompt_processors(s: DecodingSettings, scores: torch.Tensor, prompt_ids: tor
     return scores
 
 
-def _without_prompt_processors(s: DecodingSettings) -> DecodingSettings:
-    """``s`` with the repetition penalty and the n-gram ban off (applied by
-    :func:`prompt_processors`); min length, forced tokens and the sampling warpers stay."""
-    return replace(s, repetition_penalty=1.0, no_repeat_ngram_size=0)
-
-
 @torch.no_grad()
 def causal_generate(
     generator: nn.Module,
@@ -214,7 +409,7 @@ def causal_generate(
     decoder-only generator.
 
     Args:
-        generator: a ``*ForCausalLM`` (see ``rag_fast.models._causal.check_causal``).
+        generator: a ``*ForCausalLM`` (see :func:`check_causal`).
         context_input_ids: ``[B*K, S]`` prompts (passage and question), left-padded, K rows
             per question.
         context_attention_mask: ``[B*K, S]`` (1: token, 0: padding), or None (all ones).
@@ -243,9 +438,8 @@ def causal_generate(
     """
     if mode not in ("token", "sequence"):
         raise ValueError(f"mode must be 'token' or 'sequence', got {mode!r}")
-    if decoding not in ("thorough", "fast"):
-        raise ValueError(f"decoding must be 'thorough' or 'fast', got {decoding!r}")
-    _causal.check_causal(generator)
+    check_decoding(decoding)
+    check_causal(generator)
     check_rng(rng)
     if not isinstance(doc_scores, torch.Tensor) or doc_scores.dim() != 2 \
             or not doc_scores.is_floating_point():
@@ -259,11 +453,9 @@ def causal_generate(
                          f"{tuple(getattr(context_input_ids, 'shape', ()))}")
     if context_attention_mask is None:
         context_attention_mask = torch.ones_like(context_input_ids)
-    _causal.check_prompts(context_input_ids, context_attention_mask)
+    check_prompts(context_input_ids, context_attention_mask)
     check_decoding_scores(doc_scores.detach())
-    pad = int(generator.config.pad_token_id)
-    head = _causal.lm_head(generator)
-    V = int(head.weight.shape[0])
+    adapter = DecoderOnly(generator, context_input_ids.long(), context_attention_mask, K)
     if mode == "sequence":
         R = int(num_return_sequences or 1)
         if settings.get("num_beams") is None:
@@ -271,7 +463,8 @@ def causal_generate(
         settings["num_return_sequences"] = settings["num_beams"]
     elif num_return_sequences is not None:
         settings["num_return_sequences"] = num_return_sequences
-    s = _resolve_settings(generator, generation_config, V, pad, settings)
+    s = _resolve_settings(generator, generation_config, adapter.vocab_size,
+                          adapter.pad_token_id, settings)
     max_new = s.max_length - 1
     limit = getattr(generator.config, "max_position_embeddings", None)
     if limit and context_input_ids.shape[1] + max_new - 1 > int(limit):
@@ -279,290 +472,11 @@ def causal_generate(
             f"prompts of {context_input_ids.shape[1]} tokens and up to {max_new} answer tokens "
             f"need {context_input_ids.shape[1] + max_new - 1} positions but the generator has "
             f"{limit} (config.max_position_embeddings); shorten the prompts or max_new_tokens")
-    dtype = torch.float64 if head.weight.dtype == torch.float64 else torch.float32
-    log_prior = torch.log_softmax(doc_scores.detach().to(dtype), dim=1)
-    prompts = _Prompts(generator, context_input_ids.long(), context_attention_mask, max_new)
+    log_prior = torch.log_softmax(doc_scores.detach().to(adapter.score_dtype), dim=1)
     if mode == "token":
-        if s.num_beams == 1:
-            seqs, lengths = _token_greedy(prompts, log_prior, s, B, K, impl, rng)
-        else:
-            seqs, lengths = _token_beam(prompts, log_prior, s, B, K, impl, rng)
-        return _pad_answers(seqs, lengths, pad)
-    if s.num_beams == 1:
-        hyps, lengths, logp = _greedy_per_passage(prompts, s, impl, rng)
-    else:
-        hyps, lengths, logp = _beam_per_passage(prompts, s, impl, rng)
-    return _rag_sequence(generator, context_input_ids.long(), context_attention_mask, log_prior,
-                         hyps, lengths, logp, B, K, R, pad, decoding, impl)
+        return rag_token_search(adapter, log_prior, s, B, K, impl, rng)
+    return rag_sequence_search(adapter, log_prior, s, B, K, R, decoding, impl, rng)
 
 
-def _pad_answers(seqs: torch.Tensor, lengths: torch.Tensor, pad: int) -> torch.Tensor:
-    """Hypotheses ``[M, 1 + L]`` (placeholder column 0) with lengths ``[M]`` -> answers
-    ``[M, max length]`` padded with ``pad``."""
-    width = max(1, int(lengths.max())) if lengths.numel() else 1
-    out = seqs[:, 1:1 + width]
-    cols = torch.arange(out.shape[1], device=out.device)
-    return out.masked_fill(cols[None, :] >= lengths[:, None], pad)
-
-
-def _marginal(logits: torch.Tensor, log_prior: torch.Tensor) -> torch.Tensor:
-    """``logsumexp_k (log p(z_k|x) + log_softmax(logits)_k)`` of ``logits [B, W, K, V]`` ->
-    ``[B, W, V]`` in the prior's dtype."""
-    logp = torch.log_softmax(logits.to(log_prior.dtype), dim=-1)
-    return torch.logsumexp(logp + log_prior[:, None, :, None], dim=2)
-
-
-def _record(s: DecodingSettings, seq: torch.Tensor, nxt: torch.Tensor,
-            unfinished: torch.Tensor, lengths: torch.Tensor, t: int):
-    """Write step t's tokens ``nxt`` into ``seq[:, t]`` (finished rows get the fill token),
-    mark rows that just produced EOS finished (``unfinished`` in place) and record their
-    length. Returns ``(nxt, lengths)``."""
-    nxt = torch.where(unfinished, nxt, torch.full_like(nxt, s.fill_token_id))
-    seq[:, t] = nxt
-    if s.eos_token_id is not None:
-        ended = unfinished & (nxt == s.eos_token_id)
-        lengths = torch.where(ended, torch.full_like(lengths, t), lengths)
-        unfinished &= ~ended
-    return nxt, lengths
-
-
-def _token_greedy(prompts: _Prompts, log_prior, s: DecodingSettings, B: int, K: int, impl: str,
-                  rng: torch.Generator | None = None):
-    device = log_prior.device
-    seq = torch.full((B, s.max_length), s.fill_token_id, dtype=torch.long, device=device)
-    lengths = torch.full((B,), s.max_length - 1, dtype=torch.long, device=device)
-    unfinished = torch.ones(B, dtype=torch.bool, device=device)
-    zeros = log_prior.new_zeros((B, 1))
-    ban = MinLengthBias(s, B, int(prompts.head.weight.shape[0]), device)
-    logits = prompts.first_logits
-    t = 1
-    rest = _without_prompt_processors(s)
-    S = prompts.S
-    for t in range(1, s.max_length):
-        forced = forced_token(s, t)
-        if s.processed:  # the marginal, processed, then argmax or a draw
-            marginal = _marginal(logits.view(B, 1, K, -1), log_prior)  # [B, 1, V]
-            scores = prompt_processors(s, marginal, prompts.prompt_ids.view(B, K, S),
-                                       prompts.prompt_mask.view(B, K, S), seq[:, None, 1:t])
-            nxt = pick_tokens(s, apply_processors(rest, seq[:, :t], scores[:, 0], t), rng)
-        elif forced is not None:
-            nxt = torch.full((B,), forced, dtype=torch.long, device=device)
-        else:
-            step = logits.view(B, K, 1, -1).transpose(1, 2)  # [B, 1, K, V]
-            _, _, tok = rag_token_beam_step(step, log_prior, zeros, ban.at(t), num_candidates=1,
-                                            impl=impl)
-            nxt = tok[:, 0]
-        nxt, lengths = _record(s, seq, nxt, unfinished, lengths, t)
-        if not bool(unfinished.any()) or t == s.max_length - 1:
-            break
-        logits = prompts.step(nxt.repeat_interleave(K), t - 1)
-    return seq, torch.minimum(lengths, torch.full_like(lengths, t))
-
-
-def _beam_driver(prompts: _Prompts, E: int, K: int, W: int):
-    """``(step_logits, reorder)`` for ``beam_search`` over E searches of K passages each
-    (prompt rows (e, k); decoder rows (e, k, j))."""
-    device = prompts.first_logits.device
-    base = (torch.arange(E * K, device=device) * W).view(E, K, 1)
-
-    def step_logits(last: torch.Tensor, pos: int) -> torch.Tensor:
-        if pos == 0:  # the prefill's logits, the same for every beam
-            return prompts.first_logits.view(E, K, 1, -1).expand(E, K, W, -1).transpose(1, 2)
-        rows = last[:, None, :].expand(E, K, W).reshape(-1)  # rows (e, k, j)
-        return prompts.step(rows, pos - 1).view(E, K, W, -1).transpose(1, 2)
-
-    def reorder(sources: torch.Tensor, t: int) -> None:
-        if t == 1:  # every beam still holds the bare prompt: copy it W times
-            prompts.expand(W)
-        else:
-            prompts.reorder((base + sources[:, None, :]).reshape(-1))
-
-    return step_logits, reorder
-
-
-def _processed_beam_search(state: BeamState, step_logits, log_probs, prompt_ids, prompt_mask,
-                           reorder, rng) -> BeamState:
-    """``beam_search``'s processor path with the prompt-aware repetition penalty and n-gram
-    ban: per step the ``[E, W, V]`` log-probabilities (``log_probs(logits)``), processed over
-    ``prompt_(e,k) ++ answer_(e,w)`` (``prompt_ids`` / ``prompt_mask`` ``[E, K, S]``), then the
-    shared candidates (min length, forced tokens, warpers, the 2W best or 2W draws)."""
-    s = state.s
-    rest = _without_prompt_processors(s)
-    while not state.done:
-        t = state.cur_len
-        running = state.running[:, :, :t]
-        lp = prompt_processors(s, log_probs(step_logits(running[:, :, t - 1], t - 1)),
-                               prompt_ids, prompt_mask, running[:, :, 1:])
-        cand = processed_candidates(rest, lp, state.running_scores, running, t, rng)
-        sources = state.advance(*cand)
-        if not state.done:
-            reorder(sources, t)
-    return state
-
-
-def _token_beam(prompts: _Prompts, log_prior, s: DecodingSettings, B: int, K: int, impl: str,
-                rng: torch.Generator | None = None):
-    W, V = s.num_beams, int(prompts.head.weight.shape[0])
-    step_logits, reorder = _beam_driver(prompts, B, K, W)
-    if s.processed:
-        S = prompts.S
-        state = _processed_beam_search(
-            BeamState(B, s, log_prior.device), step_logits,
-            lambda logits: torch.log_softmax(_marginal(logits, log_prior), dim=-1),
-            prompts.prompt_ids.view(B, K, S), prompts.prompt_mask.view(B, K, S), reorder, rng)
-    else:
-        state = beam_search(BeamState(B, s, log_prior.device), step_logits, log_prior,
-                            MinLengthBias(s, B * W, V, log_prior.device), reorder, impl)
-    seqs, _ = state.result()
-    R = s.num_return_sequences
-    return seqs.reshape(B * R, -1), state.finished_len[:, :R].reshape(-1)
-
-
-def _greedy_per_passage(prompts: _Prompts, s: DecodingSettings, impl: str,
-                        rng: torch.Generator | None = None):
-    """One greedy answer per prompt row: ``(hyps [N, 1, 1+L], lengths [N, 1], logp [N, 1])``."""
-    N = prompts.rows
-    logits = prompts.first_logits
-    device = logits.device
-    seq = torch.full((N, s.max_length), s.fill_token_id, dtype=torch.long, device=device)
-    seq[:, 0] = s.decoder_start_token_id
-    lengths = torch.full((N,), s.max_length - 1, dtype=torch.long, device=device)
-    zero = torch.zeros((N, 1), dtype=logits.dtype, device=device)
-    logp = torch.zeros(N, dtype=logits.dtype, device=device)
-    unfinished = torch.ones(N, dtype=torch.bool, device=device)
-    ban = MinLengthBias(s, N, logits.shape[-1], device)
-    t = 1
-    rest = _without_prompt_processors(s)
-    S = prompts.S
-    for t in range(1, s.max_length):
-        forced = forced_token(s, t)
-        if s.processed:  # the generator's logits, processed, then argmax or a draw
-            scores = prompt_processors(s, logits[:, None], prompts.prompt_ids.view(N, 1, S),
-                                       prompts.prompt_mask.view(N, 1, S), seq[:, None, 1:t])
-            nxt = pick_tokens(s, apply_processors(rest, seq[:, :t], scores[:, 0], t), rng)
-            step_logp = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]
-            step_logp = step_logp.to(logp.dtype)
-        elif forced is not None:
-            nxt = torch.full((N,), forced, dtype=torch.long, device=device)
-            step_logp = torch.zeros_like(logp)
-        else:
-            sc, _, tok = rag_token_beam_step(logits.view(N, 1, 1, -1), zero, zero, ban.at(t),
-                                             num_candidates=1, impl=impl)
-            nxt, step_logp = tok[:, 0], sc[:, 0].to(logp.dtype)
-        logp = logp + torch.where(unfinished, step_logp, torch.zeros_like(step_logp))
-        nxt, lengths = _record(s, seq, nxt, unfinished, lengths, t)
-        if not bool(unfinished.any()) or t == s.max_length - 1:
-            break
-        logits = prompts.step(nxt, t - 1)
-    lengths = torch.minimum(lengths, torch.full_like(lengths, t))
-    return seq[:, None, :], lengths[:, None], logp[:, None]
-
-
-def _beam_per_passage(prompts: _Prompts, s: DecodingSettings, impl: str,
-                      rng: torch.Generator | None = None):
-    """W beams per prompt row: ``(hyps [N, W, 1+L], lengths [N, W], logp [N, W])``."""
-    N, W = prompts.rows, s.num_beams
-    device = prompts.first_logits.device
-    V = prompts.first_logits.shape[-1]
-    step_logits, reorder = _beam_driver(prompts, N, 1, W)
-    if s.processed:
-        S = prompts.S
-        state = _processed_beam_search(
-            BeamState(N, s, device), step_logits,
-            lambda logits: torch.log_softmax(logits[:, :, 0], dim=-1),
-            prompts.prompt_ids.view(N, 1, S), prompts.prompt_mask.view(N, 1, S), reorder, rng)
-    else:
-        state = beam_search(BeamState(N, s, device), step_logits,
-                            torch.zeros((N, 1), dtype=prompts.first_logits.dtype,
-                                        device=device),
-                            MinLengthBias(s, N * W, V, device), reorder, impl)
-    lengths = state.finished_len
-    # the length penalty undone: each hypothesis' summed log-probability
-    logp = state.finished_scores * lengths.clamp(min=1).to(state.finished_scores.dtype) \
-        ** s.length_penalty
-    return state.finished, lengths, logp
-
-
-def _rag_sequence(generator, ids, mask, log_prior, hyps, lengths, logp, B, K, R, pad, decoding,
-                  impl) -> torch.Tensor:
-    """Union of each question's hypotheses, scored (thorough or fast), the R best returned."""
-    W = hyps.shape[1]
-    device = ids.device
-    hyps, lengths, logp = hyps.view(B, K, W, -1), lengths.view(B, K, W), logp.view(B, K, W)
-    hyps_l, lengths_l = hyps.tolist(), lengths.tolist()
-    union: list[list[tuple[int, ...]]] = []
-    owners: list[list[list[tuple[int, int]]]] = []  # per hypothesis: its (k, j) searches
-    for b in range(B):
-        seen: dict[tuple[int, ...], int] = {}
-        found, who = [], []
-        for k in range(K):
-            for j in range(W):
-                n = lengths_l[b][k][j]
-                key = tuple(hyps_l[b][k][j][1:1 + n])
-                if key not in seen:
-                    seen[key] = len(found)
-                    found.append(key)
-                    who.append([])
-                who[seen[key]].append((k, j))
-        union.append(found)
-        owners.append(who)
-    N = max(len(u) for u in union)
-    L = max(len(h) for u in union for h in u)
-    answers = torch.full((B, N, L), pad, dtype=torch.long, device=device)
-    targets = torch.full((B, N, L), -100, dtype=torch.long, device=device)
-    valid = torch.zeros((B, N), dtype=torch.bool, device=device)
-    for b, found in enumerate(union):
-        for n, h in enumerate(found):
-            answers[b, n, :len(h)] = torch.tensor(h, dtype=torch.long)
-            targets[b, n, :len(h)] = torch.tensor(h, dtype=torch.long)
-            valid[b, n] = True
-    if decoding == "fast":
-        scores = torch.full((B, N), float("-inf"), dtype=log_prior.dtype, device=device)
-        for b in range(B):
-            for n, who in enumerate(owners[b]):
-                terms = torch.stack([log_prior[b, k] + logp[b, k, j] for k, j in who])
-                scores[b, n] = torch.logsumexp(terms, 0)
-    else:
-        # teacher forcing: rows (b, n, k) = prompt (b, k) ++ hypothesis (b, n), a chunk of
-        # questions at a time (the chunk's logits stay under SCORE_CHUNK_BYTES)
-        head = _causal.lm_head(generator)
-        V = int(head.weight.shape[0])
-        per_question = N * K * L * V * head.weight.element_size()
-        step = max(1, SCORE_CHUNK_BYTES // max(1, per_question))
-        scores = torch.empty((B, N), dtype=log_prior.dtype, device=device)
-        for b0 in range(0, B, step):
-            b1 = min(B, b0 + step)
-            nb = b1 - b0
-            prompt_row = (torch.arange(b0, b1, device=device)[:, None, None] * K
-                          + torch.arange(K, device=device)[None, None, :]).expand(nb, N, K)
-            prompt_row = prompt_row.reshape(-1)
-            states = _causal.run_answers(
-                generator, ids[prompt_row], mask[prompt_row],
-                answers[b0:b1].repeat_interleave(K, dim=1).reshape(nb * N * K, L))
-            logits = nn.functional.linear(states, head.weight, head.bias)  # [nb*N*K, L, V]
-            prior = log_prior[b0:b1, None, :].expand(nb, N, K).reshape(nb * N, K)
-            nll = rag_sequence_nll(logits, prior, targets[b0:b1].reshape(nb * N, L), n_docs=K,
-                                   ignore_index=-100, reduction="none", impl=impl)
-            scores[b0:b1] = (-nll).view(nb, N).to(log_prior.dtype)
-            del logits, states
-    scores = scores.masked_fill(~valid, float("-inf"))
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :R]
-    best = scores.gather(1, order)
-    out_rows, out_lengths = [], []
-    for b in range(B):
-        for r in range(R):
-            if r < order.shape[1] and bool(torch.isfinite(best[b, r])):
-                h = union[b][int(order[b, r])]
-            else:
-                h = ()
-            out_rows.append(h)
-            out_lengths.append(len(h))
-    width = max(1, max(out_lengths))
-    out = torch.full((B * R, width), pad, dtype=torch.long, device=device)
-    for i, h in enumerate(out_rows):
-        if h:
-            out[i, :len(h)] = torch.tensor(h, dtype=torch.long)
-    return out
-
-
-__all__ = ["causal_generate"]
+__all__ = ["DecoderOnly", "answer_inputs", "backbone", "causal_generate", "check_causal",
+           "check_prompts", "is_causal", "lm_head", "position_ids", "prompt_processors"]

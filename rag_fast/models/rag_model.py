@@ -29,6 +29,13 @@ from torch import nn
 
 from rag_fast import _pool
 from rag_fast._validation import IMPLS, check_context_length, check_decoding_scores
+from rag_fast.generation import (
+    causal,
+    heads,
+    rag_sequence_generate,
+    rag_token_generate,
+    start_token_id,
+)
 from rag_fast.models import _causal, _dropout, _lean, _seq2seq
 from rag_fast.ops import linear_rag_nll, rag_sequence_nll, rag_token_nll
 
@@ -265,9 +272,9 @@ class RagModel(nn.Module):
                         exclude_bos=exclude_bos, normalize_questions=normalize_questions,
                         lean_activations=lean_activations, bos_token_id=bos_token_id)
         # decoder-only generators (any *ForCausalLM): see _causal and docs/decoder_only.md
-        self.is_causal = _causal.is_causal(generator)
+        self.is_causal = causal.is_causal(generator)
         if self.is_causal:
-            _causal.check_causal(generator)  # also requires config.pad_token_id
+            causal.check_causal(generator)  # also requires config.pad_token_id
         else:
             _seq2seq.check_seq2seq(generator)
         V = _seq2seq.vocab_size(generator)
@@ -334,6 +341,20 @@ class RagModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.generator.parameters()).device
+
+    @property
+    def decoder_start_token_id(self) -> int | None:
+        """The first decoder token of every answer, as :meth:`generate` starts it (the
+        generation config's ``decoder_start_token_id``, else its BOS, else the generator
+        config's); training labels start with it too (``rag_fast.training.encode_targets``).
+        None for a decoder-only generator, whose answers continue the prompt."""
+        if self.is_causal:
+            return None
+        view = _TransformersView(self)
+        config = view.generation_config if self.mode == "token" else getattr(
+            self.generator, "generation_config", None)
+        start = start_token_id(config)
+        return start_token_id(self.generator.config) if start is None else start
 
     @property
     def max_positions(self) -> int | None:
@@ -578,7 +599,7 @@ class RagModel(nn.Module):
     def _loss_from_contexts(self, context_input_ids, context_attention_mask, doc_scores, labels,
                             reduction, B, K) -> torch.Tensor:
         decoder_input_ids, targets = self.prepare_labels(labels)
-        head = (_causal if self.is_causal else _seq2seq).lm_head(self.generator)
+        head = (causal if self.is_causal else heads).lm_head(self.generator)
         # a tied embedding's gradient is added into the LM head's in place (see _seq2seq)
         tied = _seq2seq.split_tied_weight(self.generator)
         if tied is not None:
@@ -603,7 +624,7 @@ class RagModel(nn.Module):
         return self._rag_loss(head, tied, states, doc_scores, targets, K, reduction,
                               self.pad_token_id)
 
-    def _rag_loss(self, head: "_seq2seq.LMHead", tied, states: torch.Tensor,
+    def _rag_loss(self, head: heads.LMHead, tied, states: torch.Tensor,
                   doc_scores: torch.Tensor, targets: torch.Tensor, K: int,
                   reduction: str, ignore_index: int) -> torch.Tensor:
         """The RAG loss of generator states ``[B*K, T, d]`` (before the LM head's scale) for
@@ -739,8 +760,6 @@ class RagModel(nn.Module):
     def _generate(self, questions, question_input_ids, question_attention_mask, passages,
                   passage_embeddings, context_input_ids, context_attention_mask, doc_scores,
                   decoding, impl, settings) -> "Generation":
-        from rag_fast.generation import rag_sequence_generate, rag_token_generate
-
         inputs = self._resolve_inputs(questions, question_input_ids, question_attention_mask,
                                       passages, passage_embeddings, context_input_ids,
                                       context_attention_mask, doc_scores)
@@ -748,9 +767,7 @@ class RagModel(nn.Module):
         context_input_ids, context_attention_mask = inputs.context_input_ids, inputs.context_mask
         check_decoding_scores(doc_scores.detach(), questions)
         if self.is_causal:
-            from rag_fast.generation.causal import causal_generate
-
-            sequences = causal_generate(
+            sequences = causal.causal_generate(
                 self.generator, context_input_ids, context_attention_mask, doc_scores,
                 mode=self.mode, decoding=decoding, impl=impl,
                 generation_config=self.generation_config, **settings)

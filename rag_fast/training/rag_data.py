@@ -12,8 +12,11 @@ def encode_targets(model, texts: Sequence[str]) -> torch.Tensor:
     """Labels ``[B, T]`` of the answer texts, padded with the pad token (seq2seq) or -100
     (decoder-only, whose pad token may be its EOS token, a target).
 
-    Seq2seq generator: ``start + tokens + eos`` per text, ``start`` the generator's BOS (or its
-    decoder start token, for T5), matching how ``rag_fast.models.decoding`` starts an answer.
+    Seq2seq generator: ``start + [bos] + tokens + eos`` per text, ``start`` the decoder start
+    token every decoded answer starts with (``RagModel.decoder_start_token_id``), ``bos`` the
+    model's BOS when it has one that differs from ``start`` (a pretrained BART: start 2, BOS 0,
+    as ``transformers`` trains it: the decoder input is the BOS-first target shifted right
+    after the start token, and decoding from ``start`` then produces BOS first).
     Decoder-only generator: ``tokens + eos`` (no start token: the labels are the answer ids
     themselves, the first one predicted from the prompt's last token; docs/decoder_only.md).
     With a list of EOS ids the first one ends the answers.
@@ -22,8 +25,6 @@ def encode_targets(model, texts: Sequence[str]) -> torch.Tensor:
         ValueError: a model without a generator tokenizer, a generator config without
             ``eos_token_id``.
     """
-    from rag_fast.models.decoding import start_token_id
-
     tokenizer = model.generator_tokenizer
     if tokenizer is None:
         raise ValueError("the model needs generator_tokenizer= to encode answers")
@@ -34,7 +35,9 @@ def encode_targets(model, texts: Sequence[str]) -> torch.Tensor:
         raise ValueError("generator.config.eos_token_id is not set: answers end with EOS")
     eos = int(eos)
     causal = getattr(model, "is_causal", False)
-    head = [] if causal else [start_token_id(model)]
+    head = [] if causal else [model.decoder_start_token_id]
+    if head and model.bos_token_id is not None and model.bos_token_id != head[0]:
+        head.append(model.bos_token_id)
     rows = [[*head, *tokenizer(t, add_special_tokens=False)["input_ids"], eos] for t in texts]
     # a decoder-only model's padding is -100: its pad token may be its EOS (a target)
     fill = -100 if causal else model.pad_token_id
