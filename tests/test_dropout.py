@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rag_fast.models import RagModel, _dropout
-from rag_fast.ops import _custom_ops
+from rag_fast.ops import masks
 from rag_fast.testing import tiny_hf_rag
 from utils import SIMD_VARIANTS, run_in_simd_variant
 
@@ -51,10 +51,10 @@ def check_keep_bits(n: int, skip: int) -> None:
         theirs, ours = _generator(7, skip), _generator(7, skip)
         want = torch.empty(n).bernoulli_(keep, generator=theirs)
         state = ours.get_state()
-        bits = _custom_ops.dropout_keep_bits(state, n, keep)
+        bits = masks.dropout_keep_bits(state, n, keep)
         assert bits is not None and bits.numel() == (n + 7) // 8
         ours.set_state(state)
-        got = _custom_ops.bits_unmask(bits, want, ONE_BITS)
+        got = masks.bits_unmask(bits, want, ONE_BITS)
         assert torch.equal(got, want), (n, skip, keep)
         assert torch.equal(ours.get_state(), theirs.get_state()), (n, skip, keep)
         # the next numbers either generator gives are the same too
@@ -81,28 +81,28 @@ def test_keep_bits_threshold_is_exact():
             n = 4096
             want = torch.empty(n).bernoulli_(keep, generator=theirs)
             state = ours.get_state()
-            bits = _custom_ops.dropout_keep_bits(state, n, keep)
-            assert torch.equal(_custom_ops.bits_unmask(bits, want, ONE_BITS), want)
+            bits = masks.dropout_keep_bits(state, n, keep)
+            assert torch.equal(masks.bits_unmask(bits, want, ONE_BITS), want)
 
 
 def test_keep_bits_refuse_bad_arguments():
     state = torch.Generator().get_state()
     with pytest.raises(ValueError, match="state must be a CPU generator's get_state"):
-        _custom_ops.dropout_keep_bits(state.float(), 8, 0.9)
+        masks.dropout_keep_bits(state.float(), 8, 0.9)
     with pytest.raises(ValueError, match="n must be an int >= 0, got -1"):
-        _custom_ops.dropout_keep_bits(state, -1, 0.9)
+        masks.dropout_keep_bits(state, -1, 0.9)
     with pytest.raises(ValueError, match=r"keep must be a float in \(0, 1\], got 1.5"):
-        _custom_ops.dropout_keep_bits(state, 8, 1.5)
+        masks.dropout_keep_bits(state, 8, 1.5)
     with pytest.raises(ValueError, match=r"keep must be a float in \(0, 1\], got 0.0"):
-        _custom_ops.dropout_keep_bits(state, 8, 0.0)
+        masks.dropout_keep_bits(state, 8, 0.0)
     # a state whose position is impossible (left = 0) is not read, and left unchanged
     broken = state.clone()
     broken[8:12] = 0
     before = broken.clone()
-    assert _custom_ops.dropout_keep_bits(broken, 8, 0.9) is None
+    assert masks.dropout_keep_bits(broken, 8, 0.9) is None
     assert torch.equal(broken, before)
     # too short to hold the Mersenne Twister's words
-    assert _custom_ops.dropout_keep_bits(state[:1000].clone(), 8, 0.9) is None
+    assert masks.dropout_keep_bits(state[:1000].clone(), 8, 0.9) is None
 
 
 def test_masked_scale_is_the_float_product():
@@ -110,21 +110,21 @@ def test_masked_scale_is_the_float_product():
     x = torch.randn(1003, generator=g)
     x[:6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40])
     bits = torch.randint(0, 256, ((x.numel() + 7) // 8,), dtype=torch.uint8, generator=g)
-    mask = _custom_ops.bits_unmask(bits, x, ONE_BITS)
+    mask = masks.bits_unmask(bits, x, ONE_BITS)
     scale = _dropout._scale(0.1)
     want = x * (mask * scale)
-    got = _custom_ops.masked_scale(x, bits, scale)
+    got = masks.masked_scale(x, bits, scale)
     assert torch.equal(_bits(got), _bits(want))
     into = torch.empty_like(x)
-    assert _custom_ops.masked_scale(x, bits, scale, out=into) is into
+    assert masks.masked_scale(x, bits, scale, out=into) is into
     assert torch.equal(_bits(into), _bits(want))
     with pytest.raises(ValueError, match="t must be a contiguous float32 CPU tensor"):
-        _custom_ops.masked_scale(x.double(), bits, scale)
+        masks.masked_scale(x.double(), bits, scale)
     with pytest.raises(ValueError, match="bits must be a contiguous CPU uint8 tensor of 126"):
-        _custom_ops.masked_scale(x, bits[:-1], scale)
+        masks.masked_scale(x, bits[:-1], scale)
     with pytest.raises(ValueError, match=r"out must be a contiguous float32 CPU tensor of "
                                           r"shape \(1003,\)"):
-        _custom_ops.masked_scale(x, bits, scale, out=torch.empty(1002))
+        masks.masked_scale(x, bits, scale, out=torch.empty(1002))
 
 
 def test_the_check_passes_here():
@@ -230,7 +230,7 @@ def test_double_backward_matches_torch(default_dtype):
 def test_falls_back_when_the_state_is_not_read(monkeypatch):
     """A generator state the kernel does not read (another torch's layout) leaves torch's
     dropout in charge, with the generator untouched by the attempt."""
-    monkeypatch.setattr(_custom_ops, "dropout_keep_bits", lambda state, n, keep: None)
+    monkeypatch.setattr(masks, "dropout_keep_bits", lambda state, n, keep: None)
     x = torch.randn(10_000)
     torch.manual_seed(8)
     want = nn.functional.dropout(x, 0.1)

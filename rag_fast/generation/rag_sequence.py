@@ -48,7 +48,7 @@ from rag_fast.generation._search import (
     pick_tokens,
     settings_from,
 )
-from rag_fast.ops._dispatch import resolve_impl
+from rag_fast.ops.backend import resolve_impl
 from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
 from rag_fast.reference_decoding import select_top
 

@@ -48,7 +48,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from rag_fast import _ext
-from rag_fast.ops import _custom_ops
+from rag_fast.ops import masks
 
 # Tensors with fewer elements keep torch's dropout: reading and writing the generator's state
 # (5 KB each way) costs about as much as torch's draw of this many elements.
@@ -67,7 +67,7 @@ def _draw(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float] | None:
     generator's state is not one the kernel reads."""
     generator = torch.default_generator
     state = generator.get_state()
-    bits = _custom_ops.dropout_keep_bits(state, x.numel(), 1.0 - p)
+    bits = masks.dropout_keep_bits(state, x.numel(), 1.0 - p)
     if bits is None:
         return None
     generator.set_state(state)
@@ -81,16 +81,16 @@ class _CpuDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, bits: torch.Tensor, scale: float):
         ctx.bits, ctx.scale = bits, scale  # not saved tensors: nothing for autograd to track
-        return _custom_ops.masked_scale(x, bits, scale)
+        return masks.masked_scale(x, bits, scale)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         if torch.is_grad_enabled() or g.dtype != torch.float32:
             # a double backward (or another dtype): g times the float mask, as torch does
             ones = torch.ones(g.shape, dtype=torch.float32, device="cpu")
-            mask = _custom_ops.masked_scale(ones, ctx.bits, ctx.scale)
+            mask = masks.masked_scale(ones, ctx.bits, ctx.scale)
             return g * mask, None, None
-        return _custom_ops.masked_scale(g.contiguous(), ctx.bits, ctx.scale), None, None
+        return masks.masked_scale(g.contiguous(), ctx.bits, ctx.scale), None, None
 
 
 def dropout(x: torch.Tensor, p: float) -> torch.Tensor | None:
