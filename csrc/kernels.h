@@ -73,7 +73,7 @@ struct TokenSmoothStatsArgs {
 // row_stats and token_smooth_stats in one read of the logits: the K rows of each (b, t) are
 // read from memory once and kept, as exp(x - block max), in a K x V fp32 buffer per thread
 // while all threads' buffers fit in a fixed budget (16 MiB), else recomputed block by block
-// (see kernels.cpp):
+// (see rag_losses.cpp):
 //   lse, x_tgt, x_sum as RowStatsArgs; sum_m[b,t] = sum_v M; rho[b,k,t] = sum_v R.
 // a: float32 [B, K] log-prior; targets: int64 [B, T] contiguous or null; rho may be null (not
 // computed: only the backward needs it).
@@ -128,11 +128,10 @@ struct TokenMarginalGradArgs {
 // out[b, n] = q[b] . x[n] (float32, rows of length d at strides ldq, ldx, ldo), each score by
 // the same sequence of operations whatever B, N and the pair's place (csrc/inner_products.cpp).
 // Multiply-adds (B * N * d) below which inner_products runs on one thread: starting and joining
-// the thread team costs microseconds, more than such a product takes on one core (131 072
-// multiply-adds: one query against 341 vectors of 384). Above it even one query gains from the
-// threads: the vectors stream through every core's cache (measured on a 2-core Xeon, one query
-// against 2 654 vectors of 384: 140 us on one thread, 48 us on two). The scores are the same
-// with any number of threads.
+// the thread team costs more than such a product takes on one core (131 072 multiply-adds: one
+// query against 341 vectors of 384). Above it even one query gains from the threads: the
+// vectors stream through every core's cache (the measurement: docs/tuning.md). The scores are
+// the same with any number of threads.
 constexpr int64_t kInnerProductsParallelWork = int64_t{1} << 17;
 
 struct InnerProductsArgs {
