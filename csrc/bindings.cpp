@@ -142,8 +142,4 @@ PYBIND11_MODULE(_C, m) {
        "as bits; False if any element is neither 0 nor one.");
   bind(m, "bits_unmask", &bits_unmask,
        "out[i] = one (as bits) where bit i % 8 of bits[i / 8] is set, else 0.");
-  bind(m, "dropout_keep_bits", &dropout_keep_bits,
-       "torch's CPU dropout mask as bits, drawn from and advancing a generator state.");
-  bind(m, "masked_scale", &masked_scale,
-       "out[i] = src[i] * (bit i set ? scale : 0), float32.");
 }

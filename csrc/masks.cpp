@@ -1,6 +1,5 @@
-// One-bit masks (rag_fast/ops/masks.py): a mask tensor as bits and back, torch's CPU dropout
-// mask drawn as bits from a generator state, and the product by such a mask. Compiled once
-// (the dropout draw itself, dropout_bits, is per instruction set: csrc/dropout.cpp).
+// One-bit masks (rag_fast/ops/masks.py): a tensor of zeros and one value as bits, and back.
+// Compiled once (no variant: the compiler vectorises the comparisons for the baseline ISA).
 #include <cstdint>
 #include <cstring>
 
@@ -109,55 +108,6 @@ bool bits_unmask(const uint8_t* bits, int elem_bytes, int64_t n, uint64_t one, v
     default:
       return false;
   }
-}
-
-namespace {
-
-// Byte offsets in the state tensor torch's CPU generator gets and sets (its legacy layout:
-// initial seed u64, left i32, seeded i32, next u64, then 624 state words as u64 each).
-constexpr int64_t kLeftAt = 8, kNextAt = 16, kWordsAt = 24;
-
-}  // namespace
-
-bool dropout_keep_bits(uint8_t* generator_state, int64_t state_bytes, int64_t n,
-                       uint64_t threshold, uint8_t* bits) {
-  if (state_bytes < kWordsAt + 8 * kMtStateWords || n < 0) return false;
-  int32_t left;
-  uint64_t next;
-  std::memcpy(&left, generator_state + kLeftAt, sizeof left);
-  std::memcpy(&next, generator_state + kNextAt, sizeof next);
-  if (left < 1 || left > kMtStateWords || next > kMtStateWords ||
-      (left > 1 && next + left - 1 > kMtStateWords))
-    return false;
-  MtState e;
-  for (int i = 0; i < kMtStateWords; ++i) {
-    uint64_t w;
-    std::memcpy(&w, generator_state + kWordsAt + 8 * i, sizeof w);
-    e.words[i] = static_cast<uint32_t>(w);
-  }
-  e.left = left;
-  e.next = static_cast<int64_t>(next);
-  kernels().dropout_bits(e, n, threshold, bits);
-  left = static_cast<int32_t>(e.left);
-  next = static_cast<uint64_t>(e.next);
-  std::memcpy(generator_state + kLeftAt, &left, sizeof left);
-  std::memcpy(generator_state + kNextAt, &next, sizeof next);
-  for (int i = 0; i < kMtStateWords; ++i) {
-    const uint64_t v = e.words[i];
-    std::memcpy(generator_state + kWordsAt + 8 * i, &v, sizeof v);
-  }
-  return true;
-}
-
-void masked_scale(const float* src, const uint8_t* bits, int64_t n, float scale, float* out) {
-  // src * 0 where the bit is clear (not 0 itself), so that -0, inf and nan multiply as torch's
-  // x * mask does
-  by_bit_table(
-      bits, n, scale,
-      [src, out](int64_t i, const float* row) {
-        for (int j = 0; j < 8; ++j) out[i + j] = src[i + j] * row[j];
-      },
-      [src, out](int64_t i, float v) { out[i] = src[i] * v; });
 }
 
 }  // namespace rag_fast

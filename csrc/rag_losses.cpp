@@ -796,7 +796,6 @@ const KernelTable& table() {
       &by_dtype<TokenMarginalGradArgs, token_marginal_grad_impl<float>,
                 token_marginal_grad_impl<uint16_t>>,
       inner_products_fn(),
-      dropout_bits_fn(),
   };
   return t;
 }

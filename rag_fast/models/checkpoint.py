@@ -401,13 +401,11 @@ def load_rag_model(
     import transformers
 
     from rag_fast import _pool
-    from rag_fast.models import _dropout
     from rag_fast.storage import recover_directory
 
     # the environment's settings, named as themselves before any file is read (RagModel checks
     # them too, where a failure would read as the saved options')
     _pool.limit_bytes()
-    _dropout.switched_on()
     path = resolve_model_dir(path)
     recover_directory(path)  # a save killed between its renames left it aside
     if not os.path.isdir(path):

@@ -7,7 +7,7 @@ One home per op family, holding its public function(s), its custom ops
     rag_losses.py           rag_token_nll, rag_sequence_nll, rag_token_marginal
     linear_rag_nll.py       the LM head fused into the RAG losses (their custom ops, tile by tile)
     rag_token_beam_step.py  rag_token_beam_step
-    masks.py                one-bit masks (lean activations, CPU dropout)
+    masks.py                one-bit masks (the lean activations' dropout masks)
     inner_products.py       the exact index's per-pair scores
 
 Importing this package registers the custom ops.

@@ -397,7 +397,7 @@ def _leaf_sharing_storage(logits: Tensor) -> Tensor | None:
     leaves of the logits' autograd graph (its AccumulateGrad nodes); None if there is none.
     This catches aliases autograd does not record as views (``aten._unsafe_view``, a custom
     ``autograd.Function`` that returns its input's memory under a new tensor). One visit per
-    node of the graph (its cost: docs/tuning.md, "Ops")."""
+    node of the graph (its cost: docs/tuning.md, "The inplace_grad leaf search")."""
     ptr = _storage_ptr(logits)
     if not ptr or logits.grad_fn is None:
         return None
