@@ -1,4 +1,4 @@
-// The fused RAG-Token beam step, compiled once per instruction set like kernels.cpp.
+// The fused RAG-Token beam step, compiled once per instruction set like rag_losses.cpp.
 //
 // Work is split over rows (b, j): pass 1 computes the K row normalisers; pass 2 walks the
 // vocabulary once more, computing the marginal over the K passages lane by lane and keeping a

@@ -1,6 +1,18 @@
-// The pybind11 module rag_fast._C. Bindings only: argument checking lives in rag_fast/ops,
-// the kernels in kernels.cpp. Pointers arrive as integers (torch.Tensor.data_ptr()).
+// The pybind11 module rag_fast._C, from one table (the end of this file): a kernel is bound by
+// one line naming it, where it lives and its documentation. Bindings only: argument checking
+// lives in rag_fast/ops, the kernels in the other files of csrc/.
+//
+// Every argument arrives as a Python int: pointers as addresses (torch.Tensor.data_ptr()).
+// A kernel that takes an Args struct (csrc/kernels.h, csrc/beam_step.h) takes its fields in
+// declaration order, nested structs flattened (the LogitsView first); a plain function takes
+// its own parameters. The GIL is released while a kernel runs.
 #include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #include "beam_step.h"
 #include "kernels.h"
@@ -10,14 +22,84 @@ using namespace rag_fast;
 
 namespace {
 
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
+// One integer argument, converted to the field it initialises: a pointer (an address), an
+// integer or the DType code. It converts to nothing else, so a nested struct (LogitsView) takes
+// the next slots as its own fields (brace elision).
+struct Slot {
+  int64_t v;
+  template <typename T>
+  operator T*() const {
+    return reinterpret_cast<T*>(static_cast<uintptr_t>(v));
+  }
+  operator int64_t() const { return v; }
+  operator DType() const { return static_cast<DType>(v); }
+};
+
+// Whether Args can be initialised from N slots; its field count is the largest such N (more
+// slots than fields do not compile), so every field gets an argument.
+template <typename Args, typename Seq, typename = void>
+struct Takes : std::false_type {};
+template <typename Args, std::size_t... I>
+struct Takes<Args, std::index_sequence<I...>,
+             std::void_t<decltype(Args{(static_cast<void>(I), Slot{})...})>> : std::true_type {};
+
+template <typename Args, std::size_t N = 1>
+constexpr std::size_t field_count() {
+  if constexpr (Takes<Args, std::make_index_sequence<N>>::value) {
+    return field_count<Args, N + 1>();
+  } else {
+    return N - 1;
+  }
 }
 
-LogitsView logits_view(uintptr_t data, int dtype, int64_t B, int64_t K, int64_t T, int64_t V,
-                       int64_t sb, int64_t sk, int64_t st) {
-  return LogitsView{ptr<const void>(data), static_cast<DType>(dtype), B, K, T, V, sb, sk, st};
+template <std::size_t>
+using Int = int64_t;
+
+// A kernel of a variant table (KernelTable, BeamStepTable): void (*Table::*member)(const Args&),
+// called on the table `table()` returns, with Args built from one argument per field.
+template <typename Table, typename Args, std::size_t... I>
+void bind_kernel(py::module_& m, const char* name, const Table& (*table)(),
+                 void (*Table::*member)(const Args&), const char* doc,
+                 std::index_sequence<I...>) {
+  m.def(
+      name,
+      [table, member](Int<I>... v) {
+        const Args args{Slot{v}...};
+        py::gil_scoped_release release;
+        (table().*member)(args);
+      },
+      doc);
+}
+
+template <typename Table, typename Args>
+void bind(py::module_& m, const char* name, const Table& (*table)(),
+          void (*Table::*member)(const Args&), const char* doc) {
+  constexpr std::size_t n = field_count<Args>();
+  static_assert(n > 0, "an Args struct of pointers, integers and DType codes");
+  bind_kernel(m, name, table, member, doc, std::make_index_sequence<n>{});
+}
+
+// A plain function: pointer parameters arrive as addresses, the others as they are.
+template <typename T>
+struct FromPython {
+  using type = T;
+  static T get(T v) { return v; }
+};
+template <typename T>
+struct FromPython<T*> {
+  using type = uintptr_t;
+  static T* get(uintptr_t v) { return reinterpret_cast<T*>(v); }
+};
+
+template <typename R, typename... P>
+void bind(py::module_& m, const char* name, R (*fn)(P...), const char* doc) {
+  m.def(
+      name,
+      [fn](typename FromPython<P>::type... v) -> R {
+        py::gil_scoped_release release;
+        return fn(FromPython<P>::get(v)...);
+      },
+      doc);
 }
 
 }  // namespace
@@ -29,177 +111,35 @@ PYBIND11_MODULE(_C, m) {
   m.def("vector_bytes", []() { return kernels().vector_bytes; });
   m.def("num_threads", &num_threads, "Threads the kernels use (OpenMP).");
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
-  m.def(
-      "bits_mask",
-      [](uintptr_t src, int elem_bytes, int64_t n, uint64_t one, uintptr_t out) {
-        py::gil_scoped_release release;
-        return bits_mask(ptr<const void>(src), elem_bytes, n, one, ptr<uint8_t>(out));
-      },
-      "bit i % 8 of out[i / 8] = (src[i] == one) over n elements of elem_bytes bytes compared as "
-      "bits; False if any element is neither 0 nor one (see csrc/kernels.h).");
-  m.def(
-      "bits_unmask",
-      [](uintptr_t bits, int elem_bytes, int64_t n, uint64_t one, uintptr_t out) {
-        py::gil_scoped_release release;
-        return bits_unmask(ptr<const uint8_t>(bits), elem_bytes, n, one, ptr<void>(out));
-      },
-      "out[i] = one (as bits) where bit i % 8 of bits[i / 8] is set, else 0 (see csrc/kernels.h).");
-  m.def(
-      "dropout_keep_bits",
-      [](uintptr_t state, int64_t state_bytes, int64_t n, uint64_t threshold, uintptr_t bits) {
-        py::gil_scoped_release release;
-        return dropout_keep_bits(ptr<uint8_t>(state), state_bytes, n, threshold,
-                                 ptr<uint8_t>(bits));
-      },
-      "torch's CPU dropout mask as bits, drawn from and advancing a generator state (see "
-      "csrc/kernels.h).");
-  m.def(
-      "masked_scale",
-      [](uintptr_t src, uintptr_t bits, int64_t n, float scale, uintptr_t out) {
-        py::gil_scoped_release release;
-        masked_scale(ptr<const float>(src), ptr<const uint8_t>(bits), n, scale, ptr<float>(out));
-      },
-      "out[i] = src[i] * (bit i set ? scale : 0), float32 (see csrc/kernels.h).");
-  m.def(
-      "inner_products",
-      [](uintptr_t q, int64_t B, int64_t ldq, uintptr_t x, int64_t N, int64_t ldx, int64_t d,
-         uintptr_t out, int64_t ldo) {
-        InnerProductsArgs a{ptr<const float>(q), B, ldq, ptr<const float>(x), N, ldx, d,
-                            ptr<float>(out), ldo};
-        py::gil_scoped_release release;
-        kernels().inner_products(a);
-      },
-      "out[b, n] = q[b] . x[n], float32, each score by the same sequence of operations whatever "
-      "the shapes (see csrc/kernels.h).");
   m.attr("INNER_PRODUCTS_PARALLEL_WORK") = kInnerProductsParallelWork;
-  m.def(
-      "row_stats",
-      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
-         int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t lse,
-         uintptr_t x_tgt, uintptr_t x_sum) {
-        RowStatsArgs a{logits_view(x, dtype, B, K, T, V, sb, sk, st), ptr<const int64_t>(targets),
-                       ignore_index, ptr<double>(lse), ptr<float>(x_tgt), ptr<float>(x_sum)};
-        py::gil_scoped_release release;
-        kernels().row_stats(a);
-      },
-      "Per-row logsumexp, target logit and sum of logits (see csrc/kernels.h).");
-  m.def(
-      "row_grad",
-      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
-         int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t lse,
-         uintptr_t c_p, uintptr_t c_y, uintptr_t c_1, uintptr_t out, int64_t ob, int64_t ok,
-         int64_t ot) {
-        RowGradArgs a{logits_view(x, dtype, B, K, T, V, sb, sk, st),
-                      ptr<const int64_t>(targets),
-                      ignore_index,
-                      ptr<const double>(lse),
-                      ptr<const float>(c_p),
-                      ptr<const float>(c_y),
-                      ptr<const float>(c_1),
-                      ptr<void>(out),
-                      ob,
-                      ok,
-                      ot};
-        py::gil_scoped_release release;
-        kernels().row_grad(a);
-      },
-      "out = c_p * softmax(x) + c_y * onehot(y) + c_1, per row (see csrc/kernels.h).");
-  m.def(
-      "token_smooth_forward",
-      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
-         int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t a,
-         uintptr_t lse, uintptr_t x_tgt, uintptr_t x_sum, uintptr_t sum_m, uintptr_t rho) {
-        TokenSmoothForwardArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
-                                    ptr<const int64_t>(targets),
-                                    ignore_index,
-                                    ptr<const float>(a),
-                                    ptr<double>(lse),
-                                    ptr<float>(x_tgt),
-                                    ptr<float>(x_sum),
-                                    ptr<float>(sum_m),
-                                    ptr<float>(rho)};
-        py::gil_scoped_release release;
-        kernels().token_smooth_forward(args);
-      },
-      "row_stats and token_smooth_stats in one read of the logits (see csrc/kernels.h).");
-  m.def(
-      "token_smooth_stats",
-      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
-         int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t sum_m, uintptr_t rho) {
-        TokenSmoothStatsArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
-                                  ptr<const float>(a), ptr<const double>(lse), ptr<float>(sum_m),
-                                  ptr<float>(rho)};
-        py::gil_scoped_release release;
-        kernels().token_smooth_stats(args);
-      },
-      "sum_v of the RAG-Token marginal M per (b, t), and rho = sum_v R per row.");
-  m.def(
-      "token_smooth_grad",
-      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
-         int64_t sk, int64_t st, uintptr_t targets, int64_t ignore_index, uintptr_t a,
-         uintptr_t lse, uintptr_t c_p, uintptr_t c_y, uintptr_t c_1, uintptr_t c_r,
-         uintptr_t out, int64_t ob, int64_t ok, int64_t ot) {
-        TokenSmoothGradArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
-                                 ptr<const int64_t>(targets),
-                                 ignore_index,
-                                 ptr<const float>(a),
-                                 ptr<const double>(lse),
-                                 ptr<const float>(c_p),
-                                 ptr<const float>(c_y),
-                                 ptr<const float>(c_1),
-                                 ptr<const float>(c_r),
-                                 ptr<void>(out),
-                                 ob,
-                                 ok,
-                                 ot};
-        py::gil_scoped_release release;
-        kernels().token_smooth_grad(args);
-      },
-      "out = c_p * P + c_y * onehot(y) + c_1 + c_r * R (see csrc/kernels.h).");
-  m.def(
-      "token_marginal",
-      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
-         int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t marginal) {
-        TokenMarginalArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
-                               ptr<const float>(a), ptr<const double>(lse),
-                               ptr<float>(marginal)};
-        py::gil_scoped_release release;
-        kernels().token_marginal(args);
-      },
-      "RAG-Token marginal log-probs M [B, T, V] (see csrc/kernels.h).");
-  m.def(
-      "token_marginal_grad",
-      [](uintptr_t x, int dtype, int64_t B, int64_t K, int64_t T, int64_t V, int64_t sb,
-         int64_t sk, int64_t st, uintptr_t a, uintptr_t lse, uintptr_t marginal,
-         uintptr_t grad_marginal, uintptr_t c, uintptr_t out, int64_t ob, int64_t ok,
-         int64_t ot) {
-        TokenMarginalGradArgs args{logits_view(x, dtype, B, K, T, V, sb, sk, st),
-                                   ptr<const float>(a),
-                                   ptr<const double>(lse),
-                                   ptr<const float>(marginal),
-                                   ptr<const float>(grad_marginal),
-                                   ptr<float>(c),
-                                   ptr<void>(out),
-                                   ob,
-                                   ok,
-                                   ot};
-        py::gil_scoped_release release;
-        kernels().token_marginal_grad(args);
-      },
-      "c = sum_v R * g and out = R * g - P * c, the marginal's backward (see csrc/kernels.h).");
-  m.def(
-      "rag_token_beam_step",
-      [](uintptr_t x, int dtype, int64_t B, int64_t W, int64_t K, int64_t V, int64_t sb,
-         int64_t sw, int64_t sk, uintptr_t log_prior, uintptr_t beam_scores, uintptr_t bias,
-         int64_t n, uintptr_t out_scores, uintptr_t out_beams, uintptr_t out_tokens) {
-        BeamStepArgs a{ptr<const void>(x),         static_cast<DType>(dtype),
-                       B, W, K, V, sb, sw, sk,
-                       ptr<const float>(log_prior), ptr<const float>(beam_scores),
-                       ptr<const float>(bias),      n,
-                       ptr<float>(out_scores),      ptr<int64_t>(out_beams),
-                       ptr<int64_t>(out_tokens)};
-        py::gil_scoped_release release;
-        beam_step_kernels().beam_step(a);
-      },
-      "Fused RAG-Token beam step: top-n (score, beam, token) per question (see csrc/beam_step.h).");
+
+  // ---- the kernels (see csrc/kernels.h and csrc/beam_step.h for what each computes) --------
+  // RAG losses (csrc/rag_losses.cpp)
+  bind(m, "row_stats", kernels, &KernelTable::row_stats,
+       "Per-row logsumexp, target logit and sum of logits.");
+  bind(m, "row_grad", kernels, &KernelTable::row_grad,
+       "out = c_p * softmax(x) + c_y * onehot(y) + c_1, per row.");
+  bind(m, "token_smooth_forward", kernels, &KernelTable::token_smooth_forward,
+       "row_stats and token_smooth_stats in one read of the logits.");
+  bind(m, "token_smooth_stats", kernels, &KernelTable::token_smooth_stats,
+       "sum_v of the RAG-Token marginal M per (b, t), and rho = sum_v R per row.");
+  bind(m, "token_smooth_grad", kernels, &KernelTable::token_smooth_grad,
+       "out = c_p * P + c_y * onehot(y) + c_1 + c_r * R.");
+  bind(m, "token_marginal", kernels, &KernelTable::token_marginal,
+       "RAG-Token marginal log-probs M [B, T, V].");
+  bind(m, "token_marginal_grad", kernels, &KernelTable::token_marginal_grad,
+       "c = sum_v R * g and out = R * g - P * c, the marginal's backward.");
+  // the RAG-Token beam step (csrc/beam_step.cpp)
+  bind(m, "rag_token_beam_step", beam_step_kernels, &BeamStepTable::beam_step,
+       "Fused RAG-Token beam step: top-n (score, beam, token) per question.");
+  // inner products (csrc/inner_products.cpp)
+  bind(m, "inner_products", kernels, &KernelTable::inner_products,
+       "out[b, n] = q[b] . x[n], float32, each score by the same sequence of operations "
+       "whatever the shapes.");
+  // one-bit masks (csrc/masks.cpp)
+  bind(m, "bits_mask", &bits_mask,
+       "bit i % 8 of out[i / 8] = (src[i] == one) over n elements of elem_bytes bytes compared "
+       "as bits; False if any element is neither 0 nor one.");
+  bind(m, "bits_unmask", &bits_unmask,
+       "out[i] = one (as bits) where bit i % 8 of bits[i / 8] is set, else 0.");
 }

@@ -73,7 +73,7 @@ struct TokenSmoothStatsArgs {
 // row_stats and token_smooth_stats in one read of the logits: the K rows of each (b, t) are
 // read from memory once and kept, as exp(x - block max), in a K x V fp32 buffer per thread
 // while all threads' buffers fit in a fixed budget (16 MiB), else recomputed block by block
-// (see kernels.cpp):
+// (see rag_losses.cpp):
 //   lse, x_tgt, x_sum as RowStatsArgs; sum_m[b,t] = sum_v M; rho[b,k,t] = sum_v R.
 // a: float32 [B, K] log-prior; targets: int64 [B, T] contiguous or null; rho may be null (not
 // computed: only the backward needs it).
@@ -128,11 +128,10 @@ struct TokenMarginalGradArgs {
 // out[b, n] = q[b] . x[n] (float32, rows of length d at strides ldq, ldx, ldo), each score by
 // the same sequence of operations whatever B, N and the pair's place (csrc/inner_products.cpp).
 // Multiply-adds (B * N * d) below which inner_products runs on one thread: starting and joining
-// the thread team costs microseconds, more than such a product takes on one core (131 072
-// multiply-adds: one query against 341 vectors of 384). Above it even one query gains from the
-// threads: the vectors stream through every core's cache (measured on a 2-core Xeon, one query
-// against 2 654 vectors of 384: 140 us on one thread, 48 us on two). The scores are the same
-// with any number of threads.
+// the thread team costs more than such a product takes on one core (131 072 multiply-adds: one
+// query against 341 vectors of 384). Above it even one query gains from the threads: the
+// vectors stream through every core's cache (the measurement: docs/tuning.md). The scores are
+// the same with any number of threads.
 constexpr int64_t kInnerProductsParallelWork = int64_t{1} << 17;
 
 struct InnerProductsArgs {
@@ -154,21 +153,6 @@ using TokenMarginalFn = void (*)(const TokenMarginalArgs&);
 using TokenMarginalGradFn = void (*)(const TokenMarginalGradArgs&);
 using InnerProductsFn = void (*)(const InnerProductsArgs&);
 
-// torch's CPU generator: its Mersenne Twister's 624 state words and its position as torch
-// keeps it (`left - 1` words from `next` on are still to be output; at 1 the next word first
-// renews the state).
-constexpr int kMtStateWords = 624;
-struct MtState {
-  uint32_t words[kMtStateWords];
-  int64_t left;
-  int64_t next;
-};
-// The dropout mask torch's CPU dropout draws for n elements (bernoulli_(keep) on a float
-// tensor): bit i % 8 of bits[i / 8] is set where element i is kept, i.e. where the double
-// (first word mod 2^21 * 2^32 + second word) * 2^-53 from the generator's next two words is
-// below keep, given as threshold = ceil(keep * 2^53). Advances `state` past the 2n words.
-using DropoutBitsFn = void (*)(MtState& state, int64_t n, uint64_t threshold, uint8_t* bits);
-
 // One table of kernels per instruction-set variant (csrc/dispatch.cpp picks one).
 struct KernelTable {
   const char* name;
@@ -181,14 +165,12 @@ struct KernelTable {
   TokenMarginalFn token_marginal;
   TokenMarginalGradFn token_marginal_grad;
   InnerProductsFn inner_products;
-  DropoutBitsFn dropout_bits;
 };
 
 #define RAG_FAST_DECLARE_VARIANT(v)      \
   namespace v {                          \
   const KernelTable& table();            \
   InnerProductsFn inner_products_fn();   \
-  DropoutBitsFn dropout_bits_fn();       \
   }
 
 RAG_FAST_DECLARE_VARIANT(generic)
@@ -211,12 +193,5 @@ bool bits_mask(const void* src, int elem_bytes, int64_t n, uint64_t one, uint8_t
 // The inverse: out[i] = one (as bits) where bit i % 8 of bits[i / 8] is set, else 0. False for
 // an elem_bytes other than 2, 4 or 8.
 bool bits_unmask(const uint8_t* bits, int elem_bytes, int64_t n, uint64_t one, void* out);
-// torch's CPU dropout mask (the variant's dropout_bits) from and back into a CPU generator's
-// get_state() bytes (state_bytes of them): reads its Mersenne Twister, draws, and writes the
-// advanced state back. False, with nothing written, for a state it cannot read.
-bool dropout_keep_bits(uint8_t* generator_state, int64_t state_bytes, int64_t n,
-                       uint64_t threshold, uint8_t* bits);
-// out[i] = src[i] * (bit i of bits set ? scale : 0), float32; out may be src.
-void masked_scale(const float* src, const uint8_t* bits, int64_t n, float scale, float* out);
 
 }  // namespace rag_fast

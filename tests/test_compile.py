@@ -1,5 +1,5 @@
 """torch.compile of a RagModel training step with the fused losses (the custom ops of
-rag_fast/ops/_custom_ops.py): no graph break inside rag_fast, and the same loss and gradients
+rag_fast/ops/rag_losses.py): no graph break inside rag_fast, and the same loss and gradients
 as eager (which writes the logits' gradient in place and reuses its logits buffer)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The C++ launchers (rag_fast/ops/_cpp.py) against plain-torch formulas in float64.
+"""The C++ launchers of the RAG losses (rag_fast/ops/rag_losses.py, ``cpp``) against plain-torch formulas in float64.
 
 Each launcher is checked directly, below the autograd layer, with the tolerance rule of
 tests/utils.py: the "plain" version is the same formula in float32 (bf16 gradients rounded to
@@ -38,7 +38,7 @@ def _inputs(B, K, T, V, dtype, seed=0, strided=False, missing=True):
     y[-1, 0] = IGNORE
     if B > 1:
         y[0, :] = IGNORE  # a question whose every target is ignored
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     lse, _, _ = _cpp.row_stats(x, y, IGNORE)
     return x, a, y, lse
@@ -80,7 +80,7 @@ def _lse(x, ft):
 def check_smooth_forward(x, a, y):
     """token_smooth_forward (the fused one-read forward) against the float64 formulas; its own
     lse feeds the plain and oracle versions of sum_m and rho, as in the op."""
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     B, K, T, V = x.shape
     f32 = torch.float32
@@ -107,7 +107,7 @@ def check_smooth_forward(x, a, y):
 
 def check_launchers(shape, dtype, strided=False):
     """Every launcher on one case; also run by the generic-variant subprocess."""
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     B, K, T, V = shape
     x, a, y, lse = _inputs(B, K, T, V, dtype, strided=strided)
@@ -178,7 +178,7 @@ def test_non_contiguous_rows(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grad_into_aliased_and_strided_out(dtype):
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     B, K, T, V = 2, 3, 4, 1003
     x, a, y, lse = _inputs(B, K, T, V, dtype)
@@ -206,7 +206,7 @@ def test_grad_into_aliased_and_strided_out(dtype):
 def test_very_unlikely_entries_keep_their_log_prob():
     # Every passage gives some entries a log-prob near -100: the marginal there must still be
     # finite and exact (the kernels switch to a max-shifted sum for those vectors).
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     B, K, T, V = 1, 3, 2, 300
     x, a, _, _ = _inputs(B, K, T, V, torch.float32, missing=False)
@@ -227,7 +227,7 @@ def test_peaked_logits(shape, dtype):
     # Logits scaled by 30, as peaked as a trained model's: most entries have log-probs far
     # below -87 under every passage, where exp underflows. The marginal there must still be
     # exact (max-shifted path, relative to max_k (a + x - lse)), never -inf, in every kernel.
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     B, K, T, V = shape
     g = torch.Generator().manual_seed(3)
@@ -257,7 +257,7 @@ def test_peaked_logits(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_propagates(dtype):
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     B, K, T, V = 2, 3, 2, 70
     x, a, y, _ = _inputs(B, K, T, V, dtype)
@@ -296,7 +296,7 @@ def test_every_variant_on_long_rows(variant):
 
 def _smooth_forward_outputs(x, a, y, threads):
     import rag_fast._C as C
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     before = C.num_threads()
     C.set_num_threads(threads)
@@ -308,7 +308,7 @@ def _smooth_forward_outputs(x, a, y, threads):
 
 def test_fused_forward_scratch_is_bounded_and_exact():
     # The fused forward keeps a K x V buffer of exps per thread only while all of them fit in
-    # 16 MiB (csrc/kernels.cpp, kScratchBytes); other threads recompute each block. K * V * 4 =
+    # 16 MiB (csrc/rag_losses.cpp, kScratchBytes); other threads recompute each block. K * V * 4 =
     # 12 MB here: with two threads one pair in two is computed each way, and every output must
     # equal, bit for bit, the one-thread run (one buffer, never recomputed).
     B, K, T, V = 2, 3, 2, 1_000_003

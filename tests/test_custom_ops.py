@@ -1,4 +1,4 @@
-"""The kernels as PyTorch custom ops (rag_fast/ops/_custom_ops.py): registered per device,
+"""The kernels as PyTorch custom ops (rag_fast/ops/rag_losses.py, rag_token_beam_step.py): registered per device,
 ``torch.library.opcheck`` (schema, autograd registration, fake tensors, AOT dispatch), fake
 implementations on fake CPU and fake CUDA tensors and on the meta device, and the argument
 checks at the op boundary."""
@@ -46,7 +46,7 @@ def _args(op: str, device: str = "cpu", requires_grad: bool = False) -> tuple:
 
 
 def _expected(op: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of the outputs (the docstring of rag_fast/ops/_custom_ops.py)."""
+    """Shapes and dtypes of the outputs (the docstrings of rag_fast/ops/rag_losses.py and rag_token_beam_step.py)."""
     f32, i64 = torch.float32, torch.int64
     stats, lse = ((B, K, T), f32), ((B, K, T), torch.float64)
     return {
@@ -157,11 +157,15 @@ def _replace(args: tuple, i: int, value) -> tuple:
     ("beam_step", 4, W * V + 1, r"num_candidates must lie in \[1, W\*V = 22\]"),
 ])
 def test_bad_arguments_are_refused_before_any_kernel(op, index, value, message, monkeypatch):
-    from rag_fast.ops import _cpp
+    import sys
 
-    for name in ("row_stats", "row_grad", "token_smooth_forward", "token_smooth_stats",
-                 "token_smooth_grad", "token_marginal", "token_marginal_grad", "beam_step"):
-        monkeypatch.setattr(_cpp, name, lambda *a, **k: pytest.fail("a kernel ran"))
+    from rag_fast.ops import rag_losses
+
+    beam = sys.modules["rag_fast.ops.rag_token_beam_step"].cpp  # the package exports the function
+    for launchers, name in [(rag_losses.cpp, n) for n in (
+            "row_stats", "row_grad", "token_smooth_forward", "token_smooth_stats",
+            "token_smooth_grad", "token_marginal", "token_marginal_grad")] + [(beam, "beam_step")]:
+        monkeypatch.setattr(launchers, name, lambda *a, **k: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=f"rag_fast::{op}: .*{message}"):
         getattr(torch.ops.rag_fast, op)(*_replace(_args(op), index, value))
 

@@ -228,14 +228,19 @@ def test_meta_tensors_never_reach_a_kernel(monkeypatch):
 
 
 def test_cpp_kernels_are_called_only_from_the_cpu_implementations():
-    """Statically: the extension's kernels are called only in rag_fast/ops/_cpp.py (whose
-    launchers trust their arguments), and those launchers are used only by the custom ops'
-    CPU implementations in rag_fast/ops/_custom_ops.py and by the exact search's
-    inner_products in rag_fast/retrieval/_exact.py, after their checks."""
-    ext_users, cpp_users, exact_imports = set(), set(), []
+    """Statically: the extension's kernels are called only by the C++ launchers of the op
+    homes (a ``cpp`` namespace class in rag_fast/ops/rag_losses.py, rag_token_beam_step.py,
+    masks.py and inner_products.py, whose launchers trust their arguments), and those
+    launchers are used only inside their own module, by the functions that check the
+    arguments first (the custom ops' CPU implementations, the mask and inner-product
+    functions)."""
+    homes = {"ops/rag_losses.py", "ops/rag_token_beam_step.py", "ops/masks.py",
+             "ops/inner_products.py"}
+    ext_callers, launcher_users = {}, set()
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         rel = path.relative_to(PACKAGE).as_posix()
+        classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
         for node in ast.walk(tree):
             # _ext.get().<kernel>(...)
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call)
@@ -243,16 +248,11 @@ def test_cpp_kernels_are_called_only_from_the_cpu_implementations():
                     and node.value.func.attr == "get"
                     and isinstance(node.value.func.value, ast.Name)
                     and node.value.func.value.id == "_ext"):
-                ext_users.add(rel)
-            if isinstance(node, ast.ImportFrom) and any(a.name == "_cpp" for a in node.names):
-                cpp_users.add(rel)
-                if rel == "retrieval/_exact.py":  # imported inside the checked function only
-                    exact_imports.append(node.lineno)
-            if isinstance(node, ast.ImportFrom) and node.module == "rag_fast.ops._cpp":
-                cpp_users.add(rel)
-    assert ext_users == {"ops/_cpp.py"}
-    assert cpp_users == {"ops/_custom_ops.py", "retrieval/_exact.py"}
-    exact = ast.parse((PACKAGE / "retrieval/_exact.py").read_text(encoding="utf-8"))
-    checked = next(f for f in exact.body
-                   if isinstance(f, ast.FunctionDef) and f.name == "inner_products")
-    assert exact_imports and all(checked.lineno <= n <= checked.end_lineno for n in exact_imports)
+                owner = next((c.name for c in classes
+                              if c.lineno <= node.lineno <= c.end_lineno), None)
+                ext_callers.setdefault(rel, set()).add(owner)
+            if isinstance(node, ast.ImportFrom) and any(a.name == "cpp" for a in node.names):
+                launcher_users.add(rel)
+    assert set(ext_callers) == homes
+    assert all(owners == {"cpp"} for owners in ext_callers.values()), ext_callers
+    assert launcher_users == set()  # nothing imports a home's launchers

@@ -12,7 +12,7 @@ from utils import requires_ext, run_python
 @requires_ext
 def test_row_stats_through_python():
     from rag_fast import _ext
-    from rag_fast.ops import _cpp
+    from rag_fast.ops.rag_losses import cpp as _cpp
 
     C = _ext.get()
     assert C.simd_level() in {"generic", "avx2", "avx512"}

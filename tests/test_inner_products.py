@@ -18,7 +18,7 @@ SHAPES = [(1, 1, 1), (3, 7, 13), (5, 97, 17), (45, 300, 64), (130, 50, 384), (2,
 
 
 def _inner_products(q, x, out=None):
-    from rag_fast.retrieval._exact import inner_products
+    from rag_fast.ops.inner_products import inner_products
 
     return inner_products(q, x, out=out)
 

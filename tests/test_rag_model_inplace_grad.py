@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rag_fast.models import RagModel, rag_model
-from rag_fast.ops import _cpp
+from rag_fast.ops.rag_losses import cpp as _cpp
 from rag_fast.testing import tiny_hf_rag
 from utils import requires_ext
 

@@ -1,5 +1,5 @@
 """The Triton launchers of rag_fast.kernels.rag_losses, each against its formula from the
-contract (rag_fast/ops/_cpp.py) written in plain PyTorch and evaluated in float64, under the
+contract (rag_fast/ops/rag_losses.py) written in plain PyTorch and evaluated in float64, under the
 tolerance rule of tests/utils.py; then the public ops end to end with impl="triton".
 
 On the CPU these run through Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), whose

@@ -29,7 +29,7 @@ from rag_fast.generation._search import (
     DecodingSettings,
     apply_processors,
 )
-from rag_fast.ops._dispatch import resolve_impl
+from rag_fast.ops.backend import resolve_impl
 
 # Logits of at most this many bytes are materialised at once while rescoring: a cap on the
 # rescoring's peak memory, not a value tuned for speed (at V=50265 it is about 1,300 rows per

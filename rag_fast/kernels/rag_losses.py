@@ -1,5 +1,5 @@
 # Triton kernels for the fused RAG losses (the GPU backend of rag_fast.ops; its contract is the
-# docstring of rag_fast/ops/_cpp.py; docs/design.md, "Gradients", derives the math).
+# docstring of rag_fast/ops/rag_losses.py; docs/design.md, "Gradients", derives the math).
 #
 # What they compute, for logits x [B, K, T, V] (stride 1 along V), passage log-prior a [B, K]:
 #   row_stats            L = logsumexp_v x, x[y], sum_v x            programs: rows x splits
@@ -350,7 +350,7 @@ def _token_marginal_grad_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Launchers (the contract of rag_fast/ops/_cpp.py)
+# Launchers (the contract of rag_fast/ops/rag_losses.py)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -53,7 +53,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from rag_fast import _ext
-from rag_fast.ops import _custom_ops
+from rag_fast.ops import masks
 
 # Activation modules whose output is recomputed: elementwise functions whose backward keeps the
 # input. ReLU, sigmoid and tanh keep their output instead, so a recipe would save nothing.
@@ -290,7 +290,7 @@ class _Mask:
 
     def __call__(self) -> torch.Tensor:
         if self.bits is not None:
-            return _custom_ops.bits_unmask(self.bits, self.like, self.one)
+            return masks.bits_unmask(self.bits, self.like, self.one)
         return torch.where(self.nonzero, self.scale, self.zero)
 
 
@@ -503,7 +503,7 @@ _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16:
 def _as_mask(t: torch.Tensor) -> _Mask | None:
     """``t`` as a :class:`_Mask` if the bits of every element are those of ``+0.0`` or of one
     positive finite value (compared as integers: exact, ``-0.0`` and NaN excluded). One pass in
-    the C++ extension (``rag_fast.ops._custom_ops.bits_mask``); torch ops without it."""
+    the C++ extension (``rag_fast.ops.masks.bits_mask``); torch ops without it."""
     head = t.reshape(-1)[:256]
     scale = head.amax()  # the positive value, if the first elements hold it
     if not bool(torch.isfinite(scale)) or not bool(scale > 0):
@@ -515,7 +515,7 @@ def _as_mask(t: torch.Tensor) -> _Mask | None:
     zero = torch.zeros((), dtype=t.dtype)
     if _ext.available():
         one = int(scale_bits) & ((1 << (8 * t.element_size())) - 1)  # the bits, unsigned
-        bits = _custom_ops.bits_mask(t, one)
+        bits = masks.bits_mask(t, one)
         if bits is None:
             return None
         # the shape and dtype to give back, without memory (a zero-stride view of one element)

@@ -45,7 +45,6 @@ import torch
 from rag_fast._quiet import quiet_transformers
 from rag_fast.models.rag_model import RagModel
 from rag_fast import _pool
-from rag_fast.models import _dropout
 from rag_fast.retrieval.encoders import unloadable
 from rag_fast.storage import (
     StorageError, atomic_directory, check_files_entry, check_seal, disk_errors, recover_directory,
@@ -405,7 +404,6 @@ def load_rag_model(
     # the environment's settings, named as themselves before any file is read (RagModel checks
     # them too, where a failure would read as the saved options')
     _pool.limit_bytes()
-    _dropout.switched_on()
     path = resolve_model_dir(path)
     recover_directory(path)  # a save killed between its renames left it aside
     if not os.path.isdir(path):

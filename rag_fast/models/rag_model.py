@@ -36,7 +36,7 @@ from rag_fast.generation import (
     rag_token_generate,
     start_token_id,
 )
-from rag_fast.models import _causal, _dropout, _lean, _seq2seq
+from rag_fast.models import _causal, _lean, _seq2seq
 from rag_fast.ops import linear_rag_nll, rag_sequence_nll, rag_token_nll
 
 MODES = ("token", "sequence")
@@ -129,12 +129,6 @@ def _from_retrieved_passages(retriever: Any, found: Any) -> Retrieved:
     return Retrieved(passages, embeddings)
 
 
-def _on_cpu(module: nn.Module) -> bool:
-    """Whether ``module``'s first parameter (if any) is on the CPU."""
-    first = next(module.parameters(), None)
-    return first is not None and first.device.type == "cpu"
-
-
 def _tokenizer_size(tokenizer: Any) -> int:
     return len(tokenizer)
 
@@ -225,11 +219,6 @@ class RagModel(nn.Module):
             elementwise passes and the cross-attention's key/value projections again in the
             backward (see ``rag_fast/models/_lean.py``). Default True.
 
-    While a training loss is computed, the generator's dropout on contiguous float32 CPU
-    tensors draws torch's own masks through the C++ extension, about 7x faster, with the same
-    values, gradients and random-number stream (checked once per process; otherwise torch's
-    dropout runs: ``rag_fast/models/_dropout.py``).
-
     Raises:
         ValueError: naming the argument, before any model work: a mode, question_pooling,
             lm_head_loss or loss_impl outside its choices; n_docs not an int >= 1;
@@ -264,7 +253,6 @@ class RagModel(nn.Module):
     ) -> None:
         super().__init__()
         _pool.limit_bytes()  # the buffer pool's RAG_FAST_POOL_MB, before any model work
-        _dropout.switched_on()  # RAG_FAST_CPU_DROPOUT, named now rather than at the first step
         check_arguments(mode=mode, n_docs=n_docs, question_pooling=question_pooling,
                         lm_head_loss=lm_head_loss, loss_impl=loss_impl,
                         max_context_length=max_context_length,
@@ -591,8 +579,7 @@ class RagModel(nn.Module):
         B, K = self._check_batch(context_input_ids, doc_scores, labels)
         if self.lean_activations:
             _lean.prepare(self.generator)  # modules added since (a no-op for the others)
-        on_cpu = _on_cpu(self.generator)
-        with _lean.lean_activations(self.lean_activations), _dropout.cpu_dropout(on_cpu):
+        with _lean.lean_activations(self.lean_activations):
             return self._loss_from_contexts(context_input_ids, context_attention_mask,
                                             doc_scores, labels, reduction, B, K)
 

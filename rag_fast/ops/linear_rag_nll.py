@@ -1,7 +1,7 @@
 """The LM head and the RAG loss in one op, without the ``[B, K, T, V]`` logits.
 
 A RAG loss reads the logits ``x = h W^T + b`` only through a few per-row statistics (see
-``rag_fast/ops/_fused_loss.py``): the row's log-sum-exp ``L``, its target logit, its sum, and for
+``rag_fast/ops/rag_losses.py``): the row's log-sum-exp ``L``, its target logit, its sum, and for
 RAG-Token with label smoothing the per-(b, t) sum over v of the passage marginal ``M`` (with
 ``rho``, the posterior mass per row, for the backward). Each of them is a sum over the
 vocabulary, so the vocabulary is walked in tiles of ``tile`` columns and only one
@@ -42,18 +42,18 @@ import torch
 import torch.nn.functional as F
 
 from rag_fast import _pool, reference
-from rag_fast.ops import _custom_ops  # noqa: F401  (registers torch.ops.rag_fast.*)
-from rag_fast.ops._common import prepare_loss
-from rag_fast.ops.rag_sequence_nll import _sequence_small_graph
-from rag_fast.ops.rag_token_nll import _token_small_graph
+from rag_fast.ops.rag_losses import (
+    _sequence_small_graph,
+    _token_small_graph,
+    prepare_loss,
+)
 
 MODES = ("token", "sequence")
 
 # Bytes of one logits tile (rows x tile columns). Small enough to stay a small fraction of the
 # logits (1 280 rows x V 151 936 fp32 are 742 MiB; a tile is 1%), large enough that each GEMM
-# still runs near full speed (measured on a 2-core Xeon: tiles of 2 048 and 8 192 columns of a
-# 1 280 x 896 x 151 936 product ran within 7% of each other). Re-measure with
-# ``python benchmarks/tune.py lm-head-tile``.
+# still runs near full speed (the measurement: docs/tuning.md, "Training: TILE_BYTES of the
+# fused LM-head loss"). Re-measure with ``python benchmarks/tune.py lm-head-tile``.
 TILE_BYTES = 8 << 20
 # The same on a GPU. There a tile's GEMM takes tens of microseconds, as long as launching the
 # handful of kernels and small ops that follow it, so tiles must be far wider than a CPU's
@@ -154,7 +154,7 @@ class _LinearRagLoss(torch.autograd.Function):
         smooth_token = mode == "token" and epsilon > 0
         need_sum = mode == "sequence" and epsilon > 0
         y_rows = targets[:, None, :].expand(B, K, T).reshape(N)
-        # float64, as row_stats gives each tile's (see rag_fast/ops/_custom_ops.py)
+        # float64, as row_stats gives each tile's (see rag_fast/ops/rag_losses.py)
         lse = torch.full((N,), float("-inf"), dtype=torch.float64, device=h2.device)
         x_tgt = torch.zeros(N, dtype=torch.float32, device=h2.device)
         x_sum = torch.zeros(N, dtype=torch.float32, device=h2.device) if need_sum else None

@@ -15,16 +15,24 @@ top-k over ``[B, W*V]``; the fused step never materialises any ``[B, W, K, V]`` 
 Trade-off: the C++ kernel reads the logits twice (row normalisers, then the marginal with a
 running top-n that skips a vector of tokens after its K maxima when it cannot beat the n-th
 best); the Triton kernel reads them twice and writes ``[B*W, V]`` float32 scores, then a
-stable sort selects. No autograd: decoding only. Both run as ``torch.ops.rag_fast.beam_step``
-(C++ for CPU tensors, Triton for CUDA ones).
+stable sort selects. No autograd: decoding only. Both run as the custom op
+
+    beam_step(Tensor logits, Tensor log_prior, Tensor beam_scores, Tensor? bias,
+              int num_candidates, str impl="auto") -> (Tensor scores, Tensor beams, Tensor tokens)
+
+registered here (CPU and CUDA implementations and a fake one; the backend is
+:func:`rag_fast.ops.backend.choose`'s rule: C++ for CPU tensors, Triton for CUDA ones). Its
+kernels: ``csrc/beam_step.cpp`` and the Triton module ``rag_fast.kernels.beam_step``; the
+reference: ``rag_fast.reference_decoding.rag_token_beam_step``.
 """
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from rag_fast import reference_decoding
-from rag_fast.ops import _custom_ops  # noqa: F401  (registers torch.ops.rag_fast.*)
-from rag_fast.ops._dispatch import resolve_impl
+from rag_fast import _ext, reference_decoding
+from rag_fast.ops import _boundary, backend
+from rag_fast.ops.backend import resolve_impl
 
 
 def _check(
@@ -103,3 +111,71 @@ def rag_token_beam_step(
     b = None if bias is None else bias.detach()
     return torch.ops.rag_fast.beam_step(x.detach(), log_prior.detach(), beam_scores.detach(), b,
                                         n, resolved)
+
+
+# ---- the custom op torch.ops.rag_fast.beam_step ----------------------------------------------
+
+
+def _check_beam_step(logits, log_prior, beam_scores, bias, num_candidates, impl) -> str:
+    chosen = _boundary.check("beam_step", impl, logits, lambda B, W, K, V: {
+        "log_prior": (log_prior, (B, K), _boundary.FLOAT),
+        "beam_scores": (beam_scores, (B, W), _boundary.FLOAT),
+        "bias": (bias, (B * W, V), _boundary.FLOAT),
+    }, dims="[B, W, K, V]")
+    _, W, _, V = logits.shape
+    if not 1 <= num_candidates <= W * V:
+        raise ValueError(f"rag_fast::beam_step: num_candidates must lie in [1, W*V = {W * V}], "
+                         f"got {num_candidates}")
+    return chosen
+
+
+@torch.library.custom_op(
+    "rag_fast::beam_step", mutates_args=(), device_types=("cpu", "cuda"),
+    schema="(Tensor logits, Tensor log_prior, Tensor beam_scores, Tensor? bias, "
+           "int num_candidates, str impl=\"auto\") -> (Tensor, Tensor, Tensor)",
+)
+def beam_step(logits: Tensor, log_prior: Tensor, beam_scores: Tensor, bias: Tensor | None,
+              num_candidates: int, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    chosen = _check_beam_step(logits, log_prior, beam_scores, bias, num_candidates, impl)
+    a, beam = log_prior.float().contiguous(), beam_scores.float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    _boundary.check_memory("beam_step", chosen, {"logits": logits})
+    if chosen == "cpp":
+        return cpp.beam_step(logits, a, beam, b, num_candidates)
+    # deferred: Triton is an optional dependency
+    from rag_fast.kernels import beam_step as triton_beam_step
+
+    return triton_beam_step.beam_step(logits, a, beam, b, num_candidates)
+
+
+@beam_step.register_fake
+def _(logits, log_prior, beam_scores, bias, num_candidates, impl="auto"):
+    _check_beam_step(logits, log_prior, beam_scores, bias, num_candidates, impl)
+    B, n = logits.shape[0], num_candidates
+    return (logits.new_empty((B, n), dtype=torch.float32),
+            logits.new_empty((B, n), dtype=torch.int64),
+            logits.new_empty((B, n), dtype=torch.int64))
+
+
+# ---- the C++ launcher ---------------------------------------------------------------------
+
+
+class cpp:  # a namespace: the launcher, named as the Triton module's
+    """The C++ launcher of ``csrc/beam_step.cpp``, on CPU tensors the custom op has checked."""
+
+    @staticmethod
+    def beam_step(x: Tensor, a: Tensor, beam: Tensor, bias: Tensor | None, n: int
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        """x ``[B, W, K, V]``; a ``[B, K]``, beam ``[B, W]``, bias ``[B*W, V]`` or None:
+        float32, contiguous -> the top ``n`` (scores float32, beams int64, tokens int64), each
+        ``[B, n]``."""
+        B = x.shape[0]
+        scores = torch.empty((B, n), dtype=torch.float32)
+        beams = torch.empty((B, n), dtype=torch.int64)
+        tokens = torch.empty((B, n), dtype=torch.int64)
+        _ext.get().rag_token_beam_step(
+            *backend.logits_view(x), a.data_ptr(), beam.data_ptr(),
+            0 if bias is None else bias.data_ptr(), n,
+            scores.data_ptr(), beams.data_ptr(), tokens.data_ptr(),
+        )
+        return scores, beams, tokens

@@ -8,6 +8,8 @@ import math
 import numpy as np
 import torch
 
+from rag_fast.ops.inner_products import inner_products
+
 
 # Scores held at a time by a per_pair search (queries x vectors of one chunk, float32).
 PER_PAIR_SCORE_BYTES = 64 << 20
@@ -63,45 +65,3 @@ def exact_search(
         best_s, pos = torch.cat([best_s, top_s], 1).topk(min(k, best_s.shape[1] + top_s.shape[1]), dim=1)
         best_i = torch.cat([best_i, top_i + start], 1).gather(1, pos)
     return best_s, best_i
-
-
-def inner_products(queries: torch.Tensor, vectors: torch.Tensor,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[b, n] = queries[b] . vectors[n]`` (float32, CPU) by rag_fast's C++ kernel: every
-    score by the same sequence of operations (``csrc/inner_products.cpp``), so a pair's score
-    is the same bit for bit whatever the other queries and vectors, unlike a BLAS matrix
-    product's on some CPUs (its speed against torch's matmul: ``docs/retrieval.md``).
-
-    Args:
-        queries: ``[B, d]``; vectors: ``[N, d]``; both float32 on the CPU with rows of
-            contiguous elements (any row stride). out: ``[B, N]`` float32, rows contiguous.
-    Raises:
-        ValueError: naming the argument whose dtype, device, shape or layout is wrong.
-        ExtensionUnavailableError: the compiled extension did not load.
-    """
-    from rag_fast.ops import _cpp
-
-    for name, t in (("queries", queries), ("vectors", vectors)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.ndim != 2 or (
-                t.shape[1] > 1 and t.stride(1) != 1):
-            raise ValueError(f"{name} must be a [rows, d] float32 CPU tensor with contiguous "
-                             f"rows, got {tuple(t.shape)} {t.dtype} on {t.device} "
-                             f"(strides {t.stride()})")
-    B, d = queries.shape
-    N = vectors.shape[0]
-    if vectors.shape[1] != d:
-        raise ValueError(f"vectors must have d={d} columns (the queries'), got {vectors.shape[1]}")
-    if out is None:
-        out = torch.empty((B, N), dtype=torch.float32)
-    elif (out.dtype != torch.float32 or out.device.type != "cpu" or tuple(out.shape) != (B, N)
-          or (N > 1 and out.stride(1) != 1) or (B > 1 and out.stride(0) < N)):
-        raise ValueError(f"out must be a [{B}, {N}] float32 CPU tensor with contiguous, "
-                         f"non-overlapping rows, got {tuple(out.shape)} {out.dtype} on "
-                         f"{out.device} (strides {out.stride()})")
-    elif B and N and any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                         for t in (queries, vectors)):
-        raise ValueError("out must not share memory with queries or vectors (the kernel reads "
-                         "them while it writes out)")
-    if B and N:
-        _cpp.inner_products(queries, vectors, out)
-    return out

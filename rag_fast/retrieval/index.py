@@ -1155,7 +1155,7 @@ class DenseIndex:
         faiss's own memory (no copy), for :meth:`search`; None for any other index.
 
         Searched with :func:`exact_search` and rag_fast's inner-product kernel
-        (:func:`rag_fast.retrieval._exact.inner_products`, ``per_pair=True``) per block of
+        (:func:`rag_fast.ops.inner_products.inner_products`, ``per_pair=True``) per block of
         :data:`FLAT_CHUNK` vectors, so that a pair's score depends neither on the batch it is
         in nor on how the corpus is cut into shards. faiss's ``IndexFlatIP`` scores pair by
         pair only below ``queries x d = faiss.cvar.distance_compute_blas_threshold`` (128 000

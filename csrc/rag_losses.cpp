@@ -1,4 +1,5 @@
-// rag_fast CPU kernels, compiled once per instruction set (RAG_FAST_VARIANT names the variant).
+// The RAG losses' CPU kernels (rag_fast/ops/rag_losses.py), compiled once per instruction set
+// (RAG_FAST_VARIANT names the variant), and the variant's KernelTable.
 // Row kernels read the logits row by row (one row = one (b, k, t) over the vocabulary); the
 // RAG-Token kernels hold the K rows of one (b, t) together, tile by tile over the vocabulary.
 // All accumulate in fp32 registers (long sums flushed to double) and are multithreaded with
@@ -795,7 +796,6 @@ const KernelTable& table() {
       &by_dtype<TokenMarginalGradArgs, token_marginal_grad_impl<float>,
                 token_marginal_grad_impl<uint16_t>>,
       inner_products_fn(),
-      dropout_bits_fn(),
   };
   return t;
 }
