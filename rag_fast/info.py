@@ -12,6 +12,8 @@ import os
 import platform
 import sys
 import warnings
+
+import rag_fast
 from rag_fast import _ext
 from rag_fast.kernels import triton_status
 
@@ -39,8 +41,6 @@ def _triton_info() -> tuple[str, str]:
 def collect() -> dict[str, str]:
     """Everything ``python -m rag_fast.info`` prints, as a dict of strings."""
     import torch
-
-    import rag_fast
 
     info: dict[str, str] = {
         "rag_fast": rag_fast.__version__,

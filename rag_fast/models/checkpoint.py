@@ -42,14 +42,12 @@ from typing import Any
 
 import torch
 
+from rag_fast import _pool
 from rag_fast._quiet import quiet_transformers
 from rag_fast.models.rag_model import RagModel
-from rag_fast import _pool
 from rag_fast.retrieval.encoders import unloadable
-from rag_fast.storage import (
-    StorageError, atomic_directory, check_files_entry, check_seal, disk_errors, recover_directory,
-    sealed, sha256_file,
-)
+from rag_fast.storage import (StorageError, atomic_directory, check_files_entry, check_seal,
+                              disk_errors, recover_directory, sealed, sha256_file)
 
 FORMAT = 2
 KIND = "rag_fast.model"

@@ -788,6 +788,7 @@ class RagModel(nn.Module):
             CheckpointError (a ValueError): a generator or question encoder that is not a
                 ``transformers`` model.
         """
+        # deferred: checkpoint.py builds RagModel, a cycle inside models
         from rag_fast.models.checkpoint import save_rag_model
 
         save_rag_model(self, path, index=index)
@@ -797,6 +798,7 @@ class RagModel(nn.Module):
         """Load a model directory (``save``, ``rag-fast init/train``, or a ``transformers`` RAG
         folder; seq2seq or decoder-only generator), verified file by file; ``device=`` and
         RagModel option overrides allowed."""
+        # deferred: checkpoint.py builds RagModel, a cycle inside models
         from rag_fast.models.checkpoint import load_rag_model
 
         return load_rag_model(path, **kwargs)
@@ -805,6 +807,7 @@ class RagModel(nn.Module):
     def from_transformers(cls, path_or_model: Any, **kwargs) -> "RagModel":
         """A RagModel with the weights and options of a ``transformers`` RAG model or of its
         ``save_pretrained`` directory (``RagTokenForGeneration`` / ``RagSequenceForGeneration``)."""
+        # deferred: checkpoint.py builds RagModel, a cycle inside models
         from rag_fast.models.checkpoint import from_transformers
 
         return from_transformers(path_or_model, **kwargs)
@@ -861,6 +864,7 @@ class _TransformersView:
         if self.generation_config is None:
             from transformers import GenerationConfig
 
+            # deferred: checkpoint.py builds RagModel, a cycle inside models
             from rag_fast.models.checkpoint import rag_config
 
             try:

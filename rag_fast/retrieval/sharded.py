@@ -52,8 +52,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rag_fast.retrieval.index import DenseIndex, _check_int
 from rag_fast.retrieval.encoders import parse_shard, shard_rows
+from rag_fast.retrieval.index import DenseIndex, _check_int
 from rag_fast.retrieval.passages import PassageStore, tokenizer_key
 from rag_fast.retrieval.retriever import RetrievedPassages, _special_tokens
 

@@ -1,0 +1,157 @@
+"""The package's layering (docs/architecture.md), read from the source's imports:
+
+- no import cycle between rag_fast's first-level packages and modules;
+- a ``rag_fast`` import inside a function only with a ``# deferred: <reason>`` comment, and few;
+- no module imports another first-level package's private (``_name``) module;
+- no library module imports the command line.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import rag_fast
+
+PACKAGE = Path(rag_fast.__file__).resolve().parent
+MAX_DEFERRED = 15  # issue 31: at most 15 deferred imports, each with its reason
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield path, parts
+
+
+def _imports(path: Path, parts: tuple[str, ...]):
+    """(node, absolute target names, inside a function) for each import of rag_fast."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    package = parts if path.name == "__init__.py" else parts[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - node.level + 1])
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [f"{module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        targets = [t for t in targets if t == "rag_fast" or t.startswith("rag_fast.")]
+        if not targets:
+            continue
+        p, in_function = parents.get(node), False
+        while p is not None:
+            if isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                in_function = True
+                break
+            p = parents.get(p)
+        yield node, targets, in_function
+
+
+def _first_level(name_parts) -> str:
+    return name_parts[1] if len(name_parts) > 1 else ""
+
+
+def _graph():
+    edges: dict[str, set[str]] = {}
+    for path, parts in _modules():
+        me = _first_level(parts)
+        for _, targets, _ in _imports(path, parts):
+            for t in targets:
+                other = _first_level(t.split("."))
+                if other and me and other != me:
+                    edges.setdefault(me, set()).add(other)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_cycle_between_first_level_packages():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_deferred_imports_are_few_and_give_their_reason():
+    deferred, unexplained = [], []
+    for path, parts in _modules():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node, _, in_function in _imports(path, parts):
+            if not in_function:
+                continue
+            where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+            deferred.append(where)
+            around = lines[node.lineno - 2: node.end_lineno]
+            if not any("# deferred:" in line for line in around):
+                unexplained.append(where)
+    assert not unexplained, f"deferred imports without a '# deferred: reason' comment: {unexplained}"
+    assert len(deferred) <= MAX_DEFERRED, deferred
+
+
+def test_no_import_of_another_packages_private_module():
+    bad = []
+    for path, parts in _modules():
+        me = _first_level(parts)
+        for node, targets, _ in _imports(path, parts):
+            for t in targets:
+                names = t.split(".")
+                other = _first_level(names)
+                # rag_fast.<pkg>...._private...: a private module or name of another package
+                private = [n for n in names[2:] if n.startswith("_") and not n.startswith("__")]
+                if other != me and not other.startswith("_") and private:
+                    bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {t}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("forbidden", ["rag_fast.cli"])
+def test_no_library_module_imports_the_command_line(forbidden):
+    bad = []
+    for path, parts in _modules():
+        if _first_level(parts) == "cli":
+            continue
+        for node, targets, _ in _imports(path, parts):
+            if any(t == forbidden or t.startswith(forbidden + ".") for t in targets):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not bad, bad
