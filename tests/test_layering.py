@@ -155,3 +155,23 @@ def test_no_library_module_imports_the_command_line(forbidden):
             if any(t == forbidden or t.startswith(forbidden + ".") for t in targets):
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not bad, bad
+
+
+def test_training_and_decoding_import_without_faiss():
+    """A GPU image may carry no faiss: what trains and decodes imports without it, and the
+    index names faiss when it is first needed."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['faiss'] = None\n"
+            "import rag_fast.models, rag_fast.training, rag_fast.generation, rag_fast.cli\n"
+            "from rag_fast.retrieval import DenseIndex\n"
+            "import numpy as np\n"
+            "try:\n"
+            "    DenseIndex.build(np.zeros((8, 4), dtype='float32'))\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rag_fast's index needs faiss" in proc.stdout

@@ -33,6 +33,7 @@ count, preset, parameters, faiss version and SHA-256 checksums) written atomical
 from __future__ import annotations
 
 import errno
+import importlib
 import math
 import numbers
 import os
@@ -44,7 +45,6 @@ import weakref
 from pathlib import Path
 from typing import Sequence
 
-import faiss
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -63,6 +63,26 @@ from rag_fast.storage import (
     reserve_space,
     write_manifest,
 )
+
+
+class _LazyFaiss:
+    """The ``faiss`` module, imported at its first use. Everything that builds, loads or
+    searches an index needs faiss; what only trains or decodes (``rag_fast.models``,
+    ``rag_fast.training``) imports this package without it, as on a GPU machine whose image
+    has no faiss. The first attribute read replaces this object by the module itself."""
+
+    def __getattr__(self, name: str):
+        global faiss
+        try:
+            module = importlib.import_module("faiss")
+        except ImportError as e:
+            raise ImportError(f"rag_fast's index needs faiss, which does not import ({e}): "
+                              "pip install faiss-cpu, or a faiss build for your GPU") from e
+        faiss = module
+        return getattr(module, name)
+
+
+faiss = _LazyFaiss()
 
 INDEX_KIND = "rag_fast.dense_index"
 FORMAT = 1
