@@ -522,8 +522,6 @@ def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: flo
 # ---------------------------------------------------------------------------- README section
 
 def _ratio(row: dict | None, key: str) -> str:
-    if row is not None and key == "speedup vs eager" and key not in row["extra"]:
-        key = "speedup"  # files written before the compiled baseline
     if row is None or row["extra"].get(key) is None:
         return "-"
     return f"{row['extra'][key]:.2f}x" + (" (noisy)" if key in row.get("noisy", []) else "")
@@ -650,9 +648,6 @@ def render(results: dict, source: str) -> str:
     skipped = "" if any_compiled else (
         " The compiled baseline was not run (quick mode: compiling takes minutes on 2 cores)."
         if args.get("quick") else " The compiled baseline was not run.")
-    if not any(r.get("runs_ms") for r in rows):
-        skipped += (" This file predates recorded runs and whole-step memory: its peak MB is a "
-                    "step's peak over the resident set just before it.")
     caption = (
         f"Measured by `{command}` on {machine_words(results['machine'])} "
         f"(`benchmarks/results/{source}`). One training step (forward, backward, fused AdamW "
