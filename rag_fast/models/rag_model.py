@@ -43,9 +43,8 @@ MODES = ("token", "sequence")
 POOLINGS = ("auto", "cls", "mean")
 LM_HEAD_LOSSES = ("auto", "fused", "materialized")
 # lm_head_loss="auto" fuses the LM head into the loss once a step's logits would take this
-# many bytes. Below it the materialized path is faster (one LM-head GEMM fewer: 1.3x to 1.6x
-# less time for the loss step in benchmarks/results/cpu-lm-head-full.json) for at most this
-# much memory; above it the memory matters more (docs/lm_head_loss.md).
+# many bytes. Below it the materialized path is faster (one LM-head GEMM fewer; measured in
+# docs/lm_head_loss.md) for at most this much memory; above it the memory matters more.
 FUSED_LOGITS_BYTES = 1 << 30
 
 

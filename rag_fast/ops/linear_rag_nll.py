@@ -55,8 +55,8 @@ MODES = ("token", "sequence")
 # still runs near full speed (the measurement: docs/tuning.md, "Training: TILE_BYTES of the
 # fused LM-head loss"). Re-measure with ``python benchmarks/tune.py lm-head-tile``.
 TILE_BYTES = 8 << 20
-# The same on a GPU. There a tile's GEMM takes tens of microseconds, as long as launching the
-# handful of kernels and small ops that follow it, so tiles must be far wider than a CPU's
+# The same on a GPU. There a tile's GEMM takes about as long as launching the handful of
+# kernels and small ops that follow it, so tiles must be far wider than a CPU's
 # cache-sized ones for the launches not to dominate: 128 MiB is 8.6% of the bf16 logits of
 # 5 120 rows x V 151 936 (the GPU benchmark's shape: 12 tiles of 13 056 columns), and 2.6% of
 # those of 8 questions x 10 passages x 256 tokens x V 128 256 (4.9 GiB). Not yet measured on a
