@@ -274,13 +274,10 @@ def render(results: dict, source: str) -> str:
             f"| {_ratio(r, 'x exact')} | {single['median_ms']:.3f} ms | {spread_cell(single)} "
             f"| {_ratio(single, 'x exact')} | {e['B/vec']:,.0f} |"
         )
-    if any(r.get("runs_ms") for r in rows):
-        timing = (f"medians of {runs_counted(rows)} timed runs after warm-up (a preset: the better of two "
-                  "rounds alternating with faiss called directly), spread = (max - min) / median "
-                  "of those runs; a ratio marked (noisy) has a side whose spread exceeds 20% or "
-                  "runs that overlap the other side's")
-    else:
-        timing = "medians of repeated runs (this file predates recorded runs: no spread)"
+    timing = (f"medians of {runs_counted(rows)} timed runs after warm-up (a preset: the better of two "
+              "rounds alternating with faiss called directly), spread = (max - min) / median "
+              "of those runs; a ratio marked (noisy) has a side whose spread exceeds 20% or "
+              "runs that overlap the other side's")
     args = results.get("args", {})
     command = "python benchmarks/run.py " + ("--quick" if args.get("quick") else "--full")
     command += " --only index" + (f" --repeats {args['repeats']}" if args.get("repeats") else "")

@@ -1,5 +1,5 @@
 """The LM head + RAG loss: rag_fast's fused op (logits a vocabulary tile at a time) against
-rag_fast's materialised path and the ``transformers`` composite.
+rag_fast's materialized path and the ``transformers`` composite.
 
 Case (``--full``): decoder states ``[B*K, T, d]`` = B 4, K 5, T 64, d 896 and an LM head of
 V = 151 936 entries (Qwen2's vocabulary and width), fp32, forward + backward (gradients for
@@ -9,17 +9,17 @@ the states, the LM head weight and the passage scores): RAG-Token with label smo
 Providers, on the same input:
 
 - ``rag_fast fused LM head``: ``rag_fast.linear_rag_nll`` (the ``RagModel`` default);
-- ``rag_fast materialised``: the LM head's ``[B*K, T, V]`` logits into a reused buffer, then
+- ``rag_fast materialized``: the LM head's ``[B*K, T, V]`` logits into a reused buffer, then
   ``rag_token_nll`` / ``rag_sequence_nll`` writing their gradient over them in place (the path
   ``RagModel(lm_head_loss="materialized")`` takes; three LM-head-sized GEMMs per step);
 - ``transformers``: ``F.linear`` then ``transformers``' RAG ``get_nll`` (``log_softmax`` of the
   whole logits and the marginalisation over them), as a ``transformers`` RAG model computes it.
 
-Columns: time relative to the materialised path (the fused op runs one more GEMM of the LM
+Columns: time relative to the materialized path (the fused op runs one more GEMM of the LM
 head's size, two more for RAG-Token with label smoothing, and never writes a logits-sized
 buffer); speedup against ``transformers``; the peak resident set of one step beyond the
 weights and the gradients the step returns (``dW``, ``dh``, the scores' gradient), in MiB and
-as % of the logits' size (for the materialised path this includes its reused logits buffer,
+as % of the logits' size (for the materialized path this includes its reused logits buffer,
 released before its measured call so that the peak counts it).
 
 :func:`render` turns a results file of this bench into the README's section.
@@ -34,7 +34,7 @@ from harness import (Context, Row, add_ratio, machine_words, measure_interleaved
 
 NAME = "lm_head"
 PAD = 1
-FUSED, MATERIALISED, EAGER = "rag_fast fused LM head", "rag_fast materialised", "transformers"
+FUSED, MATERIALIZED, EAGER = "rag_fast fused LM head", "rag_fast materialized", "transformers"
 
 
 def _shape(ctx: Context) -> tuple[int, int, int, int, int]:
@@ -80,7 +80,7 @@ def run(ctx: Context) -> list[Row]:
             return rag_fast.linear_rag_nll(h, W, s, target, mode=m, epsilon=e, ignore_index=PAD,
                                            reduction="sum")
 
-        def materialised(f=ours, e=eps):
+        def materialized(f=ours, e=eps):
             logits = _seq2seq.lm_logits(head, h, workspace)
             return f(logits, s, target, epsilon=e, ignore_index=PAD, reduction="sum",
                      inplace_grad=True)
@@ -90,14 +90,14 @@ def run(ctx: Context) -> list[Row]:
 
         with torch.no_grad():
             losses = {p: float(fn()) for p, fn in
-                      ((FUSED, fused), (MATERIALISED, materialised), (EAGER, eager))}
+                      ((FUSED, fused), (MATERIALIZED, materialized), (EAGER, eager))}
         for p, value in losses.items():  # the same loss, or the comparison means nothing
             if abs(value - losses[EAGER]) > 1e-3 * max(1.0, abs(losses[EAGER])):
                 raise AssertionError(f"{p} loss {value} differs from transformers' "
                                      f"{losses[EAGER]} ({mode}, eps {eps})")
         calls = {p: _step(fn, h, W, s) for p, fn in
-                 ((FUSED, fused), (MATERIALISED, materialised), (EAGER, eager))}
-        measured = measure_interleaved(calls, ctx, before_memory={MATERIALISED: workspace.release})
+                 ((FUSED, fused), (MATERIALIZED, materialized), (EAGER, eager))}
+        measured = measure_interleaved(calls, ctx, before_memory={MATERIALIZED: workspace.release})
         case = f"{mode} eps={eps} {dname} B{B} K{K} T{T} d{d} V{V} fwd+bwd"
         rows += _rows(case, measured, grads_mb, logits_mb)
         workspace.release()
@@ -105,12 +105,12 @@ def run(ctx: Context) -> list[Row]:
 
 
 def _rows(case: str, measured: dict, grads_mb: float, logits_mb: float) -> list[Row]:
-    """One row per provider: its time against the materialised path and against
+    """One row per provider: its time against the materialized path and against
     ``transformers``, and its peak memory beyond the gradients the step returns."""
     rows = []
     for provider, m in measured.items():
         row = Row.of(NAME, case, provider, m)
-        add_ratio(row, "speedup vs materialised", measured[MATERIALISED], m)
+        add_ratio(row, "speedup vs materialized", measured[MATERIALIZED], m)
         add_ratio(row, "speedup vs transformers", measured[EAGER], m)
         if m.peak_mb is not None:
             extra = max(m.peak_mb - grads_mb, 0.0)
@@ -145,8 +145,8 @@ def render(results: dict, source: str) -> str:
     rows = [r for r in results["rows"] if r["bench"] == NAME]
     by = {(r["case"], r["provider"]): r for r in rows}
     lines = [
-        "| case | fused ms | spread | time vs materialised | speedup vs `transformers` | "
-        "extra memory, fused / materialised / `transformers` (% of the logits) |",
+        "| case | fused ms | spread | time vs materialized | speedup vs `transformers` | "
+        "extra memory, fused / materialized / `transformers` (% of the logits) |",
         "|---|---|---|---|---|---|",
     ]
     shape = ""
@@ -156,10 +156,10 @@ def render(results: dict, source: str) -> str:
         words = r["case"].split()
         label = _LABELS.get(" ".join(words[:2]), " ".join(words[:2]))
         shape = " ".join(words[2:-1])
-        others = [by.get((r["case"], p)) for p in (MATERIALISED, EAGER)]
-        time_ratio = r["extra"].get("speedup vs materialised")
+        others = [by.get((r["case"], p)) for p in (MATERIALIZED, EAGER)]
+        time_ratio = r["extra"].get("speedup vs materialized")
         ratio = "-" if time_ratio is None else f"{1 / time_ratio:.2f}x" + (
-            " (noisy)" if "speedup vs materialised" in r.get("noisy", []) else "")
+            " (noisy)" if "speedup vs materialized" in r.get("noisy", []) else "")
         mems = " / ".join(
             "-" if x is None or x["extra"].get("extra MiB") is None
             else f"{x['extra']['extra MiB']:.0f} MiB ({x['extra']['extra % logits']:.1f}%)"
@@ -172,10 +172,10 @@ def render(results: dict, source: str) -> str:
         f"(`benchmarks/results/{source}`): one forward + backward of the LM head and the RAG "
         f"loss ({shape.replace(' ', ', ')}; gradients for the states, the LM head and the "
         "passage scores), random weights. Fused: `rag_fast.linear_rag_nll`, the logits a "
-        "vocabulary tile at a time. Materialised: the `[B*K, T, V]` logits in a reused buffer, "
+        "vocabulary tile at a time. Materialized: the `[B*K, T, V]` logits in a reused buffer, "
         "then rag_fast's fused loss writing their gradient in place. `transformers`: `F.linear`, "
         "then `transformers`' RAG `get_nll` (`log_softmax` over the whole logits). Time vs "
-        "materialised: fused time / materialised time (below 1: the fused op is faster). "
+        "materialized: fused time / materialized time (below 1: the fused op is faster). "
         f"Medians of {runs_counted(rows)} timed calls after warm-up, the providers' calls "
         "alternating; a ratio marked (noisy) has a side whose spread exceeds 20% or runs that "
         "overlap the other side's. Extra memory: the peak resident set of one step above the "

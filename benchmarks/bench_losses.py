@@ -176,9 +176,6 @@ _LABELS = {"token eps=0.0": "RAG-Token, eps 0", "token eps=0.1": "RAG-Token, eps
 
 def _ratio(row: dict, key: str) -> str:
     v = row["extra"].get(key)
-    if v is None and key == "speedup vs eager":  # files written before the compiled baseline
-        key = "speedup"
-        v = row["extra"].get(key)
     if v is None:
         return "-"
     return f"{v:.1f}x" + (" (noisy)" if key in row.get("noisy", []) else "")

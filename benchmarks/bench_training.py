@@ -17,7 +17,7 @@ of rag_fast's); only the loss path differs. Providers:
   ``lean_activations=True``, see ``rag_fast/models/_lean.py``): the LM head and the RAG loss
   as one op that computes the logits a vocabulary tile at a time and never holds
   them (``rag_fast.linear_rag_nll``);
-- ``rag_fast materialised``: ``RagModel(lm_head_loss="materialized")``: the logits of the
+- ``rag_fast materialized``: ``RagModel(lm_head_loss="materialized")``: the logits of the
   positions that have a target, once, into a buffer it reuses from step to step (in L2-sized
   vocabulary chunks), the fused loss writing their gradient in place.
   Both add the gradients of tied input embeddings into the LM head's ``[V, d]`` gradient in
@@ -25,7 +25,7 @@ of rag_fast's); only the loss path differs. Providers:
   ``RagModel``'s default (``"auto"``) takes there (:func:`default_path`) and the other one;
   in the rows (the table ``run.py`` prints) their ``LM-head path`` column names the path each
   ran and marks the default's. ``--quick`` times only the default's path
-  (:func:`quick_providers`: materialised at every ``--quick`` shape).
+  (:func:`quick_providers`: materialized at every ``--quick`` shape).
 
 Time (:func:`time_case`): each provider alone in fresh processes (:func:`time_provider`), so
 that no provider's allocations shape another's (glibc's heap, the CPU buffer pool, inductor's
@@ -74,8 +74,8 @@ from harness import (ALLOCATOR_ENV, Context, Measurement, Row, add_ratio, alloca
 
 NAME = "training"
 EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
-OURS_MATERIALISED = "rag_fast materialised"
-PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALISED)
+OURS_MATERIALIZED = "rag_fast materialized"
+PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALIZED)
 # timed steps per provider: ROUNDS fresh processes each, STEPS_PER_PROCESS after WARMUP_STEPS
 ROUNDS, STEPS_PER_PROCESS, WARMUP_STEPS = 2, 3, 3
 QUICK_ROUNDS, QUICK_STEPS = 1, 5  # --quick: one process per provider (each pays the imports)
@@ -154,14 +154,14 @@ def _losses(hf, providers, target: int, device: str) -> dict:
 
 def _provider_losses(providers, eager, ours) -> dict:
     """provider -> loss function: ``eager`` (the baseline), ``torch.compile(eager)``, or
-    ``ours(lm_head_loss)`` for rag_fast's fused and materialised LM-head paths."""
+    ``ours(lm_head_loss)`` for rag_fast's fused and materialized LM-head paths."""
     out = {}
     for p in providers:
         if p == EAGER:
             out[p] = eager
         elif p == COMPILED:
             out[p] = torch.compile(eager)
-        elif p in (OURS, OURS_MATERIALISED):
+        elif p in (OURS, OURS_MATERIALIZED):
             out[p] = ours("fused" if p == OURS else "materialized")
         else:
             raise ValueError(f"provider must be one of {PROVIDERS}, got {p!r}")
@@ -193,7 +193,7 @@ def _causal_inputs(vocab: int, target: int):
     return prompts, mask, answers
 
 
-def materialised_rag_loss(logits, scores, answers, mode: str, pad: int):
+def materialized_rag_loss(logits, scores, answers, mode: str, pad: int):
     """The RAG loss the way ``transformers``' RAG models compute it (``get_nll`` of
     ``RagTokenForGeneration`` / ``RagSequenceForGeneration``, no smoothing), over answer logits
     ``[B*K, T, V]`` of a decoder-only generator: ``log_softmax`` over the vocabulary, the
@@ -214,7 +214,7 @@ def materialised_rag_loss(logits, scores, answers, mode: str, pad: int):
 def _causal_losses(gen, mode: str, providers, target: int, device: str) -> dict:
     """provider -> ``loss(scores_leaf)`` over the decoder-only ``gen``. The baseline runs the
     generator's own forward (``logits_to_keep``: the LM head on the answer positions only, the
-    cheapest way ``transformers`` offers) and :func:`materialised_rag_loss`."""
+    cheapest way ``transformers`` offers) and :func:`materialized_rag_loss`."""
     from rag_fast.generation.causal import position_ids
 
     prompts, mask, answers = (t.to(device) for t in _causal_inputs(gen.config.vocab_size,
@@ -227,7 +227,7 @@ def _causal_losses(gen, mode: str, providers, target: int, device: str) -> dict:
     def eager(s):
         logits = gen(input_ids=ids, attention_mask=full_mask, position_ids=positions,
                      use_cache=False, logits_to_keep=T).logits
-        return materialised_rag_loss(logits, s, answers, mode, pad=1)
+        return materialized_rag_loss(logits, s, answers, mode, pad=1)
 
     def ours(lm_head_loss: str):
         from rag_fast.models import RagModel
@@ -456,7 +456,7 @@ def run(ctx: Context) -> list[Row]:
 
 
 # the LM-head path each rag_fast provider runs (its ``lm_head_loss``)
-PATHS = {OURS: "fused", OURS_MATERIALISED: "materialized"}
+PATHS = {OURS: "fused", OURS_MATERIALIZED: "materialized"}
 
 
 def quick_providers(case: str) -> list[str]:
@@ -522,8 +522,6 @@ def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: flo
 # ---------------------------------------------------------------------------- README section
 
 def _ratio(row: dict | None, key: str) -> str:
-    if row is not None and key == "speedup vs eager" and key not in row["extra"]:
-        key = "speedup"  # files written before the compiled baseline
     if row is None or row["extra"].get(key) is None:
         return "-"
     return f"{row['extra'][key]:.2f}x" + (" (noisy)" if key in row.get("noisy", []) else "")
@@ -625,18 +623,18 @@ def render(results: dict, source: str) -> str:
         size_name, mode, *rest = case.split()
         if not SIZES.get(size_name, {}).get("causal"):
             case_words = " ".join(rest)  # the encoder-decoder cases' shape, for the caption
-        materialised = by.get((case, OURS_MATERIALISED))
+        materialized = by.get((case, OURS_MATERIALIZED))
         path = default_path(case)
-        r, other = ((fused, materialised) if path == "fused" or materialised is None
-                    else (materialised, fused))
-        other_name = "fused" if path != "fused" else "materialised"
+        r, other = ((fused, materialized) if path == "fused" or materialized is None
+                    else (materialized, fused))
+        other_name = "fused" if path != "fused" else "materialized"
         other_cell = ("-" if other is None or other is r else
                       f"{other_name}: {_ratio(other, 'speedup vs eager')}, {_mb(other)}")
         eager, comp = by.get((case, EAGER)), by.get((case, COMPILED))
         any_compiled |= comp is not None
         compile_s = comp["extra"].get("compile s") if comp else None
         peaks = " / ".join(_mb(x) for x in (r, eager, comp))
-        path_word = "fused LM head" if r is fused else "materialised logits"
+        path_word = "fused LM head" if r is fused else "materialized logits"
         lines.append(
             f"| {SIZE_WORDS.get(size_name, size_name)} | RAG-{mode.capitalize()} | {path_word} "
             f"| {r['median_ms']:,.0f} | {spread_cell(r)} | {_ratio(r, 'speedup vs eager')} "
@@ -650,9 +648,6 @@ def render(results: dict, source: str) -> str:
     skipped = "" if any_compiled else (
         " The compiled baseline was not run (quick mode: compiling takes minutes on 2 cores)."
         if args.get("quick") else " The compiled baseline was not run.")
-    if not any(r.get("runs_ms") for r in rows):
-        skipped += (" This file predates recorded runs and whole-step memory: its peak MB is a "
-                    "step's peak over the resident set just before it.")
     caption = (
         f"Measured by `{command}` on {machine_words(results['machine'])} "
         f"(`benchmarks/results/{source}`). One training step (forward, backward, fused AdamW "

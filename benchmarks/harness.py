@@ -375,8 +375,7 @@ def machine_words(m: dict) -> str:
 
 
 def spread_cell(row: dict | None) -> str:
-    """A saved row's spread as a table cell; "-" for no row, or a row written before rows
-    carried their runs."""
+    """A saved row's spread as a table cell; "-" for no row, or a row without timed runs."""
     return "-" if row is None or row.get("spread") is None else f"{row['spread']:.0%}"
 
 

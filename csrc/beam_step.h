@@ -6,7 +6,7 @@
 //   c[b,j,v] = (M[b,j,v] + bias[b*W+j, v]) + beam_score[b,j]     candidate score
 // and the output is the n best (j, v) per question, sorted by score descending, ties broken by
 // the lower flat index j*V + v first. Reads the logits twice (normalisers, then the marginal
-// with a running top-n per beam), never materialises M or c.
+// with a running top-n per beam), never materializes M or c.
 //
 // Like kernels.h, nothing is validated here: the Python op checked shapes, dtypes, strides
 // (stride 1 along v), n <= W*V, and made log_prior, beam_scores, bias and outputs contiguous.

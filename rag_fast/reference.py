@@ -16,7 +16,7 @@ aligned with the logits (the caller shifts), ``m[b,t] = (y != ignore_index)``.
     loss = (1 - eps) nll + (eps / V) smooth
 
 Everything is computed in float64 for float64 inputs and in float32 otherwise (bf16/fp16 inputs
-are upcast), materialising full ``[B, K, T, V]`` tensors: this module is written to be obviously
+are upcast), materializing full ``[B, K, T, V]`` tensors: this module is written to be obviously
 right, not fast. It imports no Triton and no extension.
 
 A missing passage has score ``-inf``: it gets weight 0 and produces no NaN, provided each

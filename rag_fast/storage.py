@@ -11,10 +11,9 @@ path (:func:`recover_directory`) puts the complete directory back. Leftovers of 
 by the next save.
 
 Every manifest lists each file's size and SHA-256; loading checks the sizes always and the
-checksums unless told not to. Checksum cost, streamed SHA-256 in 8 MiB reads (OpenSSL via
-hashlib, one core; measured on the development machine, a Xeon VM with 2 shared cores, on a
-1 GiB file in the page cache): about 0.95 s per GiB (~1.05 GiB/s); in memory SHA-256 ran at
-0.76 s/GB and BLAKE2b was slower (1.7 s/GB). A cold cache adds the disk's read time.
+checksums unless told not to. The checksum is SHA-256 streamed in 8 MiB reads (OpenSSL via
+hashlib, one core, constant memory); its measured rate, and why not BLAKE2b, are in
+``docs/tuning.md`` ("Verifying files on load"). A cold cache adds the disk's read time.
 """
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ class StorageError(ValueError):
 
 
 def sha256_file(path: Path) -> str:
-    """Streamed SHA-256 of a file (constant memory; about 0.95 s per GiB, see the module doc)."""
+    """Streamed SHA-256 of a file (constant memory; its rate: the module doc)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):

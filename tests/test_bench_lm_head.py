@@ -24,7 +24,7 @@ def _m(times, peak):
 def _rows():
     measured = {
         bench_lm_head.FUSED: _m([5000, 5050, 4990, 5010, 5005], 560.0),
-        bench_lm_head.MATERIALISED: _m([4000, 4020, 3990, 4010, 4005], 1300.0),
+        bench_lm_head.MATERIALIZED: _m([4000, 4020, 3990, 4010, 4005], 1300.0),
         bench_lm_head.EAGER: _m([30000, 30500, 29900, 30100, 30050], 4500.0),
     }
     case = "token eps=0.1 float32 B4 K5 T64 d896 V151936 fwd+bwd"
@@ -35,14 +35,14 @@ def _rows():
 def test_rows_carry_both_ratios_and_memory_beyond_the_gradients():
     rows = {r.provider: r for r in _rows()}
     fused = rows[bench_lm_head.FUSED]
-    assert fused.extra["speedup vs materialised"] == pytest.approx(4005 / 5005)
+    assert fused.extra["speedup vs materialized"] == pytest.approx(4005 / 5005)
     assert fused.extra["speedup vs transformers"] == pytest.approx(30050 / 5005)
     assert fused.extra["extra MiB"] == pytest.approx(20.0)
     assert fused.extra["extra % logits"] == pytest.approx(20 / 742 * 100)
-    assert rows[bench_lm_head.MATERIALISED].extra["extra MiB"] == pytest.approx(760.0)
+    assert rows[bench_lm_head.MATERIALIZED].extra["extra MiB"] == pytest.approx(760.0)
 
 
-def test_render_states_the_method_and_the_time_ratio_as_fused_over_materialised():
+def test_render_states_the_method_and_the_time_ratio_as_fused_over_materialized():
     results = {"machine": MACHINE, "args": {"quick": False, "repeats": 5, "only": ["lm_head"]},
                "rows": [dataclasses.asdict(r) for r in _rows()]}
     caption, table = bench_lm_head.render(results, "cpu-lm-head-full.json").split("\n\n")

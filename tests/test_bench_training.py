@@ -31,10 +31,10 @@ def _results(rows, quick=False):
 def _training_rows(with_compiled=True):
     measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
                 "rag_fast": _m([500, 505, 495, 502, 498]),
-                "rag_fast materialised": _m([450, 455, 445, 452, 448])}
+                "rag_fast materialized": _m([450, 455, 445, 452, 448])}
     mem = {"transformers": StepMemory(1000.0, 400.0, 600.0, 300.0),
            "rag_fast": StepMemory(700.0, 100.0, 600.0, 300.0),
-           "rag_fast materialised": StepMemory(760.0, 100.0, 660.0, 300.0)}
+           "rag_fast materialized": StepMemory(760.0, 100.0, 660.0, 300.0)}
     if with_compiled:
         measured["transformers compiled"] = _m([800, 810, 790, 805, 795])
         mem["transformers compiled"] = StepMemory(900.0, 300.0, 600.0, 300.0)
@@ -75,9 +75,9 @@ def test_training_render_states_method_and_both_baselines():
     assert "materialized" in caption and "logits_to_keep" in caption
     lines = table.splitlines()
     assert len(lines) == 3
-    # logits of 4*5*31 rows x 50265 entries (125 MB): the default path is the materialised one
+    # logits of 4*5*31 rows x 50265 entries (125 MB): the default path is the materialized one
     assert bench_training.default_path("bart-base sequence B=4 K=5 L=64 T=32") == "materialized"
-    assert lines[2] == ("| BART-base-sized (d 768, 6+6 layers) | RAG-Sequence | materialised logits "
+    assert lines[2] == ("| BART-base-sized (d 768, 6+6 layers) | RAG-Sequence | materialized logits "
                         "| 450 | 2% | 2.22x | 1.78x | 760 / 1,000 / 900 | 0.76x | 0.84x "
                         "| fused: 2.00x, 700 | - | 42 |")
 
@@ -88,7 +88,7 @@ def test_training_render_without_compiled_says_so():
     text = bench_training.render(_results(rows, quick=True), "x.json")
     assert "--quick --only training" in text and "compiled baseline was not run" in text
     row = text.splitlines()[-1]
-    assert ("| materialised logits | 450 | 2% | 2.22x | not run | 760 / 1,000 / - | 0.76x | - "
+    assert ("| materialized logits | 450 | 2% | 2.22x | not run | 760 / 1,000 / - | 0.76x | - "
             "| fused: 2.00x (noisy), 700 | - | - |") in row
 
 
@@ -147,7 +147,7 @@ def test_decoder_only_baseline_loss_equals_the_reference():
     answers = torch.randint(3, V, (B, T), generator=g)
     answers[0, -2:] = 1  # padding
     for mode, ref in (("token", reference.rag_token_nll), ("sequence", reference.rag_sequence_nll)):
-        got = bench_training.materialised_rag_loss(logits, scores, answers, mode, pad=1)
+        got = bench_training.materialized_rag_loss(logits, scores, answers, mode, pad=1)
         want = ref(logits.view(B, K, T, V), scores, answers, ignore_index=1, reduction="mean")
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6, msg=mode)
 
@@ -219,16 +219,16 @@ def test_a_provider_is_timed_in_a_fresh_process_with_the_default_allocator():
 
     got = {p: memory.call_fresh(
         "bench_training:time_provider", "sequence", "causal-small", 4, p, "cpu", 2, 1, True,
-        env={harness.ALLOCATOR_ENV: "default"}) for p in ("transformers", "rag_fast materialised")}
+        env={harness.ALLOCATOR_ENV: "default"}) for p in ("transformers", "rag_fast materialized")}
     for r in got.values():
         assert r["allocator"] == "default" and r["compile_s"] is None
         assert len(r["times_ms"]) == 2 and min(r["times_ms"]) > 0
         assert len(r["faults"]) == 2 and min(r["system_s"]) >= 0
     # the same matmuls on both sides (the baseline keeps only the answers' logits too)
-    assert got["transformers"]["gflop"] == pytest.approx(got["rag_fast materialised"]["gflop"],
+    assert got["transformers"]["gflop"] == pytest.approx(got["rag_fast materialized"]["gflop"],
                                                          rel=0.05)
     assert bench_training.check_case("sequence", "causal-small", 4,
-                                     ["transformers", "rag_fast materialised"], "cpu") is True
+                                     ["transformers", "rag_fast materialized"], "cpu") is True
 
 
 def test_decoder_only_rows_name_their_shape():
@@ -253,16 +253,16 @@ def test_default_path_follows_the_logits_size(monkeypatch):
 
 def test_quick_rows_name_the_lm_head_path_each_ran():
     """Plain ``rag_fast`` runs the fused path; at the quick shapes ``RagModel``'s default takes
-    the materialised one: the rows (the table run.py prints) say which path is which."""
+    the materialized one: the rows (the table run.py prints) say which path is which."""
     measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
                 "rag_fast": _m([500, 505, 495, 502, 498]),
-                "rag_fast materialised": _m([450, 455, 445, 452, 448])}
+                "rag_fast materialized": _m([450, 455, 445, 452, 448])}
     for case in ("small token B=4 K=5 L=64 T=16", "causal-small sequence B=2 K=5 L=64 T=16"):
         assert bench_training.default_path(case) == "materialized"
         rows = {r.provider: r for r in bench_training._rows(case, measured, {}, None)}
         assert "LM-head path" not in rows["transformers"].extra
         assert rows["rag_fast"].extra["LM-head path"] == "fused"
-        assert (rows["rag_fast materialised"].extra["LM-head path"]
+        assert (rows["rag_fast materialized"].extra["LM-head path"]
                 == "materialized (RagModel default)")
         table = harness.markdown_table(list(rows.values()))
         assert "| LM-head path |" in table.splitlines()[0]
@@ -270,13 +270,13 @@ def test_quick_rows_name_the_lm_head_path_each_ran():
     # where the logits reach FUSED_LOGITS_BYTES the default is the fused path
     case = "qwen2-0.5b-2l token B=2 K=5 L=64 T=1000"
     assert bench_training.path_label(case, "rag_fast") == "fused (RagModel default)"
-    assert bench_training.path_label(case, "rag_fast materialised") == "materialized"
+    assert bench_training.path_label(case, "rag_fast materialized") == "materialized"
 
 
 def test_quick_mode_times_the_default_path_only():
     """--quick times eager and the rag_fast provider of RagModel's default path at the case."""
     assert bench_training.quick_providers("small token B=4 K=5 L=64 T=16") == [
-        "transformers", "rag_fast materialised"]
+        "transformers", "rag_fast materialized"]
     assert bench_training.quick_providers("qwen2-0.5b-2l token B=2 K=5 L=64 T=1000") == [
         "transformers", "rag_fast"]
 
@@ -286,19 +286,19 @@ def test_gemm_floor_rows_cell_and_caption():
     row's time over it, the table's cell (rag_fast / eager) and the caption's sentence."""
     measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
                 "rag_fast": _m([500, 505, 495, 502, 498]),
-                "rag_fast materialised": _m([450, 455, 445, 452, 448])}
+                "rag_fast materialized": _m([450, 455, 445, 452, 448])}
     floor = bench_training.GemmFloor(
-        {"transformers": 40.0, "rag_fast": 42.0, "rag_fast materialised": 39.0}, 130.0)
+        {"transformers": 40.0, "rag_fast": 42.0, "rag_fast materialized": 39.0}, 130.0)
     assert floor.ms == pytest.approx(39.0 / 130.0 * 1e3)  # 300 ms
     rows = bench_training._rows("bart-base token B=4 K=5 L=64 T=32", measured, {}, None,
                                 floor=floor)
     by = {r.provider: r for r in rows}
     assert by["transformers"].extra["x GEMM floor"] == pytest.approx(1000 / 300)
-    assert by["rag_fast materialised"].extra["x GEMM floor"] == pytest.approx(450 / 300)
+    assert by["rag_fast materialized"].extra["x GEMM floor"] == pytest.approx(450 / 300)
     assert by["rag_fast"].extra["GFLOP"] == 42.0 and by["rag_fast"].extra["GEMM floor ms"] == 300
     text = bench_training.render(_results(rows), "x.json")
     caption, table = text.split("\n\n")
-    assert "| 1.50x / 3.33x |" in table.splitlines()[-1]  # materialised is the default here
+    assert "| 1.50x / 3.33x |" in table.splitlines()[-1]  # materialized is the default here
     assert "(BART-base-sized: 39 GFLOP per step)" in caption
     assert "4096x4096 fp32 matmul in the same run (130 GFLOP/s" in caption
 

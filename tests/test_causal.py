@@ -129,7 +129,7 @@ def test_loss_and_gradients_match_reference(family, mode, lm_head_loss):
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 @pytest.mark.parametrize("family", ["qwen2", "llama"])  # tied and untied LM heads
 def test_fused_tiles_in_float32_equal_the_reference(family, mode, monkeypatch):
-    """float64 runs the materialised reference; in float32 the fused LM-head loss runs its
+    """float64 runs the materialized reference; in float32 the fused LM-head loss runs its
     vocabulary tiles (and, for a tied head, the late weight gradient): every gradient of the
     generator and of the scores against the float64 oracle."""
     import sys

@@ -1,4 +1,4 @@
-"""The fused LM-head + RAG loss equals the loss over materialised logits: forward and every
+"""The fused LM-head + RAG loss equals the loss over materialized logits: forward and every
 gradient (hidden states, LM head weight and bias, passage scores), per element, against a
 float64 oracle (``F.linear`` then ``rag_fast.reference``), at vocabularies of 7, 1003 and
 151 936 entries, K of 1 and 5, label smoothing 0 and 0.1, ignored positions and missing
@@ -43,7 +43,7 @@ def _grads(fn, tensors, upstream=None):
     return loss.detach(), [None if t is None else t.grad for t in leaves]
 
 
-def _materialised(mode, eps, red, exclude_bos=False):
+def _materialized(mode, eps, red, exclude_bos=False):
     def fn(h, W, b, s, y):
         x = F.linear(h, W, b)
         B, K = s.shape
@@ -71,10 +71,10 @@ def _check_against_oracle(mode, eps, B, K, T, d, V, *, red="mean", missing=False
         return lambda h_, W_, b_, s_: fn(h_, W_, b_, s_, y)
 
     up64 = None if upstream is None else upstream.double()
-    want, want_g = _grads(with_y(_materialised(mode, eps, red, exclude_bos)), [h, W, b, s], up64)
+    want, want_g = _grads(with_y(_materialized(mode, eps, red, exclude_bos)), [h, W, b, s], up64)
     low = [None if t is None else t.to(dtype) for t in (h, W, b)] + [s.float()]
     up = None if upstream is None else upstream.float()
-    plain, plain_g = _grads(with_y(_materialised(mode, eps, red, exclude_bos)), low, up)
+    plain, plain_g = _grads(with_y(_materialized(mode, eps, red, exclude_bos)), low, up)
     if deferred:  # a tied head's deferred weight gradient, taken when the backward has run
         heads = _seq2seq.DeferredHeadGrad()
         got, got_g = _grads(with_y(_fused(mode, eps, red, exclude_bos, tile=tile, impl=impl,
@@ -120,7 +120,7 @@ def _logits_grad(mode, eps, red, exclude_bos, h, W, b, s, y, upstream):
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("K", [1, 5])
 @pytest.mark.parametrize("V", [7, 1003])
-def test_equals_materialised_loss(mode, eps, K, V, deferred):
+def test_equals_materialized_loss(mode, eps, K, V, deferred):
     # tiles that do not divide V, and a question with a missing passage when K > 1; deferred:
     # a tied head's weight gradient computed late, the hidden states' in the forward pass
     # (RAG-Token eps 0 and RAG-Sequence without a bias gradient; the others as immediate)
@@ -134,7 +134,7 @@ def test_equals_materialised_loss(mode, eps, K, V, deferred):
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("K", [1, 5])
-def test_equals_materialised_loss_at_qwen2_vocabulary(mode, eps, K, deferred):
+def test_equals_materialized_loss_at_qwen2_vocabulary(mode, eps, K, deferred):
     # V = 151 936 (Qwen2), the default tile width
     _check_against_oracle(mode, eps, B=2, K=K, T=3, d=16, V=151936, missing=K > 1,
                           deferred=deferred, bias=not deferred)
@@ -154,15 +154,15 @@ def test_per_question_upstream_gradient_and_options(mode, eps, deferred):
 
 @requires_ext
 @pytest.mark.parametrize("mode", ["token", "sequence"])
-def test_bfloat16_matches_the_materialised_fused_loss(mode):
+def test_bfloat16_matches_the_materialized_fused_loss(mode):
     h, W, b, s, y = _case(2, 3, 4, 16, 517, missing=True)
     low = [t.to(torch.bfloat16) for t in (h, W, b)] + [s.float()]
 
-    def materialised(h_, W_, b_, s_):
+    def materialized(h_, W_, b_, s_):
         f = rag_token_nll if mode == "token" else rag_sequence_nll
         return f(F.linear(h_, W_, b_), s_, y, epsilon=0.1, ignore_index=IGNORE, reduction="sum")
 
-    want, want_g = _grads(materialised, low)
+    want, want_g = _grads(materialized, low)
     got, got_g = _grads(lambda h_, W_, b_, s_: linear_rag_nll(
         h_, W_, s_, y, bias=b_, mode=mode, epsilon=0.1, ignore_index=IGNORE, reduction="sum",
         tile=128), low)
@@ -281,7 +281,7 @@ def test_autocast_runs_the_tiles_in_bfloat16_and_returns_float32_gradients():
         got = linear_rag_nll(leaves[0], leaves[1], leaves[2], y, ignore_index=IGNORE,
                              epsilon=0.1, reduction="sum", tile=128)
     got.backward()
-    # the same bf16 logits through the materialised path
+    # the same bf16 logits through the materialized path
     ref_leaves = [t.clone().requires_grad_() for t in (h, W, s)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = F.linear(ref_leaves[0], ref_leaves[1])
@@ -319,11 +319,11 @@ def test_cuda_bfloat16_at_qwen2_vocabulary(mode):
     dev = [t.to("cuda", torch.bfloat16) for t in (h, W, b)] + [s.float().cuda()]
     y = y.cuda()
 
-    def materialised(h_, W_, b_, s_):
+    def materialized(h_, W_, b_, s_):
         f = rag_token_nll if mode == "token" else rag_sequence_nll
         return f(F.linear(h_, W_, b_), s_, y, epsilon=0.1, ignore_index=IGNORE, reduction="sum")
 
-    want, want_g = _grads(materialised, dev)
+    want, want_g = _grads(materialized, dev)
     got, got_g = _grads(lambda h_, W_, b_, s_: linear_rag_nll(
         h_, W_, s_, y, bias=b_, mode=mode, epsilon=0.1, ignore_index=IGNORE,
         reduction="sum"), dev)
@@ -360,10 +360,10 @@ def test_bad_arguments_name_what_is_wrong():
         linear_rag_nll(h, W, s, y, n_docs=4)
 
 
-def test_float64_runs_the_materialised_reference():
+def test_float64_runs_the_materialized_reference():
     h, W, b, s, y = _case(2, 2, 3, 8, 40)
     got = linear_rag_nll(h, W, s, y, bias=b, epsilon=0.1, ignore_index=IGNORE, reduction="none")
-    want = _materialised("token", 0.1, "none")(h, W, b, s, y)
+    want = _materialized("token", 0.1, "none")(h, W, b, s, y)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -408,7 +408,7 @@ def test_deferred_hidden_gradient_is_as_accurate_on_a_peaked_softmax(mode, eps, 
     yy = y.clamp_min(0)[:, None, :].expand(B, K, T).reshape(B * K, T)
     h = 0.2 * h + 6.0 * W[yy] / W[yy].norm(dim=-1, keepdim=True)  # peaked at the target
     h, W = h.to(dtype).double(), W.to(dtype).double()  # the oracle sees the rounded inputs
-    oracle = torch.autograd.grad(_materialised(mode, eps, "sum")(
+    oracle = torch.autograd.grad(_materialized(mode, eps, "sum")(
         h.requires_grad_(), W, None, s, y), h)[0]
     p_y = torch.softmax(F.linear(h, W), -1).gather(-1, yy[..., None])
     assert p_y.median() > 0.9

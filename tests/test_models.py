@@ -367,7 +367,7 @@ def test_auto_lm_head_loss_fuses_once_the_logits_are_large(monkeypatch):
         return model(labels, context_input_ids=contexts, context_attention_mask=mask,
                      doc_scores=scores).loss
 
-    small = loss()  # tiny logits: the materialised path
+    small = loss()  # tiny logits: the materialized path
     assert not calls
     monkeypatch.setattr(rag_model, "FUSED_LOGITS_BYTES", 1)
     fused = loss()  # every step's logits now count as large

@@ -59,7 +59,7 @@ from rag_fast.generation.rag_sequence import check_decoding, rag_sequence_search
 from rag_fast.generation.rag_token import rag_token_search
 from rag_fast.ops import rag_sequence_nll
 
-# Rescoring (RAG-Sequence, thorough) materialises the logits of at most this many bytes at
+# Rescoring (RAG-Sequence, thorough) materializes the logits of at most this many bytes at
 # once: a cap on its peak memory (lower it to bound memory, at the cost of smaller matmuls).
 SCORE_CHUNK_BYTES = 256 * 2**20
 

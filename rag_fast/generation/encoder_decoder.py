@@ -31,7 +31,7 @@ from rag_fast.generation._search import (
 )
 from rag_fast.ops.backend import resolve_impl
 
-# Logits of at most this many bytes are materialised at once while rescoring: a cap on the
+# Logits of at most this many bytes are materialized at once while rescoring: a cap on the
 # rescoring's peak memory, not a value tuned for speed (at V=50265 it is about 1,300 rows per
 # matmul, already large); lower it to bound memory, at the cost of more, smaller matmuls.
 SCORE_CHUNK_BYTES = 256 * 2**20

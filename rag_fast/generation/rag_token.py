@@ -3,7 +3,7 @@ generator family (written once over :class:`~rag_fast.generation._search.Generat
 
 Each step runs the decoder once for every (question, passage, beam) row, then the fused beam
 step (rag_fast.ops.rag_token_beam_step) turns the ``[B, W, K, V]`` logits into the ``2W`` best
-(score, beam, token) per question in two reads, without materialising log-probabilities.
+(score, beam, token) per question in two reads, without materializing log-probabilities.
 The contexts are encoded (or prefilled) once per (question, passage) and shared by the W beams;
 the decoder cache of row (b, k, j) is reordered to (b, k, source beam) so each beam keeps the K
 passages it was built with.
@@ -13,7 +13,7 @@ Same settings, weights and passages give the same token ids as ``transformers``'
 
 Sampling (``do_sample`` with ``temperature``, ``top_k``, ``top_p``), ``repetition_penalty`` and
 ``no_repeat_ngram_size`` take a plain-PyTorch step instead of the fused one: the marginal
-log-probabilities of each question/beam are materialised (``[B*W, V]``) and processed as
+log-probabilities of each question/beam are materialized (``[B*W, V]``) and processed as
 transformers processes them (``_search.apply_processors``; the repetition penalty and the
 n-gram ban through the adapter, which knows what a row's history is).
 """

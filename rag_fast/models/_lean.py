@@ -31,8 +31,8 @@ saved anyway, and this module stores the recipe instead of the tensor while the 
 The recomputation runs the very module (``module.forward``) on the very input, so values and
 gradients are bit-identical to a run without this module (``tests/test_lean_activations.py``
 checks every gradient with ``torch.equal``). The cost is a few elementwise passes and the
-cross-attention projections again in the backward (6% of a BART-base-sized step on 2 cores).
-The memory saved is the size of those tensors: for a BART-base-sized generator, 45% of the
+cross-attention projections again in the backward (its measured time: docs/design.md, "Lean
+activations"). The memory saved is the size of those tensors: for a BART-base-sized generator, 45% of the
 step's activations (docs/design.md, "Lean activations").
 
 A tensor is stored by recipe only when it is provably what the recipe gives back: it is the

@@ -210,8 +210,8 @@ def decode(
 
 
 # Vocabulary columns per matmul in the CPU training path: a [512, d] slice of the LM head stays
-# in L2 while it meets every decoder state. One [N, d] x [d, V] call ran about half as fast on
-# the benchmark machine (2 AVX2 cores; d 256, N 640, V 50265).
+# in L2 while it meets every decoder state. Whether one [N, d] x [d, V] call is slower depends
+# on the machine's cache and BLAS (measured: docs/tuning.md, "Training: LM_HEAD_CHUNK").
 LM_HEAD_CHUNK = 512
 
 

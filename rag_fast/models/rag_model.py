@@ -43,9 +43,8 @@ MODES = ("token", "sequence")
 POOLINGS = ("auto", "cls", "mean")
 LM_HEAD_LOSSES = ("auto", "fused", "materialized")
 # lm_head_loss="auto" fuses the LM head into the loss once a step's logits would take this
-# many bytes. Below it the materialised path is faster (one LM-head GEMM fewer: 1.3x to 1.6x
-# less time for the loss step in benchmarks/results/cpu-lm-head-full.json) for at most this
-# much memory; above it the memory matters more (docs/lm_head_loss.md).
+# many bytes. Below it the materialized path is faster (one LM-head GEMM fewer; measured in
+# docs/lm_head_loss.md) for at most this much memory; above it the memory matters more.
 FUSED_LOGITS_BYTES = 1 << 30
 
 
@@ -209,8 +208,8 @@ class RagModel(nn.Module):
             (``rag_fast.linear_rag_nll``; one or two more LM-head GEMMs per step);
             ``"materialized"``: the ``[B*K, T, V]`` logits in a reused buffer, then the fused
             loss over them (faster while they fit); ``"auto"`` (default): fused once a step's
-            logits would take at least :data:`FUSED_LOGITS_BYTES` (1 GiB), else materialised.
-            Under ``torch.compile`` the materialised path runs (traced without a graph break).
+            logits would take at least :data:`FUSED_LOGITS_BYTES` (1 GiB), else materialized.
+            Under ``torch.compile`` the materialized path runs (traced without a graph break).
         lean_activations: store the generator's activation outputs, gated products (SwiGLU),
             normalisation outputs, cross-attention keys and values and (on the CPU) dropout
             masks for the backward by recipe (recomputed from tensors the backward keeps
@@ -623,7 +622,7 @@ class RagModel(nn.Module):
                 and not self.is_causal):  # a decoder-only answer has no start token
             # transformers' rule: drop BOS only if every target starts with it
             exclude_bos = bool(targets[:, 0].eq(self.bos_token_id).all())
-        # Under torch.compile the materialised path runs: its ops are custom ops the compiler
+        # Under torch.compile the materialized path runs: its ops are custom ops the compiler
         # traces (no graph break), and the compiler plans the logits' memory itself.
         device = states.device.type
         dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)

@@ -12,7 +12,7 @@ vocabulary, so the vocabulary is walked in tiles of ``tile`` columns and only on
 - forward, pass 2 (RAG-Token with ``epsilon > 0`` only): per tile, with ``L`` now final,
   the tile's share of ``sum_v M`` and of ``rho`` (the K rows of each (b, t) together);
 - the loss follows from those ``O(B*K*T)`` statistics by the same small graph as the fused
-  losses over materialised logits;
+  losses over materialized logits;
 - backward: the small graph's gradients give per-row coefficients; per tile the logits are
   recomputed, their gradient is written over them in place (the cross-entropy-shaped formula
   of docs/design.md), and ``dh += G W_tile``, ``dW_tile = G^T h``, ``db_tile = sum_rows G``.
@@ -24,7 +24,7 @@ grows, as a flash-attention output is: one more ``[N, d]`` float32 buffer, held 
 backward), so that the backward gets ``dh = c_p (P W)' + (c_p P_y + c_y) W[y] + c_1 colsum(W)``
 without a pass of its own.
 
-Cost: the materialised path runs three ``[N, d] x [d, V]``-sized GEMMs (logits, ``dh``, ``dW``);
+Cost: the materialized path runs three ``[N, d] x [d, V]``-sized GEMMs (logits, ``dh``, ``dW``);
 this op runs four (the logits twice), five for RAG-Token with label smoothing (six with a
 deferred weight gradient); in exchange it never writes, reads back or page-faults a
 logits-sized buffer. Memory beyond the weights and
@@ -33,7 +33,7 @@ their gradients: one tile, ``dh`` and ``O(B*K*T)`` statistics.
 Backends: the per-tile statistics and gradients are the fused losses' own kernels (C++ on the
 CPU, Triton on a GPU), called on tile views through their custom ops (``torch.ops.rag_fast.*``,
 which check every argument before a kernel runs); the GEMMs are torch's (BLAS on the CPU, cuBLAS on
-a GPU). ``impl="torch"`` is the materialised reference (``F.linear`` then
+a GPU). ``impl="torch"`` is the materialized reference (``F.linear`` then
 ``rag_fast.reference``), which also serves float64.
 """
 from __future__ import annotations
@@ -55,8 +55,8 @@ MODES = ("token", "sequence")
 # still runs near full speed (the measurement: docs/tuning.md, "Training: TILE_BYTES of the
 # fused LM-head loss"). Re-measure with ``python benchmarks/tune.py lm-head-tile``.
 TILE_BYTES = 8 << 20
-# The same on a GPU. There a tile's GEMM takes tens of microseconds, as long as launching the
-# handful of kernels and small ops that follow it, so tiles must be far wider than a CPU's
+# The same on a GPU. There a tile's GEMM takes about as long as launching the handful of
+# kernels and small ops that follow it, so tiles must be far wider than a CPU's
 # cache-sized ones for the launches not to dominate: 128 MiB is 8.6% of the bf16 logits of
 # 5 120 rows x V 151 936 (the GPU benchmark's shape: 12 tiles of 13 056 columns), and 2.6% of
 # those of 8 questions x 10 passages x 256 tokens x V 128 256 (4.9 GiB). Not yet measured on a
@@ -395,14 +395,14 @@ def linear_rag_nll(
 
     Args:
         hidden: ``[B*K, T, d]`` or ``[B, K, T, d]`` decoder states (after any output scaling),
-            float32 / bfloat16 (float16 on CUDA; float64 runs the materialised reference).
+            float32 / bfloat16 (float16 on CUDA; float64 runs the materialized reference).
         weight: ``[V, d]`` LM head; bias: ``[V]`` or None.
         doc_scores: ``[B, K]`` passage scores (``-inf``: missing passage).
         targets: ``[B, T]`` integer targets aligned with ``hidden`` (``ignore_index``: masked).
         mode: ``"token"`` (RAG-Token) or ``"sequence"`` (RAG-Sequence).
         n_docs, epsilon, ignore_index, exclude_bos, reduction: as in ``rag_token_nll``.
         impl: ``"auto"`` | ``"cpp"`` | ``"triton"`` for the per-tile kernels, ``"torch"`` for
-            the materialised reference.
+            the materialized reference.
         tile: vocabulary columns per tile (default: ``TILE_BYTES`` of logits per tile on the
             CPU, ``TILE_BYTES_CUDA`` on a GPU).
         deferred_weight_grad: a ``rag_fast.models._seq2seq.DeferredHeadGrad`` of a tied LM

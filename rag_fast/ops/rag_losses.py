@@ -14,7 +14,7 @@ Public functions (the formulas: docs/design.md; the reference: ``rag_fast.refere
   ``loss[b] = (1 - eps) nll + (eps / V) smooth``. Everything follows from per-row statistics,
   at the cost of re-running the O(B*K*T) small graph in the backward.
 - :func:`rag_token_marginal`: ``M`` itself, ``[B, T, V]`` float32, for decoding and inspection
-  (the losses never materialise it). The forward reads the logits twice (row normalisers,
+  (the losses never materialize it). The forward reads the logits twice (row normalisers,
   then the marginal); the backward twice more (``c = sum_v R * g``, then ``R * g - P * c``)
   and writes once.
 

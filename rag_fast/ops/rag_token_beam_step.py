@@ -9,7 +9,7 @@ and the step returns the ``n`` (default ``2W``) best ``(j, v)`` of each question
 score descending, equal scores broken by the lower flat index ``j*V + v`` first. This is what
 ``transformers`` computes every beam-search step of ``RagTokenForGeneration`` with a
 log_softmax over ``[B*W*K, V]``, a logsumexp over K, another log_softmax, an addition and a
-top-k over ``[B, W*V]``; the fused step never materialises any ``[B, W, K, V]`` or
+top-k over ``[B, W*V]``; the fused step never materializes any ``[B, W, K, V]`` or
 ``[B, W, V]`` float tensor.
 
 Trade-off: the C++ kernel reads the logits twice (row normalisers, then the marginal with a
