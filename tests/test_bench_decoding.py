@@ -46,6 +46,7 @@ def test_beam_step_rows_against_transformers_code():
     assert rows[1].extra["speedup"] == pytest.approx(rows[0].median_ms / rows[1].median_ms)
 
 
+@pytest.mark.slow
 def test_generation_rows_same_ids_every_run_and_static_cache_baseline(monkeypatch):
     monkeypatch.setattr(bd, "VOCAB", 4000)  # the bench's rows, on a smaller vocabulary (CI time)
     ctx = dataclasses.replace(CTX)

@@ -17,6 +17,7 @@ bench = pytest.importorskip("bench_distributed")  # noqa: E402  (needs faiss, li
 from harness import Context  # noqa: E402
 
 
+@pytest.mark.slow
 def test_rows_memory_and_render(monkeypatch):
     # run from the repository root, as the README runs benchmarks/run.py: the ranks must still
     # import the installed rag_fast (with its compiled kernels), not the source folder there

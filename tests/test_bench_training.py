@@ -212,6 +212,7 @@ def test_a_case_is_timed_provider_by_provider_in_fresh_processes(monkeypatch):
     assert got["allocator"] == "default"
 
 
+@pytest.mark.slow
 def test_a_provider_is_timed_in_a_fresh_process_with_the_default_allocator():
     """What ``time_case`` asks ``memory.call_fresh`` for: the steps timed, the matmul work
     counted, in a process that left glibc alone; and the decoder-only loss check passes."""

@@ -116,6 +116,7 @@ def test_train_then_eval_commands(setup, capsys):
     assert all(0.0 <= metrics[k] <= 1.0 for k in ("em", "recall@2"))
 
 
+@pytest.mark.slow
 def test_train_under_torchrun_with_two_gloo_processes(setup, tmp_path):
     """`rag-fast train` under torchrun: one process per CPU rank (gloo), rank 0 writes."""
     import subprocess

@@ -56,6 +56,7 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_knowledge_swap_small(knowledge_swap, one_thread, tmp_path):
     """The command line end to end: its JSON holds every figure of the README's table, the
     machine, the thread count and the wall time, and renders to that table."""

@@ -9,6 +9,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
 
 
@@ -18,6 +20,7 @@ def _lane(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     out = tmp_path / "lane"
     proc = _lane("--dry-run", str(out))

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from test_retrieval_sharded import run_ranks
@@ -160,6 +161,7 @@ def _run(root: Path, mode: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
 def test_kill_during_refresh_keeps_previous_index_and_resumes(tmp_path):
     from rag_fast.training import load_checkpoint
 

@@ -148,6 +148,7 @@ def _tokenize_in_process(path, barrier, queue):
         queue.put(("error", repr(exc)))
 
 
+@pytest.mark.slow
 def test_concurrent_first_tokenization_from_processes(tmp_path, minilm_tokenizer):
     ctx = multiprocessing.get_context("spawn")
     for trial in range(2):

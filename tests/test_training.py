@@ -114,6 +114,7 @@ def ddp_config(micro_batch_size: int) -> TrainConfig:
                   find_unused_parameters=False)
 
 
+@pytest.mark.slow
 def test_two_process_ddp_equals_one_process_same_global_batch(tmp_path):
     single = make_model(dropout=False)
     Trainer(single, make_dataset(), collate, loss_fn, ddp_config(micro_batch_size=4)).train()

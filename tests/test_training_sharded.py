@@ -168,6 +168,7 @@ def _equal_training_worker(rank, world, staging, out):
     assert sharded.calls > 0 and sharded.retrieval_seconds > 0
 
 
+@pytest.mark.slow
 def test_sharded_training_equals_whole_index(tmp_path):
     staging = stage(tmp_path / "kb.staging", 2)
     np.save(tmp_path / "vectors.npy", passage_vectors())
@@ -302,6 +303,7 @@ def _torchrun(config: Path, out: Path, nproc: int = 2) -> subprocess.CompletedPr
                           timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_train_command_under_torchrun_with_sharded_index(tmp_path):
     from rag_fast.models import RagModel
 

@@ -49,6 +49,7 @@ def test_block_reads_only_what_the_previous_step_wrote():
     assert steps[:5] == ["index", "init", "train", "eval", "generate"], steps
 
 
+@pytest.mark.slow  # the README's workflow, run once: minutes on 2 cores
 def test_index_and_starting_model(ran):
     root, out, _ = ran
     from rag_fast.retrieval import DenseIndex
@@ -63,6 +64,7 @@ def test_index_and_starting_model(ran):
     assert side["options"]["question_pooling"] == "mean" and side["options"]["normalize_questions"]
 
 
+@pytest.mark.slow  # the README's workflow, run once: minutes on 2 cores
 def test_training_outputs(ran):
     root, out, err = ran
     run = root / "work/run"
@@ -75,6 +77,7 @@ def test_training_outputs(ran):
     assert "Loading weights" not in err  # third-party bars are quiet by default
 
 
+@pytest.mark.slow  # the README's workflow, run once: minutes on 2 cores
 def test_trained_model_loads_in_transformers(ran):
     import torch
     from transformers import RagTokenForGeneration
@@ -94,6 +97,7 @@ def test_trained_model_loads_in_transformers(ran):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # the README's workflow, run once: minutes on 2 cores
 def test_eval_writes_predictions_with_passage_titles(ran):
     root, out, _ = ran
     rows = [json.loads(x) for x in (root / "work/eval/predictions.jsonl").read_text().splitlines()]
@@ -108,6 +112,7 @@ def test_eval_writes_predictions_with_passage_titles(ran):
     assert all(len(repr(v)) <= 6 for v in metrics.values())  # rounded, no 0.0400000001
 
 
+@pytest.mark.slow  # the README's workflow, run once: minutes on 2 cores
 def test_generate_answers_with_the_trained_model(ran):
     from rag_fast.models import RagModel
     from rag_fast.models.retriever_io import load_retriever
