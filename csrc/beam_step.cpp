@@ -6,12 +6,24 @@
 // max_k (a + x - L) + log K + bias + beam_score cannot beat the current n-th best is skipped
 // after the K loads and maxima, without any exp; once the list fills (after a few hundred
 // tokens) almost every vector is skipped. The W per-beam lists of a question are then merged.
+//
+// For question b, beam j, passage k and token v, with the row normaliser
+// L[b,j,k] = logsumexp_v x[b,j,k,v]:
+//   M[b,j,v] = logsumexp_k (a[b,k] + x[b,j,k,v] - L[b,j,k])      marginal log-probs
+//   c[b,j,v] = (M[b,j,v] + bias[b*W+j, v]) + beam_score[b,j]     candidate score
+// and the output is the n best (j, v) per question, sorted by score descending, ties broken by
+// the lower flat index j*V + v first. Reads the logits twice (normalisers, then the marginal
+// with a running top-n per beam), never materializes M or c.
+//
+// Nothing is validated here: the Python op checked shapes, dtypes, strides (stride 1 along v),
+// n <= W*V, and made log_prior, beam_scores, bias and outputs contiguous.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
-#include "beam_step.h"
+#include "kernels.h"
+#include "registry.h"
 #include "vec.h"
 
 #ifndef RAG_FAST_VARIANT
@@ -19,6 +31,21 @@
 #endif
 
 namespace rag_fast {
+
+struct BeamStepArgs {
+  const void* logits;  // x[b, j, k, v], element strides (sb, sw, sk), stride 1 along v
+  DType dtype;
+  int64_t B, W, K, V;
+  int64_t sb, sw, sk;
+  const float* log_prior;    // a [B, K]; -inf marks a missing passage
+  const float* beam_scores;  // [B, W]
+  const float* bias;         // [B*W, V] or null
+  int64_t n;                 // candidates per question, 1 <= n <= W*V
+  float* out_scores;         // [B, n]
+  int64_t* out_beams;        // [B, n]
+  int64_t* out_tokens;       // [B, n]
+};
+
 namespace RAG_FAST_VARIANT {
 namespace {
 
@@ -193,15 +220,10 @@ void beam_step(const BeamStepArgs& a) {
   }
 }
 
-#define RAG_FAST_BEAM_STR2(x) #x
-#define RAG_FAST_BEAM_STR(x) RAG_FAST_BEAM_STR2(x)
-
 }  // namespace
 
-const BeamStepTable& beam_step_table() {
-  static const BeamStepTable t{RAG_FAST_BEAM_STR(RAG_FAST_VARIANT), &beam_step};
-  return t;
-}
+RAG_FAST_KERNEL(rag_token_beam_step, BeamStepArgs, beam_step,
+                "Fused RAG-Token beam step: top-n (score, beam, token) per question.");
 
 }  // namespace RAG_FAST_VARIANT
 }  // namespace rag_fast

@@ -16,9 +16,23 @@
 #endif
 
 #include "kernels.h"
+#include "registry.h"
 #include "vec.h"
 
 namespace rag_fast {
+
+// out[b, n] = q[b] . x[n] (float32, rows of length d at strides ldq, ldx, ldo), each score by
+// the same sequence of operations whatever B, N and the pair's place.
+struct InnerProductsArgs {
+  const float* q;
+  int64_t B, ldq;
+  const float* x;
+  int64_t N, ldx;
+  int64_t d;
+  float* out;
+  int64_t ldo;
+};
+
 namespace RAG_FAST_VARIANT {
 namespace {
 
@@ -156,7 +170,9 @@ void inner_products(const InnerProductsArgs& a) {
 
 }  // namespace
 
-InnerProductsFn inner_products_fn() { return &inner_products; }
+RAG_FAST_KERNEL(inner_products, InnerProductsArgs, inner_products,
+                "out[b, n] = q[b] . x[n], float32, each score by the same sequence of operations "
+                "whatever the shapes.");
 
 }  // namespace RAG_FAST_VARIANT
 }  // namespace rag_fast

@@ -1,5 +1,6 @@
 // The RAG losses' CPU kernels (rag_fast/ops/rag_losses.py), compiled once per instruction set
-// (RAG_FAST_VARIANT names the variant), and the variant's KernelTable.
+// (RAG_FAST_VARIANT names the variant): their argument structs, the kernels, and one
+// RAG_FAST_KERNEL line each that makes it rag_fast._C.<name> (csrc/registry.h).
 // Row kernels read the logits row by row (one row = one (b, k, t) over the vocabulary); the
 // RAG-Token kernels hold the K rows of one (b, t) together, tile by tile over the vocabulary.
 // All accumulate in fp32 registers (long sums flushed to double) and are multithreaded with
@@ -16,6 +17,7 @@
 #endif
 
 #include "kernels.h"
+#include "registry.h"
 #include "vec.h"
 
 #ifndef RAG_FAST_VARIANT
@@ -23,6 +25,112 @@
 #endif
 
 namespace rag_fast {
+
+// Per-row statistics, one read of the logits. Row r = (b*K + k)*T + t.
+//   lse[r]   = logsumexp_v x[b,k,t,v], in double: row max + log(sum of exp) without the fp32
+//              rounding of a number of the logits' size, so that x - lse keeps fp32's
+//              precision (1 - P near P = 1 then carries only the rounding of P itself)
+//   x_tgt[r] = x[b,k,t,y[b,t]]   (0 where y[b,t] == ignore_index)
+//   x_sum[r] = sum_v x[b,k,t,v]
+// targets: int64 [B, T] contiguous, or null (then x_tgt is all 0). Outputs: [B*K*T], lse
+// float64, the others float32. Every kernel that takes lse takes it as float64 [B, K, T].
+struct RowStatsArgs {
+  LogitsView x;
+  const int64_t* targets;
+  int64_t ignore_index;
+  double* lse;
+  float* x_tgt;
+  float* x_sum;
+};
+
+// Per-row gradient, one read and one write:
+//   out[b,k,t,v] = c_p[r] * exp(x - lse[r]) + c_y[r] * (v == y[b,t]) + c_1[r]
+// out has the logits' dtype and element strides (ob, ok, ot), stride 1 along v; it may alias x.
+struct RowGradArgs {
+  LogitsView x;
+  const int64_t* targets;  // may be null: no one-hot term
+  int64_t ignore_index;
+  const double* lse;
+  const float* c_p;
+  const float* c_y;
+  const float* c_1;
+  void* out;
+  int64_t ob, ok, ot;
+};
+
+// RAG-Token kernels hold the K rows of one (b, t) together, tile by tile over v. With the
+// passage log-prior a (float32 [B, K] contiguous, -inf for a missing passage) and lse from
+// row_stats (float64 [B, K, T] contiguous):
+//   M[b,t,v]   = logsumexp_k (a[b,k] + x[b,k,t,v] - lse[b,k,t])     marginal log-probs
+//   R[b,k,t,v] = exp(a + x - lse - M)                               passage posterior
+//   P[b,k,t,v] = exp(x - lse)                                       token distribution
+// Outputs indexed [B, T] are contiguous float32; `out` has the logits' dtype and element
+// strides (ob, ok, ot), stride 1 along v, and may alias x.
+
+// sum_m[b,t] = sum_v M,  rho[b,k,t] = sum_v R.
+struct TokenSmoothStatsArgs {
+  LogitsView x;
+  const float* a;
+  const double* lse;
+  float* sum_m;
+  float* rho;
+};
+
+// row_stats and token_smooth_stats in one read of the logits: the K rows of each (b, t) are
+// read from memory once and kept, as exp(x - block max), in a K x V fp32 buffer per thread
+// while all threads' buffers fit in a fixed budget (16 MiB), else recomputed block by block
+// (see rag_losses.cpp):
+//   lse, x_tgt, x_sum as RowStatsArgs; sum_m[b,t] = sum_v M; rho[b,k,t] = sum_v R.
+// a: float32 [B, K] log-prior; targets: int64 [B, T] contiguous or null; rho may be null (not
+// computed: only the backward needs it).
+struct TokenSmoothForwardArgs {
+  LogitsView x;
+  const int64_t* targets;
+  int64_t ignore_index;
+  const float* a;
+  double* lse;
+  float* x_tgt;
+  float* x_sum;
+  float* sum_m;
+  float* rho;
+};
+
+// out = c_p * P + c_y * onehot(y) + c_1 + c_r[b,t] * R   (c_p, c_y, c_1: [B, K, T]).
+struct TokenSmoothGradArgs {
+  LogitsView x;
+  const int64_t* targets;  // int64 [B, T] contiguous, or null: no one-hot term
+  int64_t ignore_index;
+  const float* a;
+  const double* lse;
+  const float* c_p;
+  const float* c_y;
+  const float* c_1;
+  const float* c_r;
+  void* out;
+  int64_t ob, ok, ot;
+};
+
+// m[b,t,v] = M, float32 [B, T, V] contiguous.
+struct TokenMarginalArgs {
+  LogitsView x;
+  const float* a;
+  const double* lse;
+  float* m;
+};
+
+// With m = M and g = dloss/dM (both float32 [B, T, V] contiguous):
+//   c[b,k,t] = sum_v R * g,  out = R * g - P * c.
+struct TokenMarginalGradArgs {
+  LogitsView x;
+  const float* a;
+  const double* lse;
+  const float* m;
+  const float* g;
+  float* c;
+  void* out;
+  int64_t ob, ok, ot;
+};
+
 namespace RAG_FAST_VARIANT {
 namespace {
 
@@ -776,27 +884,42 @@ void by_dtype(const Args& a) {
   }
 }
 
-#define RAG_FAST_STR2(x) #x
-#define RAG_FAST_STR(x) RAG_FAST_STR2(x)
+void token_smooth_stats(const TokenSmoothStatsArgs& a) {
+  by_dtype<TokenSmoothStatsArgs, token_smooth_stats_impl<float>,
+           token_smooth_stats_impl<uint16_t>>(a);
+}
+void token_smooth_grad(const TokenSmoothGradArgs& a) {
+  by_dtype<TokenSmoothGradArgs, token_smooth_grad_impl<float>, token_smooth_grad_impl<uint16_t>>(
+      a);
+}
+void token_marginal(const TokenMarginalArgs& a) {
+  by_dtype<TokenMarginalArgs, token_marginal_impl<float>, token_marginal_impl<uint16_t>>(a);
+}
+void token_marginal_grad(const TokenMarginalGradArgs& a) {
+  by_dtype<TokenMarginalGradArgs, token_marginal_grad_impl<float>,
+           token_marginal_grad_impl<uint16_t>>(a);
+}
 
 }  // namespace
 
+RAG_FAST_KERNEL(row_stats, RowStatsArgs, row_stats,
+                "Per-row logsumexp, target logit and sum of logits.");
+RAG_FAST_KERNEL(row_grad, RowGradArgs, row_grad,
+                "out = c_p * softmax(x) + c_y * onehot(y) + c_1, per row.");
+RAG_FAST_KERNEL(token_smooth_forward, TokenSmoothForwardArgs, token_smooth_forward,
+                "row_stats and token_smooth_stats in one read of the logits.");
+RAG_FAST_KERNEL(token_smooth_stats, TokenSmoothStatsArgs, token_smooth_stats,
+                "sum_v of the RAG-Token marginal M per (b, t), and rho = sum_v R per row.");
+RAG_FAST_KERNEL(token_smooth_grad, TokenSmoothGradArgs, token_smooth_grad,
+                "out = c_p * P + c_y * onehot(y) + c_1 + c_r * R.");
+RAG_FAST_KERNEL(token_marginal, TokenMarginalArgs, token_marginal,
+                "RAG-Token marginal log-probs M [B, T, V].");
+RAG_FAST_KERNEL(token_marginal_grad, TokenMarginalGradArgs, token_marginal_grad,
+                "c = sum_v R * g and out = R * g - P * c, the marginal's backward.");
+
+// The variant's identity (dispatch.cpp picks one variant for every kernel).
 const KernelTable& table() {
-  static const KernelTable t{
-      RAG_FAST_STR(RAG_FAST_VARIANT),
-      kLanes * 4,
-      &row_stats,
-      &row_grad,
-      &token_smooth_forward,
-      &by_dtype<TokenSmoothStatsArgs, token_smooth_stats_impl<float>,
-                token_smooth_stats_impl<uint16_t>>,
-      &by_dtype<TokenSmoothGradArgs, token_smooth_grad_impl<float>,
-                token_smooth_grad_impl<uint16_t>>,
-      &by_dtype<TokenMarginalArgs, token_marginal_impl<float>, token_marginal_impl<uint16_t>>,
-      &by_dtype<TokenMarginalGradArgs, token_marginal_grad_impl<float>,
-                token_marginal_grad_impl<uint16_t>>,
-      inner_products_fn(),
-  };
+  static const KernelTable t{RAG_FAST_REGISTRY_STR(RAG_FAST_VARIANT), kLanes * 4};
   return t;
 }
 
