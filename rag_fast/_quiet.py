@@ -9,6 +9,7 @@ third-party speaks; otherwise it is silenced for the whole process).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 _VERBOSE = os.environ.get("RAG_FAST_VERBOSE", "0") not in ("", "0")
@@ -39,6 +40,9 @@ def set_verbose(verbose: bool) -> None:
         pass
     warnings.filterwarnings("ignore", module="transformers")
     warnings.filterwarnings("ignore", module="huggingface_hub")
+    # the hub's HTTP retries ("Retrying in 1s [Retry 1/5]") log as warnings; the error that
+    # follows, if any, is what the command says
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 
 
 @contextlib.contextmanager

@@ -345,3 +345,20 @@ def test_an_unknown_option_is_reported_with_its_commands_usage_and_closest_optio
         cli.main(["train", "--config", "c.json", "stray"])
     assert capsys.readouterr().err.strip().endswith(
         "rag-fast train: error: unrecognized arguments: stray")
+
+
+def test_a_quiet_command_silences_the_hubs_retry_warnings():
+    """Without network, the hub logs each HTTP retry as a warning before the command's own
+    one-line error; a command without --verbose keeps only that line."""
+    import logging
+
+    from rag_fast._quiet import set_verbose
+
+    logger = logging.getLogger("huggingface_hub")
+    before = logger.level
+    try:
+        logger.setLevel(logging.NOTSET)
+        set_verbose(False)
+        assert logger.getEffectiveLevel() >= logging.ERROR
+    finally:
+        logger.setLevel(before)
