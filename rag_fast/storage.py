@@ -562,9 +562,11 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
             "away or choose another path")
     what = (f"is {KIND_WORDS.get(found, found)}, not {words}" if found is not None else
             "holds files rag_fast did not write")
-    raise FileExistsError(f"{flag} {str(out)!r} {what}; refused (even with --overwrite, "
-                          "rag_fast replaces only a folder of its own kind): choose another "
-                          "path or an empty folder")
+    # a command that writes into its own folder again (reuse: train, eval) has no --overwrite
+    rule = ("rag_fast writes only into a folder of its own kind" if reuse else
+            "even with --overwrite, rag_fast replaces only a folder of its own kind")
+    raise FileExistsError(f"{flag} {str(out)!r} {what}; refused ({rule}): choose another path "
+                          "or an empty folder")
 
 
 def _real(path: str | os.PathLike) -> str:

@@ -362,3 +362,56 @@ def test_a_quiet_command_silences_the_hubs_retry_warnings():
         assert logger.getEffectiveLevel() >= logging.ERROR
     finally:
         logger.setLevel(before)
+
+
+def test_an_unknown_option_before_the_command_is_named(capsys):
+    """`rag-fast --frobnicate` names the option, not only the missing command."""
+    from rag_fast import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--frobnicate"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unrecognized arguments: --frobnicate" in err, err
+    with pytest.raises(SystemExit):
+        cli.main([])
+    assert "the following arguments are required" in capsys.readouterr().err
+
+
+def test_a_command_without_overwrite_never_suggests_it(tmp_path):
+    """eval and train write into their own folder again; refusing another folder they do not
+    point at an --overwrite they lack."""
+    from rag_fast.storage import EVAL_KIND, check_output_folder
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(FileExistsError) as exc:
+        check_output_folder(tmp_path / "mine", EVAL_KIND, reuse=True, flag="--out")
+    assert "--overwrite" not in str(exc.value) and "refused" in str(exc.value), exc.value
+    with pytest.raises(FileExistsError, match="even with --overwrite"):
+        check_output_folder(tmp_path / "mine", EVAL_KIND, overwrite=True, flag="--out")
+
+
+def test_errors_name_the_flags_not_the_library_arguments(tmp_path, capsys):
+    """A new user's pass found library parameter names in command errors."""
+    from rag_fast import cli
+
+    assert cli.main(["init", "--generator", str(tmp_path / "g.json"), "--out",
+                     str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "--question-encoder" in err and "--index" in err and "question_encoder" not in err, err
+    assert cli.main(["index", "search", str(tmp_path), "a question", "-k", "0"]) == 2
+    assert "-k must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_missing_passages_file_is_said_as_the_flag(tmp_path, capsys, monkeypatch):
+    from rag_fast import cli
+    from rag_fast.cli import index as index_command
+
+    def missing(passages, *args, **kwargs):  # what the passage reader raises
+        raise FileNotFoundError(f"passages: {passages!r} does not exist")
+
+    monkeypatch.setattr(index_command, "build_index_bundle", missing)
+    assert cli.main(["index", "build", "--passages", str(tmp_path / "p.jsonl"), "--encoder",
+                     "e", "--out", str(tmp_path / "kb")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rag-fast: error: --passages: ") and "does not exist" in err, err

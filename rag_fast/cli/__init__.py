@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     error (one line, the traceback in a file); 130 interrupted."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    _give_argv(parser, argv, frozenset(s for a in parser._actions for s in a.option_strings))
+    top = frozenset(s for a in parser._actions for s in a.option_strings)
+    parser.argv, parser.top_options = argv, top  # `rag-fast --typo`: the typo, not the command
+    _give_argv(parser, argv, top)
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unknown_options(getattr(args, "_command_parser", parser), extra)

@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from rag_fast.cli.common import check_positive
 from rag_fast.retrieval.bundle import build_index_bundle, describe_quality, load_index_bundle
 from rag_fast.retrieval.encoders import Encoder
 from rag_fast.retrieval.index import PRESETS
@@ -85,16 +86,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    build_index_bundle(
-        args.passages, args.encoder, args.out, query_encoder=args.query_encoder,
-        preset=args.preset, on_disk=args.on_disk, target_recall=args.target_recall,
-        queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
-        max_length=args.max_length, batch_size=args.batch_size, device=args.device,
-        overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress)
+    try:
+        build_index_bundle(
+            args.passages, args.encoder, args.out, query_encoder=args.query_encoder,
+            preset=args.preset, on_disk=args.on_disk, target_recall=args.target_recall,
+            queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
+            max_length=args.max_length, batch_size=args.batch_size, device=args.device,
+            overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress)
+    except FileNotFoundError as e:  # the passage reader names its argument: say the flag
+        if str(e).startswith("passages: "):
+            raise FileNotFoundError("--passages: " + str(e).removeprefix("passages: ")) from None
+        raise
     return 0
 
 
 def run_search(args: argparse.Namespace) -> int:
+    check_positive(("-k", args.k))
     manifest, store, index = load_index_bundle(args.dir, verify=not args.no_verify)
     spec = manifest["query_encoder"]
     encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],

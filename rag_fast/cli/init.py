@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
             and args.generator_tokenizer is None):
         raise ValueError(f"--generator {args.generator!r} is a config file: give "
                          "--generator-tokenizer (a tokenizer name or folder) for its vocabulary")
+    if args.question_encoder is None and args.index is None:
+        raise ValueError("give --question-encoder (a name or folder) or --index (an index "
+                         "directory whose question encoder to use)")
     out = Path(args.out)
     try:
         model = build_rag_model(generator=args.generator, question_encoder=args.question_encoder,
