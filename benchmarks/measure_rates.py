@@ -428,7 +428,7 @@ def render_doc(rates: dict, doc: pathlib.Path, check: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="the rates JSON")
     p.add_argument("--render", action="store_true", help="only rewrite docs/scale.md from --out")
     p.add_argument("--check", action="store_true", help="only compare docs/scale.md with --out")

@@ -131,7 +131,7 @@ def _update(path: str, sections: dict[str, tuple[str, str]], check: bool) -> boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="only compare; exit 1 naming every section that differs")
     parser.add_argument("--readme", default=str(ROOT / "README.md"))

@@ -30,7 +30,7 @@ def available_benches() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="quick", action="store_true", default=True,
                       help="small sizes, about 3 minutes on 2 CPU cores (default; +2 the first time)")

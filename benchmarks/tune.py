@@ -331,7 +331,7 @@ def _dump(args, result: dict) -> None:
 
 # ---- command line ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="docs/tuning.md lists every tuned constant and how it was chosen.")
     # the metavar lists the public commands only (the internal _kernel-times stays unlisted)

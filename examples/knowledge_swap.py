@@ -504,7 +504,7 @@ def render(payload: dict, source: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--entities", type=int, default=600)
     p.add_argument("--pool-size", type=int, default=24, help="values per attribute")
     p.add_argument("--steps", type=int, default=1500)

@@ -415,3 +415,14 @@ def test_a_missing_passages_file_is_said_as_the_flag(tmp_path, capsys, monkeypat
                      "e", "--out", str(tmp_path / "kb")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rag-fast: error: --passages: ") and "does not exist" in err, err
+
+
+def test_an_abbreviated_option_is_a_typo_not_a_prefix(tmp_path, capsys):
+    """argparse would take `--dat` for `--data`; rag-fast names it instead."""
+    from rag_fast import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["eval", "--dat", str(tmp_path / "d.jsonl"), "--model", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unrecognized arguments: --dat" in err, err
+    assert "did you mean --data?" in err, err

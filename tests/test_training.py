@@ -190,3 +190,10 @@ def test_optimizer_is_fused_adamw_where_every_parameter_allows_it():
     mixed = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Embedding(3, 2)])
     mixed[1].weight.data = mixed[1].weight.data.to(torch.complex64)  # fused AdamW: no complex
     assert not make_optimizer(mixed, config).defaults["fused"]
+
+
+def test_a_warm_up_longer_than_the_run_is_clamped_with_a_warning():
+    """Shortening max_steps for a quick run keeps the config's warm-up, clamped to the run."""
+    with pytest.warns(UserWarning, match="warmup_steps 10 is more than max_steps 3"):
+        tc = config(max_steps=3, warmup_steps=10)
+    assert tc.warmup_steps == 3

@@ -49,6 +49,11 @@ class _Parser(argparse.ArgumentParser):
     argv: list[str] | None = None
     top_options: frozenset[str] = frozenset()
 
+    def __init__(self, *args, **kwargs) -> None:
+        # no prefix matching: `--n-doc` is a typo to name, not a silent `--n-docs`
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         if message.startswith("the following arguments are required") and self.argv:
             known = self.top_options | {s for a in self._actions for s in a.option_strings}

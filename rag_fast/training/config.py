@@ -7,6 +7,7 @@ import difflib
 import json
 import math
 import os
+import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any
@@ -45,7 +46,7 @@ class TrainConfig:
     weight_decay: float = _option(0.0, "AdamW weight decay of matrices (not biases or norms)")
     betas: tuple[float, float] = _option((0.9, 0.999), "AdamW betas")
     adam_eps: float = _option(1e-8, "AdamW epsilon")
-    warmup_steps: int = _option(0, "steps of linear warm-up to lr (at most max_steps)")
+    warmup_steps: int = _option(0, "steps of linear warm-up to lr (more than max_steps: clamped, with a warning)")
     schedule: str = _option("linear", "decay after warm-up: linear | cosine | constant")
     max_grad_norm: float | None = _option(1.0, "gradient clipping norm; None: no clipping")
     precision: str = _option("fp32", "fp32 | bf16 | fp16 (autocast; fp16 with a grad scaler)")
@@ -98,8 +99,13 @@ class TrainConfig:
         if self.refresh_encoder not in REFRESH_ENCODERS:
             raise ValueError(f"refresh_encoder must be one of {REFRESH_ENCODERS}, got "
                              f"{self.refresh_encoder!r}")
-        if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
+        if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
+        if self.warmup_steps > self.max_steps:  # a shortened run keeps its other settings
+            warnings.warn(f"warmup_steps {self.warmup_steps} is more than max_steps "
+                          f"{self.max_steps}: the warm-up is clamped to {self.max_steps} steps",
+                          UserWarning, stacklevel=3)
+            self.warmup_steps = self.max_steps
         if self.adam_eps <= 0:
             raise ValueError(f"adam_eps must be > 0, got {self.adam_eps!r}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
