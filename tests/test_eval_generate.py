@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from test_generation_cli import _tokenizer as word_tokenizer
 
 from rag_fast import cli
 from rag_fast.evaluation import QAExample, evaluate
@@ -35,15 +36,7 @@ class _Passages:
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": i for i in range(4, V)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", pad_token="<pad>",
-                                   eos_token="</s>", unk_token="<unk>")
+    return word_tokenizer(V)
 
 
 def _cli_answers(tmp_path, model_dir, doc_scores, max_new_tokens) -> list[str]:
