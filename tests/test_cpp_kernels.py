@@ -324,3 +324,19 @@ def test_fused_forward_without_any_buffer():
     B, K, T, V = 1, 5, 2, 900_001
     x, a, y, _ = _inputs(B, K, T, V, torch.float32)
     check_smooth_forward(x, a, y)
+
+
+def test_every_registered_kernel_checks_its_argument_count():
+    """The bindings come from the kernels' own registrations (csrc/registry.h): each takes
+    one int per field of its Args struct, and a call with another count is a TypeError naming
+    the kernel, not a read of arguments that were never passed."""
+    from rag_fast import _ext
+
+    C = _ext.get()
+    fields = {"row_stats": 14, "row_grad": 19, "token_smooth_forward": 17,
+              "token_smooth_stats": 13, "token_smooth_grad": 21, "token_marginal": 12,
+              "token_marginal_grad": 18, "inner_products": 9, "rag_token_beam_step": 16}
+    for name, n in fields.items():
+        with pytest.raises(TypeError, match=rf"rag_fast\._C\.{name} takes {n} int arguments, "
+                                            rf"got {n - 1}"):
+            getattr(C, name)(*([0] * (n - 1)))
