@@ -42,8 +42,8 @@ import dataclasses
 
 import torch
 
-from harness import (Context, Row, add_ratio, machine_words, measure_interleaved,
-                     noisy_note, run_command, spread_cell)
+from harness import (Context, Row, add_ratio, allocator_caption, machine_words,
+                     measure_interleaved, noisy_note, run_command, spread_cell)
 
 NAME = "decoding"
 VOCAB = 50265
@@ -312,7 +312,8 @@ def render(results: dict, source: str) -> str:
         f"{INIT_STD} so that passages lead to different beams (checked: the last column is the "
         "fewest distinct top beams among a question's 5 passages and distinct hypotheses among "
         "its 20, by transformers' own per-passage beam search). Medians of "
-        f"{GEN_REPEATS} timed runs after {GEN_WARMUP} warm-up, providers interleaved; spread = "
+        f"{GEN_REPEATS} timed runs after {GEN_WARMUP} warm-up, providers interleaved, with "
+        f"{allocator_caption(rows)}; spread = "
         "(max - min) / median; \"same ids\": every timed run returned transformers' ids. "
         "Baselines: transformers' `generate` (dynamic cache) and with "
         "`cache_implementation=\"static\"` where it keeps transformers' ids (RAG-Sequence; "

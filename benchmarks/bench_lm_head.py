@@ -15,12 +15,15 @@ Providers, on the same input:
 - ``transformers``: ``F.linear`` then ``transformers``' RAG ``get_nll`` (``log_softmax`` of the
   whole logits and the marginalisation over them), as a ``transformers`` RAG model computes it.
 
-Columns: time relative to the materialized path (the fused op runs one more GEMM of the LM
-head's size, two more for RAG-Token with label smoothing, and never writes a logits-sized
-buffer); speedup against ``transformers``; the peak resident set of one step beyond the
-weights and the gradients the step returns (``dW``, ``dh``, the scores' gradient), in MiB and
-as % of the logits' size (for the materialized path this includes its reused logits buffer,
-released before its measured call so that the peak counts it).
+Times: the providers' calls alternating (:func:`harness.measure_interleaved`), with glibc's
+allocator as it is by default, as in a user's process (``run.py`` records it in each row,
+``allocator``). Columns: time relative to the materialized path (the fused op runs one more GEMM
+of the LM head's size, two more for RAG-Token with label smoothing, and never writes a
+logits-sized buffer); speedup against ``transformers``; the peak resident set of one step (the
+harness's, after glibc returned its free memory to the kernel) beyond the weights and the
+gradients the step returns (``dW``, ``dh``, the scores' gradient), in MiB and as % of the
+logits' size (for the materialized path this includes its reused logits buffer, released before
+its measured call so that the peak counts it).
 
 :func:`render` turns a results file of this bench into the README's section.
 """
@@ -29,8 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from harness import (Context, Row, add_ratio, machine_words, measure_interleaved, run_command,
-                     runs_counted, spread_cell)
+from harness import (Context, Row, add_ratio, allocator_caption, machine_words,
+                     measure_interleaved, run_command, runs_counted, spread_cell)
 
 NAME = "lm_head"
 PAD = 1
@@ -177,8 +180,10 @@ def render(results: dict, source: str) -> str:
         "then `transformers`' RAG `get_nll` (`log_softmax` over the whole logits). Time vs "
         "materialized: fused time / materialized time (below 1: the fused op is faster). "
         f"Medians of {runs_counted(rows)} timed calls after warm-up, the providers' calls "
-        "alternating; a ratio marked (noisy) has a side whose spread exceeds 20% or runs that "
-        "overlap the other side's. Extra memory: the peak resident set of one step above the "
-        "resident set before it, less the gradients the step returns; % of the logits' size."
+        f"alternating, with {allocator_caption(rows)}; a ratio marked (noisy) has a side whose "
+        "spread exceeds 20% or runs that overlap the other side's. Extra memory: the peak "
+        "resident set of one step above the "
+        f"resident set before it ({allocator_caption(rows, memory=True)}), less the gradients "
+        "the step returns; % of the logits' size."
     )
     return caption + "\n\n" + "\n".join(lines)

@@ -13,13 +13,17 @@ same machine reuses its kernels and compiles faster. "read" is one plain read of
 (``x.sum()``), the memory-bandwidth floor of any loss.
 
 Each row: the median of ``ctx.repeats`` (>= 5) timed calls after warm-up, the four providers'
-calls alternating (:func:`harness.measure_interleaved`). Columns: ``speedup vs eager`` and
-``speedup vs compiled`` (flagged noisy by :func:`harness.add_ratio`); time relative to the
-read; peak extra memory of one call (the harness's per-call resident-set peak) as % of the
-logits (for fwd+bwd: beyond the logits' gradient, which every method must allocate).
-rag_fast's gradient comes from its CPU buffer pool (``rag_fast/_pool.py``), reused from call to
-call, and the baselines' from torch's allocator (fresh pages each call); the harness empties the
-pool before each peak-memory call, so the memory column counts the gradient.
+calls alternating (:func:`harness.measure_interleaved`), with glibc's allocator as it is by
+default, as in a user's process (``run.py`` records it in each row, ``allocator``). Columns:
+``speedup vs eager`` and ``speedup vs compiled`` (flagged noisy by :func:`harness.add_ratio`);
+time relative to the read; peak extra memory of one call (the harness's per-call resident-set
+peak, after glibc returned its free memory to the kernel, so that every page the call touches
+counts) as % of the logits (for fwd+bwd: beyond the logits' gradient, which every method must
+allocate). rag_fast's gradient comes from its CPU buffer pool (``rag_fast/_pool.py``), reused
+from call to call, and the baselines' from torch's allocator (a logits-sized gradient, beyond 32
+MiB, is fresh pages each call even with glibc's default allocator, in which the harness times
+every provider); the harness empties the pool before each peak-memory call, so the memory column
+counts the gradient.
 
 :func:`render` turns a results file of this bench into the README's losses section.
 """
@@ -29,8 +33,9 @@ import time
 
 import torch
 
-from harness import (Context, Measurement, Row, add_ratio, machine_words, measure,
-                     measure_interleaved, run_command, runs_counted, spread_cell)
+from harness import (ALLOCATOR_WORDS, Context, Measurement, Row, add_ratio, allocator_caption,
+                     machine_words, measure, measure_interleaved, run_command, runs_counted,
+                     spread_cell)
 
 NAME = "losses"
 PAD = 1
@@ -187,7 +192,7 @@ def _mem(row: dict) -> str:
     return "-" if v is None else f"{v:.0f}%" if v >= 10 else f"{v:.1f}%"
 
 
-def _pool_words(machine: dict) -> str:
+def _pool_words(machine: dict, rows: list[dict]) -> str:
     """What the caption says of rag_fast's CPU buffer pool: nothing for a run that predates it
     (its machine description has no ``rag_fast_pool_mb``)."""
     mb = machine.get("rag_fast_pool_mb")
@@ -195,9 +200,14 @@ def _pool_words(machine: dict) -> str:
         return ""
     if mb == 0:
         return " rag_fast's CPU buffer pool was off (`RAG_FAST_POOL_MB=0`)."
+    fixed = {r["extra"].get("allocator", ALLOCATOR_WORDS["fixed"]) for r in rows} == {
+        ALLOCATOR_WORDS["fixed"]}
+    fresh = ("get fresh pages from torch's allocator every call" if fixed else
+             "come from torch's allocator, which glibc maps afresh at every call even by default "
+             "(blocks beyond 32 MiB)")
     return (" rag_fast's gradient comes from its CPU buffer pool (`RAG_FAST_POOL_MB` "
             f"{mb}): the memory of the previous call's freed gradient, already resident, where "
-            "the baselines' gradients get fresh pages from torch's allocator every call; the "
+            f"the baselines' gradients {fresh}; the "
             "pool is emptied before the memory call, so the memory column counts the gradient "
             "(between calls the pool keeps the freed gradient's memory, which is not in it).")
 
@@ -242,12 +252,13 @@ def render(results: dict, source: str) -> str:
         "steady call, is the last column and is not in its step time; inductor's on-disk cache as "
         "a user's machine keeps it, so a repeated run compiles faster). "
         f"Times: medians of {counted} timed calls after warm-up, the providers' calls "
-        "alternating; spread = (max - min) / median of rag_fast's calls; a ratio marked (noisy) "
+        f"alternating, with {allocator_caption(rows)}; spread = (max - min) / median of "
+        "rag_fast's calls; a ratio marked (noisy) "
         "has a side whose spread exceeds 20% or runs that overlap the other side's. "
         "One read of the logits is `x.sum()`, the memory-bandwidth floor of any loss. Extra "
-        "memory: the peak resident set of one call above the resident set before it (glibc "
-        "made to unmap freed blocks of 1 MiB or more), as % of the logits; for fwd+bwd, beyond "
+        "memory: the peak resident set of one call above the resident set before it "
+        f"({allocator_caption(rows, memory=True)}), as % of the logits; for fwd+bwd, beyond "
         "the logits' gradient, which every method allocates."
-        + _pool_words(results["machine"])
+        + _pool_words(results["machine"], rows)
     )
     return caption + "\n\n" + "\n".join(lines)

@@ -29,9 +29,11 @@ of rag_fast's); only the loss path differs. Providers:
 
 Time (:func:`time_case`): each provider alone in fresh processes (:func:`time_provider`), so
 that no provider's allocations shape another's (glibc's heap, the CPU buffer pool, inductor's
-buffers), with glibc's allocator as it is by default, as in a user's training process
-(``RAG_FAST_BENCH_TIME_ALLOCATOR=fixed`` times them with the memory measurement's fixed 1 MiB
-mmap threshold instead, under which every large temporary is fresh pages the kernel zeroes).
+buffers), with glibc's allocator as it is by default, as in a user's training process and as
+every bench times (``RAG_FAST_BENCH_TIME_ALLOCATOR=fixed`` times them with the memory
+measurement's fixed 1 MiB mmap threshold instead, under which every large temporary is fresh
+pages the kernel zeroes); each row records the setting of its timing processes
+(``extra["allocator"]``, as ``run.py`` records the harness's for the other benches).
 ``ROUNDS`` rounds in which the providers take turns, each process ``WARMUP_STEPS`` warm-up
 steps then ``STEPS_PER_PROCESS`` timed ones (6 timed steps per provider), so that a machine
 whose speed drifts slows every provider alike (``--quick``: ``QUICK_ROUNDS`` round of
@@ -48,12 +50,13 @@ Denormal floats are flushed to zero in the timing processes (``torch.set_flush_d
 random decoder-only model's training reaches them after a few steps, and each of its steps then
 took 4x to 40x longer, for every provider.
 
-Memory (``benchmarks/memory.py``): each provider in its own fresh process builds its model and
-optimizer, runs one warm step whose gradients it keeps (``zero_grad(set_to_none=False)``), then
-one measured step. ``peak MB`` is the whole-step peak: the step's peak resident set above the
-bare process's before the model existed (parameters + gradients + optimizer state + the step's
-temporaries and buffers); ``step extra MB`` is the peak above the resident set after the warm
-step; ``memory vs eager`` is the whole-step peak's ratio to transformers eager's.
+Memory (``benchmarks/memory.py``): each provider in its own fresh process (glibc's mmap
+threshold fixed at 1 MiB there, for memory only) builds its model and optimizer, runs one warm
+step whose gradients it keeps (``zero_grad(set_to_none=False)``), then one measured step.
+``peak MB`` is the whole-step peak: the step's peak resident set above the bare process's before
+the model existed (parameters + gradients + optimizer state + the step's temporaries and buffers);
+``step extra MB`` is the peak above the resident set after the warm step; ``memory vs eager`` is
+the whole-step peak's ratio to transformers eager's.
 
 Cases: a small generator (d_model 256, 2+2 layers, V=50265) and a BART-base-sized one
 (d_model 768, 6+6 layers); B=4, K=5, 64 context tokens, 32 target tokens. ``--quick``: only the
@@ -69,8 +72,8 @@ import statistics
 
 import torch
 
-from harness import (ALLOCATOR_ENV, Context, Measurement, Row, add_ratio, allocator_setting,
-                     machine_words, run_command, runs_counted, spread_cell)
+from harness import (ALLOCATOR_ENV, ALLOCATOR_WORDS, Context, Measurement, Row, add_ratio,
+                     allocator_setting, machine_words, run_command, runs_counted, spread_cell)
 
 NAME = "training"
 EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
@@ -93,7 +96,6 @@ SIZES = {
                          causal=True),
 }
 CAUSAL_B, CAUSAL_TARGET = 2, 32  # decoder-only case: questions, answer tokens (16 in --quick)
-TIME_ALLOCATOR_WORDS = {"default": "glibc default", "fixed": "glibc, 1 MiB mmap threshold"}
 # the allocator the timing processes run with: "default" (as a user's process) unless this
 # variable says "fixed" (the memory measurement's setting, to see what it costs in time)
 TIME_ALLOCATOR_ENV = "RAG_FAST_BENCH_TIME_ALLOCATOR"
@@ -445,7 +447,7 @@ def run(ctx: Context) -> list[Row]:
             case_rows = _rows(case, measured, mem, timed["compile_s"], CAUSAL_B if causal else B,
                               GemmFloor(timed["gflop"], rate))
             for row in case_rows:
-                row.extra["time allocator"] = TIME_ALLOCATOR_WORDS[timed["allocator"]]
+                row.extra["allocator"] = ALLOCATOR_WORDS[timed["allocator"]]
                 row.extra["page faults/step"] = round(timed["faults"][row.provider])
                 row.extra["system s/step"] = round(timed["system_s"][row.provider], 3)
                 row.extra["warm-up steps"] = WARMUP_STEPS
@@ -581,11 +583,12 @@ def _one(rows: list[dict], key: str, default: int) -> int | str:
 
 def _time_process_words(rows: list[dict]) -> str:
     """How the steps were timed: the caption's clause (files that predate the timing processes:
-    the providers alternating in the benchmark's own process)."""
-    allocators = {r["extra"].get("time allocator") for r in rows}
-    where = {TIME_ALLOCATOR_WORDS["default"]: "glibc's allocator as it is by default, as in a "
-                                              "user's training process",
-             TIME_ALLOCATOR_WORDS["fixed"]: "glibc made to unmap freed blocks of 1 MiB or more"}
+    the providers alternating in the benchmark's own process). Rows of files from before the
+    field ``allocator`` name it ``time allocator``."""
+    allocators = {r["extra"].get("allocator", r["extra"].get("time allocator")) for r in rows}
+    where = {ALLOCATOR_WORDS["default"]: "glibc's allocator as it is by default, as in a "
+                                         "user's training process",
+             ALLOCATOR_WORDS["fixed"]: "glibc made to unmap freed blocks of 1 MiB or more"}
     if len(allocators) == 1 and next(iter(allocators)) in where:
         # files that predate these fields ran one warm-up step and ROUNDS x STEPS_PER_PROCESS
         n = _one(rows, "warm-up steps", 1)

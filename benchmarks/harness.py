@@ -14,16 +14,23 @@ noise could explain without saying so.
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` above the allocation before the call;
 on the CPU, the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) above
-the resident set before the call, so it counts every allocator, not only torch's. For that to
-see every large temporary, glibc must return freed large blocks to the system instead of
-keeping them resident for reuse: the harness fixes its mmap threshold at 1 MiB (which also turns
-off glibc's adaptive threshold), so every block of 1 MiB or more is mapped fresh and unmapped on
-free, for every provider alike. That is an instrument for memory, not how a user's process runs:
-each fresh mapping's pages are zeroed by the kernel on first touch, which costs time. A process
-started with ``RAG_FAST_BENCH_ALLOCATOR=default`` in its environment leaves glibc as it is by
-default (its adaptive threshold: blocks up to 32 MiB are reused from the heap once one of their
-size was freed); the training bench times each provider's steps in such processes
-(``bench_training.time_provider``) and measures their memory in others.
+the resident set before the call, so it counts every allocator, not only torch's. Right before
+it reads that resident set, the harness has glibc return its free memory to the kernel
+(``malloc_trim(0)``: the top of every arena's heap and, by ``madvise``, every free page inside
+them), so the resident set holds only live memory and every page the call touches counts,
+including blocks glibc would reuse from its heap (by default it keeps freed blocks of up to
+32 MiB there for reuse).
+
+Allocator: every bench times every provider with glibc's allocator as it is by default, as a
+user's process runs (its adaptive mmap threshold: once a mapped block of up to 32 MiB was freed,
+blocks of that size come from memory the process already holds). A process started with
+``RAG_FAST_BENCH_ALLOCATOR=fixed`` in its environment fixes glibc's mmap threshold at 1 MiB
+instead (which also turns off the adaptive threshold): every block of 1 MiB or more is mapped
+fresh and unmapped on free, each fresh page zeroed by the kernel at its first touch, which costs
+time. That is an instrument for memory, not how a user's process runs: only the training
+bench's fresh memory processes (``benchmarks/memory.py``) use it, and no bench times with it.
+``run.py`` records in every row the allocator its times were taken with
+(``extra["allocator"]``: :func:`allocator_words`, or the training bench's own).
 """
 from __future__ import annotations
 
@@ -57,10 +64,23 @@ def _fix_malloc_mmap_threshold(threshold: int = 1 << 20) -> bool:
         return False
 
 
-ALLOCATOR_ENV = "RAG_FAST_BENCH_ALLOCATOR"  # "default": leave glibc's allocator as it is
+ALLOCATOR_ENV = "RAG_FAST_BENCH_ALLOCATOR"  # "fixed": the 1 MiB mmap threshold (memory only)
+# how a row names each setting (``extra["allocator"]``)
+ALLOCATOR_WORDS = {"default": "glibc default", "fixed": "glibc, 1 MiB mmap threshold"}
+# how a caption names the setting of a file's rows: for their times, and for their memory
+ALLOCATOR_CAPTION = {
+    "glibc default": "glibc's allocator as it is by default, as in a user's process",
+    "glibc, 1 MiB mmap threshold": "glibc made to unmap freed blocks of 1 MiB or more (every "
+                                   "large temporary fresh pages, which the kernel zeroes)",
+}
+MEMORY_CAPTION = {
+    "glibc default": "glibc's free memory returned to the kernel first by `malloc_trim`, so "
+                     "that every page the call touches counts",
+    "glibc, 1 MiB mmap threshold": "glibc made to unmap freed blocks of 1 MiB or more",
+}
 
 
-def allocator_setting(variable: str = ALLOCATOR_ENV, default: str = "fixed") -> str:
+def allocator_setting(variable: str = ALLOCATOR_ENV, default: str = "default") -> str:
     """``"fixed"`` or ``"default"`` from the environment variable ``variable``."""
     value = os.environ.get(variable, default)
     if value not in ("fixed", "default"):
@@ -70,6 +90,53 @@ def allocator_setting(variable: str = ALLOCATOR_ENV, default: str = "fixed") -> 
 
 ALLOCATOR = allocator_setting()
 MALLOC_FIXED = _fix_malloc_mmap_threshold() if ALLOCATOR == "fixed" else False
+
+
+def allocator_words() -> str:
+    """The allocator this process times with, as a row records it (``extra["allocator"]``)."""
+    return ALLOCATOR_WORDS["fixed" if MALLOC_FIXED else "default"]
+
+
+def stamp_allocator(rows: list[Row], words: str | None = None) -> list[Row]:
+    """Record in each row that lacks it the allocator its times were taken with (``words``,
+    default: this process's, :func:`allocator_words`); a bench that times elsewhere (the
+    training bench's fresh processes) sets its rows' own. Returns ``rows``."""
+    words = words or allocator_words()
+    for row in rows:
+        row.extra.setdefault("allocator", words)
+    return rows
+
+
+def allocator_caption(rows: list[dict], memory: bool = False,
+                      before: str = ALLOCATOR_WORDS["fixed"]) -> str:
+    """How a caption says the allocator a results file's rows were timed with (``memory``: how
+    their peak memory was measured in it), from their ``extra["allocator"]``; ``before`` for
+    rows that predate the field (until then the harness timed every bench but the training one
+    with the fixed threshold). Several settings (never the case in one run) joined by "and"."""
+    words = sorted({r.get("extra", {}).get("allocator", before) for r in rows} or {before})
+    table = MEMORY_CAPTION if memory else ALLOCATOR_CAPTION
+    return " and ".join(table.get(w, w) for w in words)
+
+
+_MALLOC_TRIM = None  # glibc's malloc_trim, once looked up; False where there is none
+
+
+def _malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: the free memory of every arena back to the kernel (the top
+    of each heap, and every whole free page inside it by ``madvise``). False without glibc."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(name).malloc_trim if name else False
+        except (OSError, AttributeError):  # not glibc
+            _MALLOC_TRIM = False
+        if _MALLOC_TRIM:
+            _MALLOC_TRIM.argtypes, _MALLOC_TRIM.restype = [ctypes.c_size_t], ctypes.c_int
+    if not _MALLOC_TRIM:
+        return False
+    _MALLOC_TRIM(0)
+    return True
 
 
 NOISY_SPREAD = 0.20  # a measurement whose (max - min) / median exceeds this is flagged noisy
@@ -200,7 +267,11 @@ def _reset_peak_rss() -> bool:
 
 
 def peak_memory_mb(fn: Callable[[], object], device: str) -> float | None:
-    """Peak extra memory (MB) of one call of ``fn``, beyond what was allocated before it."""
+    """Peak extra memory (MB) of one call of ``fn``, beyond what was allocated before it.
+
+    CPU: the peak resident set during the call above the resident set before it, after glibc
+    returned its free memory to the kernel (:func:`_malloc_trim`), so that a block the call
+    reuses from glibc's heap (or from rag_fast's buffer pool, emptied first) counts too."""
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -214,6 +285,7 @@ def peak_memory_mb(fn: Callable[[], object], device: str) -> float | None:
         return peak / 2**20
     if "rag_fast" in sys.modules:  # memory its buffer pool keeps idle would hide a call's peak
         sys.modules["rag_fast"].empty_cache()
+    _malloc_trim()  # free heap pages are not resident: every page the call touches counts
     if not _reset_peak_rss():
         return None
     before = _rss_kb("VmRSS")

@@ -2,8 +2,10 @@
 
 :func:`step_memory` starts a new Python process for one provider and, in it:
 
-1. fixes glibc's mmap threshold as the harness does (every block of 1 MiB or more is mapped
-   fresh and unmapped on free, so a freed temporary leaves the resident set at once);
+1. fixes glibc's mmap threshold at 1 MiB, as the harness does with
+   ``RAG_FAST_BENCH_ALLOCATOR=fixed`` (every block of 1 MiB or more is mapped fresh and unmapped
+   on free, so a freed temporary leaves the resident set at once): an instrument for memory,
+   whatever the parent's setting; nothing is timed in these processes;
 2. imports the factory's module (and ``imports``), collects garbage and reads the resident set
    of the bare process (``VmRSS``): the interpreter, torch and the libraries, no model;
 3. calls the factory, which builds the model and its optimizer and returns a ``step()``
@@ -21,7 +23,8 @@ its error.
 
 :func:`call_fresh`, which it runs on, calls any module-level function in a new process and returns
 its (JSON) result: the training bench times each provider that way too
-(``bench_training.time_provider``), in processes whose allocator is as glibc sets it by default.
+(``bench_training.time_provider``), in processes whose allocator is as glibc sets it by default,
+as every bench times (``harness.py``).
 """
 from __future__ import annotations
 

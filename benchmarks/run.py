@@ -7,6 +7,10 @@ leaves the checkout clean; ``--out PATH`` writes elsewhere, e.g. a results file 
 ``benchmarks/results/*.json``). ``--quick`` (the default) keeps the whole run within about 3
 minutes on 2 CPU cores, plus about 2 minutes the first time, when the index bench embeds its
 real-text corpus (cached under the git-ignored ``benchmarks/results/local/cache``).
+
+Every row records the allocator its times were taken with (``extra["allocator"]``): glibc's as it
+is by default, unless the bench set its own (the training bench times in fresh processes) or
+``RAG_FAST_BENCH_ALLOCATOR=fixed`` fixed glibc's mmap threshold (``harness.py``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 LOCAL_RESULTS = HERE / "results" / "local"  # in .gitignore
 sys.path.insert(0, str(HERE))
 
-from harness import Context, machine_description, markdown_table, plot_curves, write_json  # noqa: E402
+from harness import (Context, machine_description, markdown_table, plot_curves,  # noqa: E402
+                     stamp_allocator, write_json)
 
 
 def available_benches() -> dict[str, str]:
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         module = importlib.import_module(benches[name])
         assert module.NAME == name, f"{benches[name]}.py must set NAME = {name!r}"
-        rows = module.run(ctx)
+        rows = stamp_allocator(module.run(ctx))  # the allocator of the times, on every row
         all_rows += rows
         print(f"## {name}  ({time.perf_counter() - start:.0f} s)\n")
         print(markdown_table(rows) + "\n", flush=True)

@@ -421,8 +421,9 @@ LOCAL_RESULTS = ROOT / "benchmarks" / "results" / "local"  # git-ignored
 def machine() -> dict:
     """The benchmark harness's description of this machine (CPU, cores, torch, threads), or
     the same basic fields when the harness is not beside this file (an installed copy). The
-    harness is imported only here, after the run: importing it sets glibc's mmap threshold,
-    which the example's own timing should not depend on."""
+    harness is imported only here, after the run: with ``RAG_FAST_BENCH_ALLOCATOR=fixed``
+    importing it sets glibc's mmap threshold, which the example's own timing should not depend
+    on."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from harness import machine_description

@@ -89,21 +89,42 @@ def test_bad_arguments_are_named():
 
 # Page faults of a loop that allocates, touches and frees a 2 MiB block (512 pages; under the
 # 4 MiB from which numpy asks for huge pages), in a process whose allocator is as the harness
-# leaves it there.
+# leaves it there; and how many times importing the harness called glibc's mallopt.
 FAULTS = textwrap.dedent("""
     import resource
 
     import numpy as np
 
     def faults(blocks):
-        import harness
+        import ctypes
+
+        import torch  # noqa: F401  (imported before the spy: it loads libraries through ctypes)
+
+        calls = []  # the functions of a library loaded through ctypes that harness's import uses
+
+        class Spy:
+            def __init__(self, lib):
+                self.lib = lib
+
+            def __getattr__(self, name):
+                calls.append(name)
+                return getattr(self.lib, name)
+
+        real = ctypes.CDLL
+        ctypes.CDLL = lambda *args, **kwargs: Spy(real(*args, **kwargs))
+        try:
+            import harness
+        finally:
+            ctypes.CDLL = real
 
         np.ones(2 * 2**20, dtype=np.uint8)  # one freed block of this size first
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(blocks):
             np.ones(2 * 2**20, dtype=np.uint8)
         pages = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        return {"allocator": harness.ALLOCATOR, "fixed": harness.MALLOC_FIXED, "faults": pages}
+        return {"allocator": harness.ALLOCATOR, "fixed": harness.MALLOC_FIXED,
+                "words": harness.allocator_words(), "mallopt": calls.count("mallopt"),
+                "faults": pages}
 
     def echo(*args, **kwargs):
         return {"args": list(args), "kwargs": kwargs}
@@ -130,21 +151,27 @@ def test_call_fresh_returns_the_result_and_names_failures(fake_module, faults_mo
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_allocator_setting_reaches_the_fresh_process(faults_module):
-    """By default the harness maps every block of 1 MiB or more fresh (each 2 MiB block faults
-    its 512 pages in again); with RAG_FAST_BENCH_ALLOCATOR=default glibc's adaptive threshold
-    reuses a freed block of that size (next to no faults)."""
+def test_allocator_setting_reaches_the_fresh_process(faults_module, monkeypatch):
+    """By default (no RAG_FAST_BENCH_ALLOCATOR) the harness leaves glibc's allocator as it is, as
+    a user's process runs: no mallopt at import, and its adaptive threshold reuses a freed 2 MiB
+    block (next to no faults); RAG_FAST_BENCH_ALLOCATOR=fixed maps every block of 1 MiB or more
+    fresh (each 2 MiB block faults its 512 pages in again)."""
     import harness
 
+    monkeypatch.delenv(harness.ALLOCATOR_ENV, raising=False)
+    unset = memory.call_fresh("fake_faults:faults", 20, path=(faults_module,))
     fixed = memory.call_fresh("fake_faults:faults", 20, path=(faults_module,),
                               env={harness.ALLOCATOR_ENV: "fixed"})
     default = memory.call_fresh("fake_faults:faults", 20, path=(faults_module,),
                                 env={harness.ALLOCATOR_ENV: "default"})
-    assert (fixed["allocator"], fixed["fixed"]) == ("fixed", True)
-    assert (default["allocator"], default["fixed"]) == ("default", False)
+    assert (unset["allocator"], unset["fixed"], unset["mallopt"]) == ("default", False, 0)
+    assert unset["words"] == "glibc default"
+    assert (fixed["allocator"], fixed["fixed"], fixed["mallopt"]) == ("fixed", True, 2)
+    assert fixed["words"] == "glibc, 1 MiB mmap threshold"
+    assert (default["allocator"], default["fixed"], default["mallopt"]) == ("default", False, 0)
     pages = 20 * 2 * 2**20 // 4096
     assert fixed["faults"] >= 0.9 * pages
-    assert default["faults"] < 0.1 * pages
+    assert default["faults"] < 0.1 * pages and unset["faults"] < 0.1 * pages
     with pytest.raises(memory.FreshProcessError, match="RAG_FAST_BENCH_ALLOCATOR must be 'fixed' "
                                                        "or 'default', got 'sometimes'"):
         memory.call_fresh("fake_faults:faults", 1, path=(faults_module,),

@@ -158,10 +158,15 @@ def test_training_caption_says_how_the_steps_were_timed():
     # files from before the timing processes
     assert "the providers' steps alternating in one process" in bench_training.render(results,
                                                                                         "x.json")
-    for words, said in (("glibc default", "allocator as it is by default"),
-                        ("glibc, 1 MiB mmap threshold", "unmap freed blocks of 1 MiB or more")):
+    cases = [("allocator", "glibc default", "allocator as it is by default"),
+             ("allocator", "glibc, 1 MiB mmap threshold", "unmap freed blocks of 1 MiB or more"),
+             # files from before the other benches recorded it named the field so
+             ("time allocator", "glibc default", "allocator as it is by default")]
+    for field, words, said in cases:
         for r in results["rows"]:
-            r["extra"]["time allocator"] = words
+            r["extra"].pop("allocator", None)
+            r["extra"].pop("time allocator", None)
+            r["extra"][field] = words
             for key in ("warm-up steps", "rounds", "timed steps/process"):
                 r["extra"].pop(key, None)
         text = bench_training.render(results, "x.json")
@@ -210,6 +215,29 @@ def test_a_case_is_timed_provider_by_provider_in_fresh_processes(monkeypatch):
     assert got["faults"]["transformers"] == 2.5 and got["system_s"]["rag_fast"] == 0.5
     assert got["compile_s"] == 3.0 and got["gflop"] == {p: 7.0 for p in providers}
     assert got["allocator"] == "default"
+
+
+def test_training_rows_record_the_allocator_of_their_timing_processes(monkeypatch):
+    """``run`` (quick) with stand-ins for the timing, the loss check and the matmul rate: every
+    row records the allocator of the processes that timed it, which run.py's stamp keeps."""
+    import memory
+
+    def fake_time_case(mode, size_name, target, providers, device, allocator, rounds, steps):
+        return {"times_ms": {p: [100.0 + i] * steps for i, p in enumerate(providers)},
+                "gflop": {}, "compile_s": None, "allocator": allocator,
+                "faults": dict.fromkeys(providers, 10), "system_s": dict.fromkeys(providers, 0.1)}
+
+    monkeypatch.setattr(bench_training, "time_case", fake_time_case)
+    monkeypatch.setattr(bench_training, "gemm_rate", lambda device: 100.0)
+    monkeypatch.setattr(memory, "call_fresh", lambda *args, **kwargs: True)
+    ctx = harness.Context(device="cpu", quick=True, repeats=5, warmup=1)
+    for setting, words in (("default", "glibc default"), ("fixed", "glibc, 1 MiB mmap threshold")):
+        monkeypatch.setenv(bench_training.TIME_ALLOCATOR_ENV, setting)
+        rows = bench_training.run(ctx)
+        assert len(rows) == 2 * 2 * 2  # quick: 2 sizes x 2 modes x 2 providers
+        assert {r.extra["allocator"] for r in harness.stamp_allocator(rows)} == {words}
+    monkeypatch.delenv(bench_training.TIME_ALLOCATOR_ENV)  # the default: as a user's process
+    assert {r.extra["allocator"] for r in bench_training.run(ctx)} == {"glibc default"}
 
 
 @pytest.mark.slow

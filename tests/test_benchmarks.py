@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
+import types
 
 import pytest
 import torch
@@ -64,6 +66,62 @@ def test_curves_are_plotted_not_tabled(tmp_path):
     assert harness.plot_curves(rows, str(png)) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not harness.plot_curves(rows[:1], str(tmp_path / "none.png"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+
+
+def test_run_records_the_allocator_of_the_times_in_every_row(tmp_path, monkeypatch, capsys):
+    """run.py stamps every row with the allocator its times were taken with (this process's:
+    glibc's default unless RAG_FAST_BENCH_ALLOCATOR=fixed), and keeps a bench's own (the
+    training bench times in fresh processes)."""
+    fake = types.ModuleType("fake_bench")
+    fake.NAME = "fake"
+    m = harness.Measurement.of([1.0, 1.1, 0.9, 1.0, 1.0])
+    fixed = harness.ALLOCATOR_WORDS["fixed"]
+    fake.run = lambda ctx: [harness.Row.of("fake", "c", "here", m),
+                            harness.Row.of("fake", "c", "elsewhere", m, {"allocator": fixed})]
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setattr(bench_run, "available_benches", lambda: {"fake": "fake_bench"})
+    out = tmp_path / "r.json"
+    assert bench_run.main(["--only", "fake", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["extra"]["allocator"] for r in rows] == [harness.allocator_words(), fixed]
+    assert "| allocator |" in capsys.readouterr().out  # the printed table shows it too
+    if harness.ALLOCATOR_ENV not in os.environ:  # the harness's default: glibc's default
+        assert harness.ALLOCATOR == "default" and not harness.MALLOC_FIXED
+        assert harness.allocator_words() == "glibc default"
+
+
+def test_a_real_bench_run_records_the_allocator_in_every_row(tmp_path, monkeypatch):
+    """The losses bench at a tiny shape, run as run.py runs it: every row of the results file
+    says which allocator its times were taken with."""
+    import bench_losses
+
+    monkeypatch.setattr(bench_losses, "_shape", lambda ctx: (2, 2, 4, 256))
+    out = tmp_path / "losses.json"
+    assert bench_run.main(["--only", "losses", "--repeats", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) > 4
+    assert {r["extra"].get("allocator") for r in rows} == {harness.allocator_words()}
+    caption = bench_losses.render({"machine": {"cpu": "x", "cpu_count": 2, "torch": "2"},
+                                   "args": {"quick": True}, "rows": rows}, "x.json")
+    if harness.allocator_words() == "glibc default":
+        assert "alternating, with glibc's allocator as it is by default" in caption
+        assert "returned to the kernel first by `malloc_trim`" in caption
+
+
+def test_captions_name_the_allocator_of_old_and_new_files():
+    """A file whose rows lack ``allocator`` predates the field: the harness then timed with
+    the fixed threshold, and the captions say so; a new file's rows say their own."""
+    old = [{"extra": {}}, {"extra": {"speedup": 2.0}}]
+    assert harness.allocator_caption(old).startswith("glibc made to unmap freed blocks of 1 MiB")
+    assert harness.allocator_caption(old, memory=True) == (
+        "glibc made to unmap freed blocks of 1 MiB or more")
+    new = [{"extra": {"allocator": "glibc default"}}]
+    assert harness.allocator_caption(new) == (
+        "glibc's allocator as it is by default, as in a user's process")
+    assert "malloc_trim" in harness.allocator_caption(new, memory=True)
+    rows = [harness.Row("b", "c", "p", 1.0, None)]
+    assert harness.stamp_allocator(rows, "x")[0].extra == {"allocator": "x"}
+    assert harness.stamp_allocator(rows, "y")[0].extra == {"allocator": "x"}  # kept
 
 
 def _edit_cell(text: str, section: str, row_start: str, cell: int, value: str) -> str:
