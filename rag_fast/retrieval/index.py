@@ -98,12 +98,12 @@ _warned: set[str] = set()
 _lock = threading.Lock()
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, stacklevel: int = 3) -> None:
     with _lock:
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def faiss_gpu_count() -> int:
@@ -1185,12 +1185,16 @@ class DenseIndex:
         same top-k by score; equal scores listed by descending id, as faiss lists them (which
         of several vectors tied at the k-th place is kept is unspecified, as with faiss:
         :func:`rag_fast.retrieval.sharded.search_exact_ties` decides them). None without the
-        kernel (no compiled extension, or one built from older sources): faiss searches then.
-        The view is taken anew for each search, never kept: faiss owns that memory."""
+        kernel (no compiled extension, or one built from older sources): faiss searches then,
+        said once per process in a warning (:func:`_flat_fallback_message`), since scores then
+        depend on the batch. The view is taken anew for each search, never kept: faiss owns
+        that memory."""
         base = self._base
-        if (not _has_inner_products() or self._refine is not None
-                or not isinstance(base, faiss.IndexFlat)
+        if (self._refine is not None or not isinstance(base, faiss.IndexFlat)
                 or base.metric_type != faiss.METRIC_INNER_PRODUCT or base.ntotal == 0):
+            return None
+        if not _has_inner_products():
+            _warn_once("flat-without-kernel", _flat_fallback_message(), stacklevel=4)
             return None
         n, d = int(base.ntotal), int(base.d)
         raw = faiss.rev_swig_ptr(base.codes.data(), n * d * 4)  # uint8, faiss's memory
@@ -1578,6 +1582,20 @@ def _has_inner_products() -> bool:
     """The compiled extension is loaded and has the exact preset's kernel (an extension built
     from older sources lacks it until rebuilt)."""
     return _ext.available() and hasattr(_ext.get(), "inner_products")
+
+
+def _flat_fallback_message() -> str:
+    """The warning of an exact search without rag_fast's inner-product kernel: why, what it
+    changes, the fix."""
+    why = (f"the C++ extension does not load: {_ext.error()}" if not _ext.available() else
+           "rag_fast._C has no inner_products: it was built from older sources")
+    return (f"exact index searched with faiss IndexFlatIP instead of rag_fast's inner-product "
+            f"kernel ({why}). A pair's score then depends on the batch it is searched in (faiss "
+            "scores by a BLAS product above queries x d = faiss.cvar.distance_compute_blas_threshold), "
+            "so a ShardedIndex's exact results may differ from one index's in ties and last bits. "
+            "Fix: reinstall rag_fast so the extension is compiled, `pip install .` (`pip install "
+            "-e .` in a checkout; Python started in the repository root imports the source folder, "
+            "which has no extension unless built in place). Said once per process.")
 
 
 def _check_finite(name: str, x: np.ndarray, offset: int = 0) -> None:
