@@ -276,6 +276,11 @@ def test_index_rows_carry_their_runs_and_render():
     assert [r.provider for r in rows] == (["torch exact (matmul)"] * 2 + ["rag_fast exact", flat] * 2
                                           + ["rag_fast hnsw"] * 2)
     assert all(r.extra["recall@10"] == 1.0 for r in rows[:6])
+    # each preset row says what its search ran (the kernel, faiss), as describe() says it
+    searches = {r.provider: r.extra.get("searches") for r in rows}
+    assert searches["rag_fast hnsw"] == "faiss HNSW32 on the CPU"
+    assert searches[flat] == "faiss IndexFlatIP on the CPU"
+    assert searches["rag_fast exact"].startswith("exact, ")
     for r in rows:
         assert len(r.runs_ms) >= 5 and r.median_ms == pytest.approx(float(np.median(r.runs_ms)))
         assert r.spread == pytest.approx((max(r.runs_ms) - min(r.runs_ms)) / r.median_ms)
