@@ -131,6 +131,7 @@ def _preset_rows(ctx: Context, data: str, index: DenseIndex, q: np.ndarray, trut
         "factory": index.factory,
         "params": " ".join(f"{key}={v}" for key, v in index.params.items()
                            if key != "rerank" or index._refine is not None),
+        "searches": index.describe()["search"],  # what ran: the kernel, faiss (and why)
         **(extra or {}),
     }
     raw, raw_params = index.faiss_index, index.search_parameters(K)
@@ -155,7 +156,7 @@ def _preset_rows(ctx: Context, data: str, index: DenseIndex, q: np.ndarray, trut
         rows.append(row)
         if is_exact:  # faiss's own exact search, which the preset no longer calls
             flat = Row.of(NAME, case, "faiss IndexFlatIP (direct)", direct,
-                          {**common, "factory": "", "params": "",
+                          {**common, "factory": "", "params": "", "searches": "faiss IndexFlatIP on the CPU",
                            "QPS": round(len(batch) / direct.median_ms * 1e3, 1)})
             add_ratio(flat, "x exact", exact[mode], direct)
             rows.append(flat)

@@ -11,6 +11,11 @@ real-text corpus (cached under the git-ignored ``benchmarks/results/local/cache`
 Every row records the allocator its times were taken with (``extra["allocator"]``): glibc's as it
 is by default, unless the bench set its own (the training bench times in fresh processes) or
 ``RAG_FAST_BENCH_ALLOCATOR=fixed`` fixed glibc's mmap threshold (``harness.py``).
+
+Nothing is timed (exit status 1, one message naming what is missing and the fix) where the
+rag_fast rows would time the plain-PyTorch fallback: the compiled extension does not load or
+lacks a kernel the chosen benches run (:data:`CPP_KERNELS`; a new bench adds its own), or,
+under ``--device cuda``, Triton is not usable (:func:`refusal`).
 """
 from __future__ import annotations
 
@@ -26,6 +31,71 @@ sys.path.insert(0, str(HERE))
 
 from harness import (Context, machine_description, markdown_table, plot_curves,  # noqa: E402
                      stamp_allocator, write_json)
+
+
+# The compiled kernels (attributes of rag_fast._C: csrc's RAG_FAST_KERNEL registrations, and the
+# one-bit masks of csrc/masks.cpp) that each bench's rag_fast rows run on CPU tensors. Without
+# one, the op falls back to the plain-PyTorch reference after one warning, and the row would
+# time that fallback under rag_fast's name: run.py refuses instead (refusal()).
+_LOSS = ("row_stats", "row_grad")  # the losses without smoothing (and RAG-Sequence's)
+_SMOOTH = ("token_smooth_forward", "token_smooth_grad")  # RAG-Token with epsilon > 0
+CPP_KERNELS: dict[str, tuple[str, ...]] = {
+    "losses": _LOSS + _SMOOTH,
+    "lm_head": _LOSS + _SMOOTH + ("token_smooth_stats",),  # linear_rag_nll; materialized path
+    "training": _LOSS + ("bits_mask", "bits_unmask"),  # RagModel (eps 0), lean activations
+    "decoding": ("rag_token_beam_step", "row_stats"),  # the beam step; RAG-Sequence's scores
+    "index": ("inner_products",),  # the exact preset
+    "distributed": ("inner_products",),
+}
+# benches whose rag_fast rows run on the CPU whatever --device says; the others run Triton's
+# kernels under --device cuda
+CPU_ONLY = ("decoding", "index", "distributed")
+
+
+def refusal(names: list[str], device: str) -> str | None:
+    """Why the rag_fast rows of benches ``names`` would time a fallback instead of rag_fast's
+    kernels under ``--device device``: the C++ extension does not load or lacks a kernel they
+    run (:data:`CPP_KERNELS`), or (``cuda``) Triton is not usable. None when all is there."""
+    import warnings
+
+    import rag_fast.kernels as kernels
+    from rag_fast import _ext
+
+    problems = []
+    cpp = [n for n in names if device == "cpu" or n in CPU_ONLY]
+    needed = sorted({k for n in cpp for k in CPP_KERNELS.get(n, ())})
+    if needed:
+        with warnings.catch_warnings():  # the extension's own warning is part of the message
+            warnings.simplefilter("ignore")
+            loaded = _ext.available()
+        if not loaded:
+            why = _ext.diagnosis() or f"rag_fast C++ extension unavailable. {_ext.FIX}"
+            problems.append(f"the benches {cpp} run rag_fast's compiled C++ kernels {needed}: "
+                            + why.replace(" Until then rag_fast falls back to its PyTorch "
+                                          "reference path (slower, more memory).", ""))
+        else:
+            C = _ext.get()
+            missing = [k for k in needed if not hasattr(C, k)]
+            if missing:
+                users = [n for n in cpp if set(CPP_KERNELS.get(n, ())) & set(missing)]
+                problems.append(
+                    f"the extension {getattr(C, '__file__', 'rag_fast._C')} lacks the kernels "
+                    f"{missing} that the benches {users} run: it was built from older sources. "
+                    "Fix: rebuild it, `pip install .` (`pip install -e .` in a checkout, which "
+                    "builds rag_fast/_C in place; Python started in the repository root imports "
+                    "the source folder and its in-place build, not the installed package).")
+    triton = [n for n in names if device == "cuda" and n not in CPU_ONLY]
+    if triton and not kernels.triton_usable_for("cuda"):
+        version, status = kernels.triton_status()
+        why = ("Triton is not installed (a CUDA build of torch brings it, or `pip install "
+               "'rag_fast[gpu]'`)" if version == "not installed" else
+               f"Triton {version} is not usable: {status}")
+        problems.append(f"the benches {triton} run rag_fast's Triton kernels on CUDA: {why}.")
+    if not problems:
+        return None
+    return ("benchmarks/run.py: nothing timed. Without its compiled kernels every rag_fast op "
+            "falls back to the plain-PyTorch reference, and its rows would still be labelled "
+            "rag_fast:\n- " + "\n- ".join(problems) + "\n")
 
 
 def available_benches() -> dict[str, str]:
@@ -63,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in benches]
     if unknown:
         parser.error(f"unknown bench {unknown}; available: {sorted(benches)}")
+    refused = refusal(names, args.device)
+    if refused:
+        parser.exit(1, refused)
 
     repeats = args.repeats or (5 if args.quick else 10)
     ctx = Context(device=args.device, quick=args.quick, repeats=repeats, warmup=2)

@@ -57,6 +57,109 @@ def test_every_bench_is_discovered_and_unknown_names_are_refused(capsys):
     assert "unknown bench" in capsys.readouterr().err
 
 
+def _no_bench_runs(monkeypatch):
+    """Fail a test that imports (so runs) any bench module through run.py."""
+    def refuse(name):
+        raise AssertionError(f"run.py imported {name} after it should have refused")
+
+    monkeypatch.setattr(bench_run, "importlib", type("importlib", (), {"import_module": refuse}))
+
+
+def test_run_refuses_to_time_the_fallback_without_the_extension(monkeypatch, capsys, tmp_path):
+    """Without the compiled extension every rag_fast op would run the PyTorch reference and
+    its rows would still say rag_fast: run.py exits before timing anything, naming the kernels
+    the chosen benches need and the fix."""
+    from rag_fast import _ext
+
+    error = "ModuleNotFoundError: No module named 'rag_fast._C'"
+    monkeypatch.setattr(_ext, "available", lambda: False)
+    monkeypatch.setattr(_ext, "error", lambda: error)
+    monkeypatch.setattr(_ext, "diagnosis", lambda: f"rag_fast C++ extension unavailable ({error}). "
+                                                   f"{_ext.FIX}")
+    _no_bench_runs(monkeypatch)
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exc:
+        bench_run.main(["--only", "losses", "--only", "index", "--out", str(out)])
+    assert exc.value.code == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()  # no header, no table, no results file
+    assert captured.err == (
+        "benchmarks/run.py: nothing timed. Without its compiled kernels every rag_fast op falls "
+        "back to the plain-PyTorch reference, and its rows would still be labelled rag_fast:\n"
+        "- the benches ['losses', 'index'] run rag_fast's compiled C++ kernels ['inner_products', "
+        "'row_grad', 'row_stats', 'token_smooth_forward', 'token_smooth_grad']: rag_fast C++ "
+        f"extension unavailable ({error}). Reinstall rag_fast from source so the extension is "
+        "compiled: `pip install .` (or `pip install -e .` in a checkout); build logs show "
+        "compiler errors.\n")
+    with pytest.raises(SystemExit) as exc:  # every bench (the default), any device
+        bench_run.main([])
+    assert exc.value.code == 1
+    assert "'bits_mask'" in capsys.readouterr().err
+
+
+def test_run_refuses_an_extension_without_a_kernel_a_bench_runs(monkeypatch, capsys):
+    """An extension built from older sources (one kernel missing) is refused for the benches
+    that run that kernel, by name; the others are not."""
+    import types
+
+    from rag_fast import _ext
+
+    real = _ext.get()
+    stale = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real)
+                                     if not k.startswith("_") and k != "inner_products"},
+                                  __file__="/somewhere/rag_fast/_C.so")
+    monkeypatch.setattr(_ext, "get", lambda: stale)
+    _no_bench_runs(monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        bench_run.main(["--only", "decoding", "--only", "index", "--only", "distributed"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert ("- the extension /somewhere/rag_fast/_C.so lacks the kernels ['inner_products'] that "
+            "the benches ['index', 'distributed'] run: it was built from older sources. Fix: "
+            "rebuild it, `pip install .` (`pip install -e .` in a checkout") in err
+    assert "repository root" in err
+    for name in ("losses", "lm_head", "training", "decoding"):
+        assert bench_run.refusal([name], "cpu") is None, name
+
+
+def test_run_on_cuda_needs_triton_and_the_cpu_benches_the_extension(monkeypatch):
+    """--device cuda: the losses, LM-head and training benches run Triton's kernels; decoding,
+    index and distributed run on the CPU whatever the device, so they need the extension."""
+    import rag_fast.kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton_usable_for", lambda device_type: False)
+    monkeypatch.setattr(kernels, "triton_status", lambda: ("not installed", "no (...)"))
+    said = bench_run.refusal(list(bench_run.available_benches()), "cuda")
+    assert said.endswith(
+        "\n- the benches ['lm_head', 'losses', 'training'] run rag_fast's Triton kernels on CUDA: "
+        "Triton is not installed (a CUDA build of torch brings it, or `pip install "
+        "'rag_fast[gpu]'`).\n"), said
+    assert said.count("\n- ") == 1  # the extension is there: only Triton is missing
+    assert bench_run.refusal(["decoding", "index", "distributed"], "cuda") is None
+    assert bench_run.refusal(["losses"], "cpu") is None
+
+
+def test_every_bench_names_the_compiled_kernels_it_runs():
+    """run.py's table of kernels covers every bench, names only what the extension binds
+    (csrc's RAG_FAST_KERNEL registrations, the one-bit masks), and this build has them all."""
+    import re
+
+    from rag_fast import _ext
+
+    csrc = BENCH_DIR.parent / "csrc"
+    registered = {m.group(1) for f in csrc.glob("*.cpp")
+                  for m in re.finditer(r"^RAG_FAST_KERNEL\((\w+),", f.read_text(), re.M)}
+    bound = set(re.findall(r'bind\(m, "(\w+)"', (csrc / "bindings.cpp").read_text()))
+    assert "inner_products" in registered and bound == {"bits_mask", "bits_unmask"}
+    assert set(bench_run.CPP_KERNELS) == set(bench_run.available_benches())
+    assert set(bench_run.CPU_ONLY) <= set(bench_run.CPP_KERNELS)
+    used = {k for names in bench_run.CPP_KERNELS.values() for k in names}
+    assert used <= registered | bound, used - registered - bound
+    if _ext.available():
+        assert all(hasattr(_ext.get(), k) for k in used)
+        assert bench_run.refusal(list(bench_run.available_benches()), "cpu") is None
+
+
 def test_curves_are_plotted_not_tabled(tmp_path):
     rows = [harness.Row("index", "data batch (B=128)", "rag_fast exact", 10.0, None, {"QPS": 100.0, "x exact": 1.0}),
             harness.Row("index", "data batch (B=128)", "rag_fast ivfpq", 1.0, None,
@@ -334,6 +437,11 @@ def test_index_rows_carry_their_runs_and_render():
     assert [r.provider for r in rows] == (["torch exact (matmul)"] * 2 + ["rag_fast exact", flat] * 2
                                           + ["rag_fast hnsw"] * 2)
     assert all(r.extra["recall@10"] == 1.0 for r in rows[:6])
+    # each preset row says what its search ran (the kernel, faiss), as describe() says it
+    searches = {r.provider: r.extra.get("searches") for r in rows}
+    assert searches["rag_fast hnsw"] == "faiss HNSW32 on the CPU"
+    assert searches[flat] == "faiss IndexFlatIP on the CPU"
+    assert searches["rag_fast exact"].startswith("exact, ")
     for r in rows:
         assert len(r.runs_ms) >= 5 and r.median_ms == pytest.approx(float(np.median(r.runs_ms)))
         assert r.spread == pytest.approx((max(r.runs_ms) - min(r.runs_ms)) / r.median_ms)

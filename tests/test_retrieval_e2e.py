@@ -220,3 +220,13 @@ def test_exact_search_says_so_instead_of_a_measurement(tmp_path, corpus, minilm,
     assert info["preset"] == "ivfpq (Flat: exact search)"
     assert info["search defaults"] == "none"
     assert info["measured"] == "exact search, nothing approximate to measure"
+    # what a search of it runs here, and what DenseIndex.to('cuda') would run with this faiss
+    from rag_fast.retrieval.index import _has_inner_products, faiss_gpu_count
+
+    assert info["searched by"] == ("exact, rag_fast's inner-product kernel over the fp32 vectors "
+                                   "on the CPU" if _has_inner_products() else
+                                   "exact, faiss IndexFlatIP on the CPU (rag_fast's inner-product "
+                                   "kernel is missing: scores depend on the batch)")
+    assert info["search on CUDA"].startswith(
+        "after .to('cuda'): faiss GPU Flat over " if faiss_gpu_count() else
+        "after .to('cuda'): exact, torch over the fp16 vectors on cuda, as faiss has no GPU support")

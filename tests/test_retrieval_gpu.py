@@ -171,3 +171,51 @@ def test_supported_types():
 
     assert [faiss_gpu_supports(make(f)) for f in ("Flat", "IVF16,Flat", "IVF16,PQ8", "IVF16,SQ8")] == [True] * 4
     assert [faiss_gpu_supports(make(f)) for f in ("HNSW32", "IVF16,PQ8x4fs", "IVF16,PQ8x4", "PQ8")] == [False] * 4
+
+
+def test_describe_says_what_a_search_runs_and_is_never_saved(data, fake_gpu, tmp_path, monkeypatch):
+    """``describe()`` carries what the search actually runs, on the CPU and, after ``to``, for
+    CUDA queries (faiss GPU, or exact torch search and why); ``cuda_search`` says the latter
+    before anything moves; ``to("cpu")`` forgets it; and none of it reaches the manifest."""
+    import json
+
+    xb, _ = data
+    ivfpq = DenseIndex.build(xb, "ivfpq", progress=False)
+    factory = ivfpq.factory
+    d = ivfpq.describe()
+    assert d["search"] == f"faiss {factory} on the CPU, re-ranked exactly over the fp16 vectors"
+    assert d["searched_by"] == {"cpu": "faiss", "cuda": None}
+    why = f"faiss GPU has no version of {factory!r} (HNSW and fast-scan PQ stay on the CPU"
+    assert ivfpq.cuda_search().startswith(f"exact, torch over the fp16 vectors on cuda, as {why}")
+    _on_gpu(ivfpq)
+    d = ivfpq.describe()
+    assert d["searched_by"] == {"cpu": "faiss", "cuda": "torch_exact"}
+    assert d["search"].startswith(f"faiss {factory} on the CPU, re-ranked exactly over the fp16 "
+                                  f"vectors; CUDA queries: exact, torch over the fp16 vectors on "
+                                  f"cpu, as {why}")  # the CPU stands in for cuda:0
+    ivfpq.save(tmp_path / "ivfpq")  # runtime state, not saved
+    manifest = json.loads((tmp_path / "ivfpq" / "manifest.json").read_text())
+    assert not {"search", "searched_by", "search_quality"} & set(manifest)
+    loaded = DenseIndex.load(tmp_path / "ivfpq")
+    assert loaded.describe()["searched_by"] == {"cpu": "faiss", "cuda": None}
+    assert ivfpq.to("cpu").describe()["searched_by"]["cuda"] is None
+
+    pq8 = DenseIndex.build(xb, "IVF32,PQ8", rerank=4, nprobe=2, progress=False)
+    assert pq8.cuda_search() == "faiss GPU IVF32,PQ8 over 1 GPU, re-ranked exactly over the fp16 vectors"
+    _on_gpu(pq8)
+    assert pq8.describe()["searched_by"] == {"cpu": "faiss", "cuda": "faiss_gpu"}
+    assert pq8.describe()["search"].endswith("; CUDA queries: faiss GPU IVF32,PQ8 over 1 GPU, "
+                                             "re-ranked exactly over the fp16 vectors")
+
+    exact = DenseIndex.build(xb, "exact", progress=False)
+    assert exact.describe()["searched_by"] == {"cpu": "rag_fast.inner_products", "cuda": None}
+    assert exact.describe()["search"] == ("exact, rag_fast's inner-product kernel over the fp32 "
+                                          "vectors on the CPU")
+    monkeypatch.setattr(index_module, "faiss_gpu_count", lambda: 0)
+    assert exact.cuda_search() == ("exact, torch over the fp16 vectors on cuda, as faiss has no "
+                                   "GPU support (pip install faiss-gpu to search IVF indexes on "
+                                   "the GPU)")
+    monkeypatch.setattr(index_module, "_has_inner_products", lambda: False)
+    assert exact.describe()["searched_by"]["cpu"] == "faiss"
+    assert exact.describe()["search"].startswith("exact, faiss IndexFlatIP on the CPU (rag_fast's "
+                                                 "inner-product kernel is missing")

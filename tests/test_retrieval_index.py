@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import faiss
 import numpy as np
@@ -140,20 +141,61 @@ def test_exact_batch_lists_ties_by_descending_id_as_faiss(monkeypatch):
         kth = scores[row, -1]  # above the k-th score the lists hold the same ids
         assert np.array_equal(ids[row][scores[row] > kth], want_i[row][want_s[row] > kth])
     from rag_fast import _ext
+    from rag_fast.retrieval import index as index_module
 
+    monkeypatch.setattr(index_module, "_warned", set())
     for stale in (False, True):  # no compiled extension, or one built before the kernel
         monkeypatch.setattr(_ext, "available", lambda: stale)
         if stale:
             monkeypatch.setattr(_ext, "get", lambda: object())
         calls.clear()
-        assert [a.tolist() for a in index.search(q, k)] == [want_s.tolist(), want_i.tolist()]
-        assert calls == []
+        with warnings.catch_warnings(record=True) as seen:  # the fallback is said once
+            warnings.simplefilter("always")
+            assert [a.tolist() for a in index.search(q, k)] == [want_s.tolist(), want_i.tolist()]
+        assert len(seen) == (0 if stale else 1) and calls == []
     monkeypatch.undo()
     calls = _calls(monkeypatch)
     hnsw = DenseIndex.build(clustered(800, 3), "hnsw", progress=False)
     calls.clear()
     hnsw.search(clustered(40, 4), 5)
     assert calls == []
+
+
+def test_exact_preset_without_the_kernel_warns_once_and_searches_with_faiss(data, monkeypatch):
+    """Without rag_fast's inner-product kernel the exact preset searches with faiss IndexFlatIP,
+    whose scores depend on the batch: one warning per process says so, the cause and the fix;
+    the results stay faiss's exact ones. Approximate indexes never take that path: no warning."""
+    from rag_fast.retrieval import index as index_module
+
+    xb, q, _ = data
+    monkeypatch.setattr(index_module, "_warned", set())
+    monkeypatch.setattr(index_module, "_has_inner_products", lambda: False)
+    calls = _calls(monkeypatch)
+    index, other = (DenseIndex.build(xb[:n], "exact", progress=False) for n in (4000, 3000))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        results = [index.search(q[:b], 10) for b in (1, 7, 200)] + [other.search(q, 5)]
+    said = [str(w.message) for w in seen]
+    assert len(said) == 1 and seen[0].category is RuntimeWarning, said
+    assert seen[0].filename == __file__  # points at the search call
+    assert said[0].startswith("exact index searched with faiss IndexFlatIP instead of rag_fast's "
+                              "inner-product kernel (rag_fast._C has no inner_products")
+    for part in ("depends on the batch", "distance_compute_blas_threshold",
+                 "ShardedIndex's exact results may differ", "ties and last bits", "`pip install .`",
+                 "`pip install -e .`", "repository root"):
+        assert part in said[0], part
+    assert calls == []  # faiss searched, not the kernel
+    for (scores, ids), (b, k) in zip(results, ((1, 10), (7, 10), (200, 10))):
+        want_s, want_i = index.faiss_index.search(q[:b], k)
+        assert np.array_equal(ids, want_i) and np.array_equal(scores, want_s)
+        np.testing.assert_allclose(scores, np.einsum("bd,bkd->bk", q[:b], xb[ids]), rtol=1e-4,
+                                   atol=1e-4)
+    assert recall_at_k(results[2][1], exact_search(xb, torch.from_numpy(q), 10)[1].numpy()) >= 0.99
+    monkeypatch.setattr(index_module, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for preset in ("hnsw", "IVF32,Flat"):
+            DenseIndex.build(xb, preset, progress=False).search(q, 10)
 
 
 def test_ivfpq_recall_against_exact(data, exact, ivfpq):

@@ -79,7 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="skip the SHA-256 check of the index files (sizes are still checked)")
     search.set_defaults(func=run_search)
 
-    info = sub.add_parser("info", help="describe an index directory")
+    info = sub.add_parser(
+        "info", help="describe an index directory",
+        description="Describe an index directory: its passages, encoder, preset and search "
+                    "settings, what a search of it runs here (on the CPU, as loaded) and what "
+                    "DenseIndex.to('cuda') would run for CUDA queries with this faiss build.")
     info.add_argument("dir", metavar="DIR")
     info.add_argument("--verify", action="store_true", help="check every file's SHA-256")
     info.set_defaults(func=run_info)
@@ -139,6 +143,8 @@ def run_info(args: argparse.Namespace) -> int:
         "search defaults": ", ".join(f"{k}={v}" for k, v in d["params"].items()
                                      if k != "rerank" or d["factory"] != "Flat") or "none",
         "measured": describe_quality(d.get("search_quality"), d["factory"]),
+        "searched by": d["search"],
+        "search on CUDA": f"after .to('cuda'): {index.cuda_search()}",
         "bytes/vector": f"{index.index_bytes() / len(index):.1f} (+{2 * d['dim']} fp16 vectors)",
         "faiss": f"{d['faiss_version']} (built with "
                  f"{json.loads((Path(args.dir) / 'index' / 'manifest.json').read_text())['faiss_version']})",

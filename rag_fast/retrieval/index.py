@@ -98,12 +98,12 @@ _warned: set[str] = set()
 _lock = threading.Lock()
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, stacklevel: int = 3) -> None:
     with _lock:
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def faiss_gpu_count() -> int:
@@ -792,6 +792,8 @@ class DenseIndex:
         self.embeddings: np.ndarray = raw.view(np.float16).reshape(n, d)
         self.embeddings.flags.writeable = False
         self._gpu: tuple[str, object] | None = None
+        self._gpu_device: torch.device | None = None  # where _gpu searches, and why torch does
+        self._gpu_reason: str | None = None
         self._param_cache: dict[tuple, object] = {}
 
     # ---- construction ---------------------------------------------------------------------
@@ -1033,10 +1035,64 @@ class DenseIndex:
     def describe(self) -> dict:
         """Preset, factory, size, search defaults and, when measured (:meth:`measure`, or
         ``build(target_recall=...)``), ``search_quality``: recall@k against exact search and
-        milliseconds per query at those defaults."""
+        milliseconds per query at those defaults.
+
+        Also what :meth:`search` actually runs, worked out now (never saved: it depends on the
+        installation and on :meth:`to`): ``searched_by``, ``{"cpu": "rag_fast.inner_products"
+        | "faiss", "cuda": None | "faiss_gpu" | "torch_exact"}`` (``cuda``: CUDA queries after
+        ``to("cuda")``; None before), and ``search``, the same in words, e.g. ``"faiss
+        IVF4096,PQ64x4fs on the CPU; CUDA queries: exact, torch over the fp16 vectors on
+        cuda:0, as faiss GPU has no version of 'IVF4096,PQ64x4fs' ..."``; with faiss GPU,
+        ``"...; CUDA queries: faiss GPU IVF4096,PQ64 over 2 GPUs, re-ranked exactly over the fp16
+        vectors"``."""
+        cpu_by, cpu_words = self._cpu_search()
+        cuda_by, words = None, cpu_words
+        if self._gpu is not None:
+            cuda_by = "faiss_gpu" if self._gpu[0] == "faiss" else "torch_exact"
+            words = f"{cpu_words}; CUDA queries: {self._cuda_words(self._gpu_device, self._gpu_reason)}"
         return {"preset": self.preset, "factory": self.factory, "count": self.ntotal, "dim": self.dim,
                 "metric": "inner_product", "params": dict(self.params), "faiss_version": faiss.__version__,
-                "on_disk": self.on_disk, "search_quality": (self.meta or {}).get("search_quality")}
+                "on_disk": self.on_disk, "search_quality": (self.meta or {}).get("search_quality"),
+                "search": words, "searched_by": {"cpu": cpu_by, "cuda": cuda_by}}
+
+    def _cpu_search(self) -> tuple[str, str]:
+        """(``searched_by["cpu"]``, words) of :meth:`describe`: what a CPU search runs."""
+        base = self._base
+        if (self._refine is None and isinstance(base, faiss.IndexFlat)
+                and base.metric_type == faiss.METRIC_INNER_PRODUCT):
+            if _has_inner_products():
+                return ("rag_fast.inner_products",
+                        "exact, rag_fast's inner-product kernel over the fp32 vectors on the CPU")
+            return ("faiss", "exact, faiss IndexFlatIP on the CPU (rag_fast's inner-product kernel "
+                             "is missing: scores depend on the batch)")
+        rerank = ", re-ranked exactly over the fp16 vectors" if self._refine is not None else ""
+        return "faiss", f"faiss {self.factory} on the CPU{rerank}"
+
+    def _cuda_words(self, device, reason: str | None) -> str:
+        """What CUDA queries search: faiss GPU (sharded over every GPU it sees) where
+        ``reason`` is None, else exact search with torch on ``device``, and ``reason``."""
+        if reason is None:
+            rerank = ", re-ranked exactly over the fp16 vectors" if self._refine is not None else ""
+            n = faiss_gpu_count()
+            return f"faiss GPU {self.factory} over {n} GPU{'s' if n > 1 else ''}{rerank}"
+        return f"exact, torch over the fp16 vectors on {device}, as {reason}"
+
+    def cuda_search(self) -> str:
+        """What ``to("cuda")`` would make CUDA queries search, for this index type and this
+        faiss build (in the words of ``describe()["search"]``): faiss GPU, or exact search
+        with torch over the fp16 vectors, and why. Nothing moves; where faiss GPU then fails
+        to hold the index, ``to`` falls back to torch and says so."""
+        return self._cuda_words("cuda", self._gpu_refusal())
+
+    def _gpu_refusal(self) -> str | None:
+        """Why faiss GPU cannot search this index here (no GPU support, no GPU version of the
+        index type), or None."""
+        if faiss_gpu_count() == 0:
+            return "faiss has no GPU support (pip install faiss-gpu to search IVF indexes on the GPU)"
+        if not faiss_gpu_supports(self._base):
+            return (f"faiss GPU has no version of {self.factory!r} (HNSW and fast-scan PQ stay on "
+                    "the CPU; for faiss GPU build e.g. 'IVF4096,PQ64' or 'IVF4096,Flat')")
+        return None
 
     # ---- search ---------------------------------------------------------------------------
     def search_parameters(self, k: int, nprobe: int | None = None, ef_search: int | None = None,
@@ -1185,12 +1241,16 @@ class DenseIndex:
         same top-k by score; equal scores listed by descending id, as faiss lists them (which
         of several vectors tied at the k-th place is kept is unspecified, as with faiss:
         :func:`rag_fast.retrieval.sharded.search_exact_ties` decides them). None without the
-        kernel (no compiled extension, or one built from older sources): faiss searches then.
-        The view is taken anew for each search, never kept: faiss owns that memory."""
+        kernel (no compiled extension, or one built from older sources): faiss searches then,
+        said once per process in a warning (:func:`_flat_fallback_message`), since scores then
+        depend on the batch. The view is taken anew for each search, never kept: faiss owns
+        that memory."""
         base = self._base
-        if (not _has_inner_products() or self._refine is not None
-                or not isinstance(base, faiss.IndexFlat)
+        if (self._refine is not None or not isinstance(base, faiss.IndexFlat)
                 or base.metric_type != faiss.METRIC_INNER_PRODUCT or base.ntotal == 0):
+            return None
+        if not _has_inner_products():
+            _warn_once("flat-without-kernel", _flat_fallback_message(), stacklevel=4)
             return None
         n, d = int(base.ntotal), int(base.d)
         raw = faiss.rev_swig_ptr(base.codes.data(), n * d * 4)  # uint8, faiss's memory
@@ -1208,13 +1268,14 @@ class DenseIndex:
         on the CPU, up to ties. Every other case (faiss-cpu, HNSW, fast-scan PQ such as the
         ``ivfpq`` preset) searches exactly with torch over the fp16 vectors on the GPU, said
         once in a warning: at least as good as the CPU results, not the same ids.
+        ``describe()["search"]`` then says which (:meth:`cuda_search` says it beforehand).
 
         Raises:
             ValueError: ``device`` is neither ``"cpu"`` nor an available CUDA device.
         """
         device = torch.device(device)
         if device.type == "cpu":
-            self._gpu = None
+            self._gpu = self._gpu_device = self._gpu_reason = None
             return self
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(f"device must be 'cpu' or an available CUDA device, got {device}")
@@ -1223,17 +1284,13 @@ class DenseIndex:
     def _attach(self, device: torch.device) -> "DenseIndex":
         """Move the search to ``device`` (``to`` checks it is CUDA; tests stand in another)."""
         vectors = torch.from_numpy(np.ascontiguousarray(self.embeddings)).to(device)  # [N, d] fp16
-        reason = None
-        if faiss_gpu_count() == 0:
-            reason = "faiss has no GPU support (pip install faiss-gpu to search IVF indexes on the GPU)"
-        elif not faiss_gpu_supports(self._base):
-            reason = (f"faiss GPU has no version of {self.factory!r} (HNSW and fast-scan PQ stay on "
-                      "the CPU; for faiss GPU build e.g. 'IVF4096,PQ64' or 'IVF4096,Flat')")
-        else:
+        reason = self._gpu_refusal()
+        if reason is None:
             try:
                 options = faiss.GpuMultipleClonerOptions()
                 options.shard, options.useFloat16 = True, False
                 self._gpu = ("faiss", faiss.index_cpu_to_all_gpus(self._base, co=options), vectors)
+                self._gpu_device, self._gpu_reason = vectors.device, None
                 return self
             except RuntimeError as exc:
                 reason = f"faiss GPU cannot hold {self.factory!r} ({str(exc).strip().splitlines()[-1]})"
@@ -1241,6 +1298,7 @@ class DenseIndex:
                    "torch over the fp16 vectors on the GPU (ids may differ from the CPU index's "
                    "approximate results; recall 1.0 against exact search)")
         self._gpu = ("torch", None, vectors)
+        self._gpu_device, self._gpu_reason = vectors.device, reason
         return self
 
     def _search_gpu(self, q: torch.Tensor, k: int, nprobe, ef_search, rerank):
@@ -1374,7 +1432,10 @@ class DenseIndex:
                 else:
                     _write_faiss(self._base, tmp / _INDEX_FILE, shown / _INDEX_FILE)
                 _write_faiss(self._vectors, tmp / _VECTORS_FILE, shown / _VECTORS_FILE)
-                described = {k: v for k, v in self.describe().items() if k != "search_quality"}
+                # the manifest's keys only (search_quality is in meta; what search runs is
+                # worked out at load, never saved)
+                described = {k: v for k, v in self.describe().items()
+                             if k in _MANIFEST_KEYS + _OPTIONAL_KEYS}
                 files = describe_files(tmp, [_INDEX_FILE, _VECTORS_FILE])
                 if self._mapped_entry is not None and files[_INDEX_FILE] != self._mapped_entry:
                     raise StorageError(f"{self.source / _INDEX_FILE}, whose inverted lists this index "
@@ -1578,6 +1639,20 @@ def _has_inner_products() -> bool:
     """The compiled extension is loaded and has the exact preset's kernel (an extension built
     from older sources lacks it until rebuilt)."""
     return _ext.available() and hasattr(_ext.get(), "inner_products")
+
+
+def _flat_fallback_message() -> str:
+    """The warning of an exact search without rag_fast's inner-product kernel: why, what it
+    changes, the fix."""
+    why = (f"the C++ extension does not load: {_ext.error()}" if not _ext.available() else
+           "rag_fast._C has no inner_products: it was built from older sources")
+    return (f"exact index searched with faiss IndexFlatIP instead of rag_fast's inner-product "
+            f"kernel ({why}). A pair's score then depends on the batch it is searched in (faiss "
+            "scores by a BLAS product above queries x d = faiss.cvar.distance_compute_blas_threshold), "
+            "so a ShardedIndex's exact results may differ from one index's in ties and last bits. "
+            "Fix: reinstall rag_fast so the extension is compiled, `pip install .` (`pip install "
+            "-e .` in a checkout; Python started in the repository root imports the source folder, "
+            "which has no extension unless built in place). Said once per process.")
 
 
 def _check_finite(name: str, x: np.ndarray, offset: int = 0) -> None:
