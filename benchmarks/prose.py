@@ -1,9 +1,18 @@
-"""A real-text corpus that installs with Python itself: the prose of Python's documentation.
+"""A real-text corpus that installs with rag_fast itself: the prose of Python's documentation and
+of the documented libraries rag_fast depends on.
 
-Sources, both under the Python Software Foundation License (permissive):
-- ``pydoc_data.topics``: the language reference and library topics that ``help()`` shows;
-- the docstrings of the standard library's modules, classes and functions (test packages
-  and docstrings under 40 words left out).
+Sources, all under permissive licenses:
+- ``pydoc_data.topics``: the language reference and library topics that ``help()`` shows, and
+  the docstrings of the standard library's modules, classes and functions (Python Software
+  Foundation License); the index bench's --quick corpus is made of these alone;
+- with ``packages`` (:data:`PACKAGES`, the full corpus): the docstrings of numpy, torch,
+  matplotlib and networkx, which installing rag_fast brings along (BSD, BSD, PSF-based and
+  BSD licenses), each package's version recorded in :attr:`Corpus.sources`. These four keep
+  the first embedding of the full corpus within about 10 minutes on 2 cores; transformers'
+  docstrings, many of them copied between models with a word changed, are left out.
+
+Test packages and docstrings under 40 words are left out, and a document whose text another
+one already has (a docstring copied between models, say) is kept once.
 
 Doctest lines and code-like lines are dropped, whitespace is collapsed, and each document is
 cut into passages of :data:`WORDS` words (as DPR cuts Wikipedia), titled by topic or
@@ -19,7 +28,7 @@ import hashlib
 import os
 import re
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +39,9 @@ WORDS = 100
 MIN_DOC_WORDS = 40
 HELD_OUT_EVERY = 10
 QUERIES_PER_PASSAGE = 2
+# the libraries whose docstrings the full corpus adds: dependencies of rag_fast (networkx
+# comes with torch), so every machine that runs the bench has them
+PACKAGES = ("numpy", "torch", "matplotlib", "networkx")
 _CODE = re.compile(r"^\s*(>>>|\.\.\.|\$ |[{}\[\]()#@]|def |class |import |from \S+ import )")
 
 
@@ -39,6 +51,7 @@ class Corpus:
     texts: list[str]
     queries: list[str]  # sentences of held-out passages (never indexed)
     sha256: str
+    sources: list[str] = field(default_factory=list)  # e.g. "python 3.11.9", "numpy 2.1.0"
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -60,12 +73,10 @@ def _clean(text: str) -> str:
     return " ".join(" ".join(lines).split())
 
 
-def _documents() -> list[tuple[str, str]]:
-    """(title, text) of every source document, in a fixed order."""
-    from pydoc_data.topics import topics
-
-    docs = [(name, _clean(text)) for name, text in sorted(topics.items())]
-    root = Path(sysconfig.get_paths()["stdlib"])
+def _docstrings(root: Path, prefix: str) -> list[tuple[str, str]]:
+    """(qualified name, cleaned docstring) of every module, class and function under ``root``
+    (``prefix`` names its package; test folders left out), in a fixed order."""
+    docs = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         parts = rel.split("/")
@@ -76,14 +87,41 @@ def _documents() -> list[tuple[str, str]]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        module = prefix + rel[:-3].replace("/", ".").removesuffix(".__init__")
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
                 if doc:
                     name = module if isinstance(node, ast.Module) else f"{module}.{node.name}"
                     docs.append((name, _clean(doc)))
-    return [(t, x) for t, x in docs if len(x.split()) >= MIN_DOC_WORDS]
+    return docs
+
+
+def _documents(packages: tuple[str, ...] = ()) -> tuple[list[tuple[str, str]], list[str]]:
+    """(title, text) of every source document, in a fixed order, each text once; and the
+    sources with their versions."""
+    import importlib.metadata
+    import importlib.util
+    import platform
+
+    from pydoc_data.topics import topics
+
+    docs = [(name, _clean(text)) for name, text in sorted(topics.items())]
+    docs += _docstrings(Path(sysconfig.get_paths()["stdlib"]), "")
+    sources = [f"python {platform.python_version()}"]
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"prose: the package {package!r} is not installed (pip install {package})")
+        docs += _docstrings(Path(next(iter(spec.submodule_search_locations))), package + ".")
+        sources.append(f"{package} {importlib.metadata.version(package)}")
+    seen: set[str] = set()
+    kept = []
+    for title, text in docs:
+        if len(text.split()) >= MIN_DOC_WORDS and text not in seen:
+            seen.add(text)
+            kept.append((title, text))
+    return kept, sources
 
 
 def _passages(text: str) -> list[str]:
@@ -101,18 +139,25 @@ def _queries(passage: str) -> list[str]:
     return sentences(passage)[:QUERIES_PER_PASSAGE]
 
 
-def build(every: int = 1) -> Corpus:
-    """The corpus: the passages of every ``every``-th indexed document (1: all of them, ~2,650
-    passages; 3: ~900, what the index bench's quick mode embeds), and the queries of every
-    held-out document whatever ``every`` is."""
+def build(every: int = 1, packages: tuple[str, ...] = ()) -> Corpus:
+    """The corpus: the passages of every ``every``-th indexed document (1: all of them; with
+    the standard library alone ~2,650 passages, 3: ~900, what the index bench's quick mode
+    embeds; with :data:`PACKAGES` too, the full mode's, ~14,700), and the queries of every
+    held-out document whatever ``every`` is. A passage whose text an earlier one has is
+    left out."""
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int, got {every!r}")
     titles, texts, queries = [], [], []
-    for i, (title, text) in enumerate(_documents()):
+    documents, sources = _documents(tuple(packages))
+    seen: set[str] = set()
+    for i, (title, text) in enumerate(documents):
         held_out = i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
         if not held_out and (i - i // HELD_OUT_EVERY) % every:
             continue  # an indexed document left out of a smaller corpus
         for passage in _passages(text):
+            if passage in seen:
+                continue
+            seen.add(passage)
             if held_out:
                 queries += _queries(passage)
             else:
@@ -122,7 +167,7 @@ def build(every: int = 1) -> Corpus:
     for part in (titles, texts, queries):
         digest.update("\x1e".join(part).encode())
         digest.update(b"\x1d")
-    return Corpus(titles, texts, queries, digest.hexdigest())
+    return Corpus(titles, texts, queries, digest.hexdigest(), sources)
 
 
 CACHE = Path(__file__).resolve().parent / "results" / "local" / "cache"  # git-ignored
