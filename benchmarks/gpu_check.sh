@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU lane (docs/gpu.md): on a fresh CUDA machine with torch, triton and transformers
 # installed and no network, install rag_fast, run its CUDA tests and the CUDA benchmarks, and
-# leave every result in OUT_DIR. About 8 minutes at most on one H200.
+# leave every result in OUT_DIR. Budgeted at 8 minutes on one H200 (an
+# estimate: the lane has not yet run on a GPU; summary.json records each step's time).
 #
 #   benchmarks/gpu_check.sh OUT_DIR            the lane
 #   benchmarks/gpu_check.sh --dry-run OUT_DIR  the same steps on the CPU, small shapes, Triton's
