@@ -43,7 +43,7 @@ import traceback
 from datetime import timedelta
 
 import numpy as np
-from harness import Context, Measurement, Row, add_ratio, run_command
+from harness import Context, Measurement, Row, add_ratio, allocator_caption, run_command
 
 NAME = "distributed"
 D, QUESTIONS, K = 768, 8, 5
@@ -301,7 +301,7 @@ def render(results: dict, source: str) -> str:
         f"{m['torch'].split('+')[0]} (`benchmarks/results/{source}`): retrieval time of one "
         f"training step, {QUESTIONS} questions x k={K} per rank (search and the winners' fp16 "
         f"vectors), median of {runs[0]} timed steps after {WARMUP} warm-up steps, each step "
-        "timed until the slowest rank is done; spread = (max - min) / median. `sharded`: each of "
+        f"timed until the slowest rank is done, with {allocator_caption(rows)}; spread = (max - min) / median. `sharded`: each of "
         "the W gloo processes holds 1/W of the corpus (`ShardedIndex`); `full index per rank`: "
         "each holds all of it and searches its own questions. Each process runs max(1, "
         "cores / W) threads; with more processes than cores (oversubscribed) they share the "

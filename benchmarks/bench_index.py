@@ -50,8 +50,8 @@ import time
 import faiss
 import numpy as np
 import torch
-from harness import (Context, Row, add_ratio, machine_words, measure_interleaved, ratio_is_noisy,
-                     runs_counted, spread_cell)
+from harness import (Context, Row, add_ratio, allocator_caption, machine_words, measure_interleaved,
+                     ratio_is_noisy, runs_counted, spread_cell)
 
 from rag_fast.retrieval import DenseIndex, exact_search, recall_at_k
 
@@ -442,8 +442,8 @@ def render(results: dict, source: str) -> str:
     where = "; ".join(
         f"{data}: " + ", ".join(f"{who} at B = {', '.join(map(str, bs))}" for who, bs in won.items())
         for data, won in wins.items())
-    timing = (f"medians of {runs_counted(rows)} timed runs after warm-up, every provider of a data set "
-              "and batch size taking turns in one measurement; spread = (max - min) / median of "
+    timing = (f"Medians of {runs_counted(rows)} timed runs after warm-up, every provider of a data set "
+              f"and batch size taking turns in one measurement, with {allocator_caption(rows)}; spread = (max - min) / median of "
               "those runs; a ratio marked (noisy) has a side whose spread exceeds 20% or runs that "
               "overlap the other side's")
     args = results.get("args", {})

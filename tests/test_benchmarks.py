@@ -429,7 +429,7 @@ def test_index_renderer_shows_spread_and_noisy_ratios():
     assert exact_caption.endswith("Fastest: synthetic (calibrated), 1,000 x 768: faiss at B = 1, "
                                   "rag_fast at B = 128.")
     assert "`python benchmarks/run.py --quick --only index`" in caption
-    assert "medians of 5 to 7 timed runs" in caption
+    assert "Medians of 5 to 7 timed runs" in caption and "glibc made to unmap" in caption
 
 
 def test_index_rows_carry_their_runs_and_render(monkeypatch):
