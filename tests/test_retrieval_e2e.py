@@ -162,11 +162,19 @@ def test_build_measures_on_given_or_stand_in_questions(tmp_path, corpus, minilm,
     questions = tmp_path / "questions.txt"
     questions.write_text("\n".join(q for q, _ in QUESTIONS) + "\n\n")
     common = ["--passages", str(corpus), "--encoder", minilm, "--preset", "IVF2,Flat", "--no-progress"]
+    capsys.readouterr()
     assert cli.main(["index", "build", *common, "--queries", str(questions), "--out", str(tmp_path / "a")]) == 0
     quality = DenseIndex.load(tmp_path / "a" / "index").describe()["search_quality"]
     assert quality["queries"] == 4 and quality["query_source"] == f"4 questions from {questions}"
     assert quality["reached"] and quality["recall"] >= 0.95 and quality["same_top5"] >= 0.95
+    # 4 questions cannot show 0.95 with 95% confidence: one line says so, naming the flag
+    assert capsys.readouterr().err.splitlines() == [
+        "rag-fast: warning: --queries: 4 queries are too few to show recall and same top 5 >= "
+        "0.95 with 95% confidence (even if all 4 matched exact search, the exact one-sided lower "
+        "bound would be 0.473); give at least 59 queries for this target, or the tuned settings "
+        "may fall short of it on new ones"]
     assert cli.main(["index", "build", *common, "--out", str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().err == ""
     quality = DenseIndex.load(tmp_path / "b" / "index").describe()["search_quality"]
     assert quality["queries"] == len(CORPUS)
     assert quality["query_source"] == f"one sentence from each of {len(CORPUS)} sampled passages"

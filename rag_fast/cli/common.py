@@ -1,6 +1,9 @@
 """What several ``rag-fast`` commands share: the device a ``--device`` names, a model
-directory opened for answering, and the checks on counts given as options."""
+directory opened for answering, the checks on counts given as options, and how a warning is
+said."""
 from __future__ import annotations
+
+import sys
 
 from rag_fast.models.inference import check_new_tokens, load_for_inference
 from rag_fast.training.trainer import resolve_device
@@ -13,6 +16,11 @@ def check_positive(*options: tuple[str, int]) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
+def warn(message: str) -> None:
+    """A command's warning: one line on stderr, ``rag-fast: warning: MESSAGE``."""
+    print(f"rag-fast: warning: {message}", file=sys.stderr)
+
+
 def load_model(model_dir: str, index: str | None, device: str | None,
                require_index: bool = True):
     """A model directory with its retriever (``--index``, else the one the model records; none
@@ -22,4 +30,4 @@ def load_model(model_dir: str, index: str | None, device: str | None,
     return load_for_inference(model_dir, index, device, require_index=require_index)
 
 
-__all__ = ["check_new_tokens", "check_positive", "load_model", "resolve_device"]
+__all__ = ["check_new_tokens", "check_positive", "load_model", "resolve_device", "warn"]

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rag_fast.cli.common import check_positive
+from rag_fast.cli.common import check_positive, warn
 from rag_fast.retrieval.bundle import build_index_bundle, describe_quality, load_index_bundle
 from rag_fast.retrieval.encoders import Encoder
 from rag_fast.retrieval.index import PRESETS
@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "small corpora get, is checked on its own stored vectors instead)")
     build.add_argument("--queries", default=None, metavar="FILE",
                        help="real questions to measure and tune the index on: .txt (one per line) "
-                            "or .jsonl (objects with 'question')")
+                            "or .jsonl (objects with 'question'); fewer than the target needs to "
+                            "be shown with 95%% confidence (59 for 0.95) are warned about")
     build.add_argument("--shard", default=None, metavar="i/n",
                        help="only encode shard i of n (0-based) into DIR.staging/")
     build.add_argument("--split", type=int, default=None, metavar="WORDS",
@@ -96,7 +97,8 @@ def run_build(args: argparse.Namespace) -> int:
             preset=args.preset, on_disk=args.on_disk, target_recall=args.target_recall,
             queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
             max_length=args.max_length, batch_size=args.batch_size, device=args.device,
-            overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress)
+            overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress,
+            warn=warn)
     except FileNotFoundError as e:  # the passage reader names its argument: say the flag
         if str(e).startswith("passages: "):
             raise FileNotFoundError("--passages: " + str(e).removeprefix("passages: ")) from None
