@@ -238,3 +238,75 @@ def test_exact_search_says_so_instead_of_a_measurement(tmp_path, corpus, minilm,
     assert info["search on CUDA"].startswith(
         "after .to('cuda'): faiss GPU Flat over " if faiss_gpu_count() else
         "after .to('cuda'): exact, torch over the fp16 vectors on cuda, as faiss has no GPU support")
+
+
+def test_search_answers_a_file_of_questions_in_one_process(tmp_path, built, capsys):
+    """`index search --queries FILE --out FILE`: every question of a .txt or .jsonl file,
+    encoded in batches and searched once, one JSON line each (id, title, score, the first 200
+    characters of the text), written atomically; the same top passages as one question at a
+    time. A file it did not write is never replaced."""
+    from rag_fast.retrieval.bundle import open_bundle_search
+
+    txt = tmp_path / "q.txt"
+    txt.write_text("".join(q + "\n\n" for q, _ in QUESTIONS))
+    jsonl = tmp_path / "q.jsonl"
+    jsonl.write_text("".join(json.dumps({"question": q, "other": 1}) + "\n" for q, _ in QUESTIONS))
+    out = tmp_path / "hits.jsonl"
+    assert cli.main(["index", "search", str(built), "--queries", str(txt), "--out", str(out),
+                     "-k", "3"]) == 0
+    assert capsys.readouterr().out == ""
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["question"] for r in rows] == [q for q, _ in QUESTIONS]
+    store = PassageStore.load(built / "passages")
+    for r, (_, row) in zip(rows, QUESTIONS):
+        assert set(r) == {"question", "hits"} and len(r["hits"]) == 3
+        assert r["hits"][0] == {**r["hits"][0], "rank": 1, "row": row, "id": f"doc{row}",
+                                "title": CORPUS[row][0], "text": CORPUS[row][1]}
+        assert [h["rank"] for h in r["hits"]] == [1, 2, 3]
+        scores = [h["score"] for h in r["hits"]]
+        assert scores == sorted(scores, reverse=True)
+        assert all(h["text"] == store.text(h["row"])[:200] for h in r["hits"])
+    # the same hits as one question per search (scores to float rounding)
+    searcher = open_bundle_search(built, device="cpu")
+    for r in rows:
+        scores, ids = searcher.search([r["question"]], 3)
+        assert [h["row"] for h in r["hits"]] == ids[0].tolist()
+        np.testing.assert_allclose([h["score"] for h in r["hits"]], scores[0], atol=1e-4)
+    # JSONL questions, printed when there is no --out; our own file is replaced
+    assert cli.main(["index", "search", str(built), "--queries", str(jsonl), "-k", "3"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == rows
+    assert cli.main(["index", "search", str(built), "--queries", str(jsonl), "--out", str(out),
+                     "-k", "2"]) == 0
+    assert all(len(json.loads(line)["hits"]) == 2 for line in out.read_text().splitlines())
+    # a long text is cut at its first 200 characters
+    from rag_fast.cli.index import SEARCH_TEXT_CHARS, _hit
+
+    long = PassageStore.create([("x", "t", "word " * 100)], tmp_path / "long", progress=False)
+    assert _hit(long, 1, 0.5, 0, SEARCH_TEXT_CHARS)["text"] == ("word " * 40)[:200]
+    capsys.readouterr()
+
+    # errors: one line each, nothing written
+    other = tmp_path / "mine.jsonl"
+    other.write_text('{"question": "q", "answer": "a"}\n')
+    assert cli.main(["index", "search", str(built), "--queries", str(txt), "--out", str(other)]) == 2
+    assert "is not a results file of `rag-fast index search`; refused" in capsys.readouterr().err
+    assert other.read_text() == '{"question": "q", "answer": "a"}\n'
+    assert cli.main(["index", "search", str(built), "who?", "--queries", str(txt)]) == 2
+    assert "give one question, or --queries FILE (not both)" in capsys.readouterr().err
+    assert cli.main(["index", "search", str(built)]) == 2
+    assert "give one question, or --queries FILE (not both)" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "ok"}\n{"text": "no question"}\n')
+    assert cli.main(["index", "search", str(built), "--queries", str(bad), "--out",
+                     str(tmp_path / "new.jsonl")]) == 2
+    assert (f"--queries {bad}:2: expected an object with a non-empty string 'question'"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "new.jsonl").exists()
+    assert cli.main(["index", "search", str(built), "--queries", str(txt), "--out",
+                     str(built / "hits.jsonl")]) == 2
+    assert "lies inside DIR" in capsys.readouterr().err
+    # one question with --out: the same JSON lines, one line
+    single = tmp_path / "single.jsonl"
+    assert cli.main(["index", "search", str(built), QUESTIONS[0][0], "--out", str(single),
+                     "-k", "3"]) == 0
+    assert json.loads(single.read_text()) == rows[0]

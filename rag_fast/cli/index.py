@@ -1,19 +1,25 @@
 """``rag-fast index build | search | info``: build, query and describe index directories.
 
 ``build`` calls :func:`rag_fast.retrieval.bundle.build_index_bundle` (which writes the
-directory atomically and stages sharded builds); ``search`` and ``info`` open one with
-:func:`~rag_fast.retrieval.bundle.load_index_bundle`.
+directory atomically and stages sharded builds); ``search`` opens one with the question
+encoder it records (:func:`~rag_fast.retrieval.bundle.open_bundle_search`) and answers one
+question or a file of them (``--queries FILE [--out FILE]``: JSON lines, written atomically);
+``info`` opens one with :func:`~rag_fast.retrieval.bundle.load_index_bundle`.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rag_fast.cli.common import check_positive, warn
-from rag_fast.retrieval.bundle import build_index_bundle, describe_quality, load_index_bundle
-from rag_fast.retrieval.encoders import Encoder
+from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
+                                       open_bundle_search, read_tuning_questions)
 from rag_fast.retrieval.index import PRESETS
+from rag_fast.storage import atomic_write_bytes, check_apart
+
+SEARCH_TEXT_CHARS = 200  # characters of each passage's text in the JSON lines of a batch search
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,14 +74,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.set_defaults(func=run_build)
 
-    search = sub.add_parser("search", help="retrieve passages for a question")
-    search.add_argument("dir", metavar="DIR")
-    search.add_argument("question")
-    search.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
-    search.add_argument("--nprobe", type=int, default=None)
-    search.add_argument("--ef-search", type=int, default=None)
-    search.add_argument("--json", action="store_true", help="print JSON lines")
-    search.add_argument("--device", default=None)
+    search = sub.add_parser(
+        "search", help="retrieve passages for a question, or for a file of questions",
+        description="Retrieve passages for one question (printed, or JSON lines with --json) "
+                    "or for every question of --queries FILE (encoded in batches and searched "
+                    "once): one JSON line per question, {\"question\", \"hits\": [{\"rank\", "
+                    "\"row\", \"id\", \"title\", \"score\", \"text\"}]} with the first "
+                    f"{SEARCH_TEXT_CHARS} characters of each text, written to --out or printed.")
+    search.add_argument("dir", metavar="DIR", help="the index directory to search")
+    search.add_argument("question", nargs="?", default=None,
+                        help="one question (or give --queries FILE)")
+    search.add_argument("--queries", metavar="FILE", default=None,
+                        help="questions to search, one per line (.txt) or JSON lines with a "
+                             "'question' (.jsonl)")
+    search.add_argument("--out", metavar="FILE", default=None,
+                        help="write the JSON lines here, atomically (a file it wrote before is "
+                             "replaced, any other is refused); default: print them")
+    search.add_argument("-k", type=int, default=5, help="passages per question (default 5)")
+    search.add_argument("--nprobe", type=int, default=None,
+                        help="IVF lists searched (default: the index's tuned setting)")
+    search.add_argument("--ef-search", type=int, default=None,
+                        help="HNSW search breadth (default: the index's tuned setting)")
+    search.add_argument("--json", action="store_true",
+                        help="print one question's hits as JSON lines, each with its full text")
+    search.add_argument("--device", default=None,
+                        help="question encoder device: cpu, cuda or cuda:N (default: cuda if "
+                             "available)")
     search.add_argument("--no-verify", action="store_true",
                         help="skip the SHA-256 check of the index files (sizes are still checked)")
     search.set_defaults(func=run_search)
@@ -106,27 +130,69 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hit(store, rank: int, score: float, row: int, chars: int | None) -> dict:
+    p = store[row]
+    return {"rank": rank, "row": row, "id": p.id, "title": p.title, "score": round(score, 6),
+            "text": p.text if chars is None else p.text[:chars]}
+
+
+def _check_search_out(args: argparse.Namespace) -> None:
+    """``--out`` apart from the inputs, and missing or a results file of ``index search``
+    (every line an object with exactly "question" and "hits", a list): nothing else is
+    replaced."""
+    check_apart(args.out, "--out", {"DIR": args.dir, "--queries": args.queries})
+    path = Path(args.out)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():
+        raise FileExistsError(f"--out {args.out!r} exists and is not a file; refused")
+    try:
+        with open(path, encoding="utf-8") as f:
+            ours = all(isinstance(row := json.loads(line), dict) and set(row) == {"question", "hits"}
+                       and isinstance(row["hits"], list) for line in f if line.strip())
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"--out {args.out!r} exists and is not a results file of "
+                              "`rag-fast index search`; refused (it is never replaced): choose "
+                              "another path")
+
+
 def run_search(args: argparse.Namespace) -> int:
     check_positive(("-k", args.k))
-    manifest, store, index = load_index_bundle(args.dir, verify=not args.no_verify)
-    spec = manifest["query_encoder"]
-    encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],
-                      max_length=spec["max_length"], device=args.device)
-    if not args.question.strip():
-        raise ValueError("question must not be empty")
-    q = encoder.encode_queries([args.question])
-    kwargs = {"nprobe": args.nprobe, "ef_search": args.ef_search}
-    scores, ids = index.search(q, args.k, **{key: v for key, v in kwargs.items() if v is not None})
-    for rank, (score, row) in enumerate(zip(scores[0].tolist(), ids[0].tolist()), 1):
-        if row < 0:
-            continue
-        p = store[row]
-        if args.json:
-            print(json.dumps({"rank": rank, "score": score, "row": row, "id": p.id,
-                              "title": p.title, "text": p.text}))
-        else:
-            text = p.text if len(p.text) <= 200 else p.text[:197] + "..."
-            print(f"{rank:>3}  {score:8.4f}  [{p.id}] {p.title}\n     {text}")
+    if (args.question is None) == (args.queries is None):
+        raise ValueError("give one question, or --queries FILE (not both)")
+    if args.out is not None:
+        _check_search_out(args)
+    if args.queries is not None:
+        questions = read_tuning_questions(args.queries)
+    else:
+        if not args.question.strip():
+            raise ValueError("question must not be empty")
+        questions = [args.question]
+    searcher = open_bundle_search(args.dir, device=args.device, verify=not args.no_verify)
+    scores, rows = searcher.search(questions, args.k, nprobe=args.nprobe, ef_search=args.ef_search)
+    if args.queries is None and args.out is None:  # one question, printed
+        for rank, (score, row) in enumerate(zip(scores[0].tolist(), rows[0].tolist()), 1):
+            if row < 0:
+                continue
+            hit = _hit(searcher.store, rank, score, row, None)
+            if args.json:
+                print(json.dumps({**hit, "score": score}))
+            else:
+                text = hit["text"] if len(hit["text"]) <= 200 else hit["text"][:197] + "..."
+                print(f"{rank:>3}  {score:8.4f}  [{hit['id']}] {hit['title']}\n     {text}")
+        return 0
+    lines = []
+    for question, found, where in zip(questions, scores.tolist(), rows.tolist()):
+        hits = [_hit(searcher.store, rank, score, row, SEARCH_TEXT_CHARS)
+                for rank, (score, row) in enumerate(zip(found, where), 1) if row >= 0]
+        lines.append(json.dumps({"question": question, "hits": hits}, ensure_ascii=False) + "\n")
+    if args.out is None:
+        sys.stdout.write("".join(lines))
+        return 0
+    atomic_write_bytes(args.out, "".join(lines).encode("utf-8"))
+    print(f"{len(lines)} questions, {args.k} passages each -> {args.out}", file=sys.stderr)
     return 0
 
 

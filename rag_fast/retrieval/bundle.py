@@ -379,5 +379,45 @@ def load_index_bundle(directory: str | Path, verify: bool = False):
     return manifest, store, index
 
 
-__all__ = ["BUNDLE_KIND", "STAGING_KEY", "TUNING_QUESTIONS", "build_index_bundle",
-           "describe_quality", "load_index_bundle", "read_tuning_questions", "staging_folder"]
+class BundleSearch:
+    """An index directory opened to answer questions: its passages (``store``), its index and
+    the question encoder its manifest records (``encoder``), what ``rag-fast index search``
+    and ``rag-fast index eval`` search with (:func:`open_bundle_search`)."""
+
+    def __init__(self, manifest: dict, store: PassageStore, index: DenseIndex, encoder: Encoder):
+        self.manifest, self.store, self.index, self.encoder = manifest, store, index, encoder
+
+    def search(self, questions: list[str], k: int, *, nprobe: int | None = None,
+               ef_search: int | None = None, chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+        """``(scores, rows)`` ``[Q, k]`` of ``questions``: encoded in batches (``chunk``
+        questions at a time, each a batch search), best first; a row is -1 (its score -inf)
+        where fewer than ``k`` were found. ``nprobe``, ``ef_search``: the index's defaults
+        when None."""
+        settings = {key: v for key, v in (("nprobe", nprobe), ("ef_search", ef_search))
+                    if v is not None}
+        scores, rows = [], []
+        for start in range(0, len(questions), chunk):
+            q = self.encoder.encode_queries(list(questions[start:start + chunk])).numpy()
+            found = self.index.search(q, k, **settings)
+            scores.append(found[0])
+            rows.append(found[1])
+        if not rows:
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+        return np.concatenate(scores), np.concatenate(rows)
+
+
+def open_bundle_search(directory: str | Path, *, device: str | None = None,
+                       verify: bool = True) -> BundleSearch:
+    """An index directory with the question encoder its manifest records, on ``device``
+    (default: CUDA when available), to search questions with (``verify``: every file's
+    SHA-256, else the sizes)."""
+    manifest, store, index = load_index_bundle(directory, verify=verify)
+    spec = manifest["query_encoder"]
+    encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],
+                      max_length=spec["max_length"], device=device)
+    return BundleSearch(manifest, store, index, encoder)
+
+
+__all__ = ["BUNDLE_KIND", "STAGING_KEY", "TUNING_QUESTIONS", "BundleSearch", "build_index_bundle",
+           "describe_quality", "load_index_bundle", "open_bundle_search", "read_tuning_questions",
+           "staging_folder"]
