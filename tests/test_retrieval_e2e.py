@@ -310,3 +310,89 @@ def test_search_answers_a_file_of_questions_in_one_process(tmp_path, built, caps
     assert cli.main(["index", "search", str(built), QUESTIONS[0][0], "--out", str(single),
                      "-k", "3"]) == 0
     assert json.loads(single.read_text()) == rows[0]
+
+
+ANSWERS = ["Alexander Fleming", "Mount Everest", "Leonardo da Vinci", "glucose"]
+
+
+def test_index_eval_measures_retrieval_without_a_model(tmp_path, built, capsys):
+    """`index eval`: the questions encoded with the index's question encoder and searched once
+    at the largest k (the hits `index search` gives), gold recall@k against passage ids and
+    answer recall@k against answer strings, printed as a table with their definitions, and
+    with --out, metrics.json and retrieval.jsonl in a folder of its own kind."""
+    from rag_fast.storage import RETRIEVAL_EVAL_KIND, folder_kind
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answers": [a], "positive_ids": [f"doc{row}"]})
+                            + "\n" for (q, row), a in zip(QUESTIONS, ANSWERS)))
+    out = tmp_path / "eval"
+    assert cli.main(["index", "eval", "--data", str(data), "--index", str(built), "-k", "3,1",
+                     "--out", str(out), "--device", "cpu"]) == 0
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()
+    assert lines[0] == f"4 questions, index {built} (10 passages), searched once at k=3"
+    assert lines[1] == "   k  gold recall@k  answer recall@k  k random passages"
+    assert lines[2].split()[:3] == ["1", "1.0000", "1.0000"]
+    assert lines[3].split()[:3] == ["3", "1.0000", "1.0000"]
+    assert lines[4].startswith("gold recall@k: the fraction of the 4 questions with gold passage")
+    assert lines[5].startswith("answer recall@k: the fraction of the 4 questions with answers")
+    assert printed.err == ""
+    assert folder_kind(out) == RETRIEVAL_EVAL_KIND
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["k"] == [1, 3] and metrics["questions"] == 4
+    assert metrics["metrics"]["gold_recall@1"] == 1.0 and metrics["metrics"]["answer_recall@3"] == 1.0
+    assert metrics["answer_leniency"]["passages_counted"] == 10
+    rows = [json.loads(x) for x in (out / "retrieval.jsonl").read_text().splitlines()]
+    assert [r["retrieved"][0]["id"] for r in rows] == [f"doc{row}" for _, row in QUESTIONS]
+    assert all(r["hits"]["gold"] == [1] and len(r["retrieved"]) == 3 for r in rows)
+    # the same passages as `index search --queries`
+    hits = tmp_path / "hits.jsonl"
+    assert cli.main(["index", "search", str(built), "--queries", str(data), "--out", str(hits),
+                     "-k", "3"]) == 0
+    searched = [json.loads(x) for x in hits.read_text().splitlines()]
+    assert [[h["id"] for h in r["hits"]] for r in searched] == \
+        [[h["id"] for h in r["retrieved"]] for r in rows]
+    # its own folder is written again; DPR's positive_ctxs; an unknown gold id is warned about
+    dpr = tmp_path / "dpr.jsonl"
+    dpr.write_text("".join(json.dumps({"question": q, "positive_ctxs": [
+        {"title": "t", "text": "x", "passage_id": f"doc{row}"}, {"passage_id": "missing"}]}) + "\n"
+        for q, row in QUESTIONS))
+    capsys.readouterr()
+    assert cli.main(["index", "eval", "--data", str(dpr), "--index", str(built), "-k", "1",
+                     "--out", str(out), "--device", "cpu"]) == 0
+    printed = capsys.readouterr()
+    assert printed.err.splitlines() == [
+        "rag-fast: warning: 1 of the 5 gold passage ids (of 4 questions) are not passage ids of "
+        "the index, e.g. 'missing': those questions can be found only through their other gold "
+        "ids"]
+    assert printed.out.splitlines()[1] == "   k  gold recall@k"  # no answers: no answer columns
+    assert json.loads((out / "metrics.json").read_text())["unknown_gold_ids"] == 1
+
+    # errors: one line each, before anything is written
+    def error(*argv) -> str:
+        assert cli.main(["index", "eval", "--index", str(built), "--device", "cpu", *argv]) == 2
+        return capsys.readouterr().err.strip()
+
+    assert error("--data", str(data), "-k", "1,11") == (
+        f"rag-fast: error: -k 11 is more passages than the index {str(built)!r} holds (10); use "
+        "at most 10")
+    assert error("--data", str(data), "-k", "0,3") == (
+        "rag-fast: error: -k expects integers >= 1 separated by commas (e.g. 1,5,20), got '0,3'")
+    none = tmp_path / "none.jsonl"
+    none.write_text('{"question": "who?"}\n')
+    assert error("--data", str(none)).startswith(
+        f"rag-fast: error: {none}:1: neither answers ('answers') nor gold passage ids")
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"question": "who?", "gold": [5]}\n')
+    assert error("--data", str(wrong), "-k", "1") == (
+        "rag-fast: error: none of the 1 gold passage ids is a passage id of the index (e.g. '5'; "
+        "its passages have ids such as 'doc0'): give gold ids as the passage file names its "
+        "passages")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert "holds files rag_fast did not write; refused" in error("--data", str(data), "--out",
+                                                                   str(foreign))
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert "--out" in error("--data", str(data), "--out", str(built / "eval"))
+    assert error("--data", str(data), "--device", "tpu").startswith("rag-fast: error: --device")

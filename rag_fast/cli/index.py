@@ -1,10 +1,13 @@
-"""``rag-fast index build | search | info``: build, query and describe index directories.
+"""``rag-fast index build | search | eval | info``: build, query, evaluate and describe index
+directories.
 
 ``build`` calls :func:`rag_fast.retrieval.bundle.build_index_bundle` (which writes the
 directory atomically and stages sharded builds); ``search`` opens one with the question
 encoder it records (:func:`~rag_fast.retrieval.bundle.open_bundle_search`) and answers one
 question or a file of them (``--queries FILE [--out FILE]``: JSON lines, written atomically);
-``info`` opens one with :func:`~rag_fast.retrieval.bundle.load_index_bundle`.
+``eval`` searches the questions of a dataset the same way and reports recall@k against
+gold passage ids and answer strings (:mod:`rag_fast.evaluation.retrieval`); ``info`` opens one
+with :func:`~rag_fast.retrieval.bundle.load_index_bundle`.
 """
 from __future__ import annotations
 
@@ -13,11 +16,14 @@ import json
 import sys
 from pathlib import Path
 
-from rag_fast.cli.common import check_positive, warn
+from rag_fast.cli.common import check_positive, resolve_device, warn
+from rag_fast.evaluation.retrieval import (format_table, load_retrieval_data, retrieval_report,
+                                           write_retrieval_report)
 from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
                                        open_bundle_search, read_tuning_questions)
 from rag_fast.retrieval.index import PRESETS
-from rag_fast.storage import atomic_write_bytes, check_apart
+from rag_fast.storage import (RETRIEVAL_EVAL_KIND, atomic_write_bytes, check_apart,
+                              check_output_folder)
 
 SEARCH_TEXT_CHARS = 200  # characters of each passage's text in the JSON lines of a batch search
 
@@ -25,7 +31,8 @@ SEARCH_TEXT_CHARS = 200  # characters of each passage's text in the JSON lines o
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``index`` and its sub-commands to the ``rag-fast`` command's subparsers."""
     index = subparsers.add_parser("index", help="build, query and describe passage indexes")
-    sub = index.add_subparsers(dest="index_command", required=True, metavar="{build,search,info}")
+    sub = index.add_subparsers(dest="index_command", required=True,
+                               metavar="{build,search,eval,info}")
 
     build = sub.add_parser("build", help="encode passages and build an index directory")
     build.add_argument("--passages", required=True, metavar="FILE",
@@ -103,6 +110,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--no-verify", action="store_true",
                         help="skip the SHA-256 check of the index files (sizes are still checked)")
     search.set_defaults(func=run_search)
+
+    evaluate = sub.add_parser(
+        "eval", help="measure retrieval alone: recall@k against gold passage ids and answers",
+        description="Measure an index's retrieval without a model: encode the questions of "
+                    "--data with the question encoder the index records, search once at the "
+                    "largest k, and report gold recall@k (the fraction of questions with gold "
+                    "passage ids that have one among the top k) and answer recall@k (the "
+                    "fraction of questions with answers that have one in a top-k passage), "
+                    "beside what k random passages would score. The table is printed; --out "
+                    "DIR also receives metrics.json and retrieval.jsonl (per question: gold "
+                    "ids, retrieved ids, titles and scores, and the ranks that hit).")
+    evaluate.add_argument("--data", required=True, metavar="FILE",
+                          help="JSONL questions with 'answers' and/or gold passage ids "
+                               "('positive_ids', 'gold' or 'passage_id': an id or a list of ids "
+                               "as the passage file names its passages; or DPR's "
+                               "'positive_ctxs' with 'passage_id'), or a TSV dataset (answers "
+                               "only)")
+    evaluate.add_argument("--index", required=True, metavar="DIR",
+                          help="the index directory to evaluate")
+    evaluate.add_argument("-k", default="1,5,20", metavar="K[,K...]",
+                          help="the cut-offs, comma-separated (default 1,5,20); the index is "
+                               "searched once at the largest")
+    evaluate.add_argument("--out", metavar="DIR", default=None,
+                          help="also write metrics.json and retrieval.jsonl here, atomically (a "
+                               "new or empty folder, or one this command wrote before)")
+    evaluate.add_argument("--nprobe", type=int, default=None,
+                          help="IVF lists searched (default: the index's tuned setting)")
+    evaluate.add_argument("--ef-search", type=int, default=None,
+                          help="HNSW search breadth (default: the index's tuned setting)")
+    evaluate.add_argument("--device", default=None,
+                          help="question encoder device: cpu, cuda or cuda:N (default: cuda if "
+                               "available)")
+    evaluate.add_argument("--no-verify", action="store_true",
+                          help="skip the SHA-256 check of the index files (sizes are still "
+                               "checked)")
+    evaluate.set_defaults(func=run_eval)
 
     info = sub.add_parser(
         "info", help="describe an index directory",
@@ -193,6 +236,51 @@ def run_search(args: argparse.Namespace) -> int:
         return 0
     atomic_write_bytes(args.out, "".join(lines).encode("utf-8"))
     print(f"{len(lines)} questions, {args.k} passages each -> {args.out}", file=sys.stderr)
+    return 0
+
+
+def parse_ks(text: str, flag: str = "-k") -> list[int]:
+    """``"1,5,20"`` -> ``[1, 5, 20]`` (sorted, unique), else a ValueError naming ``flag``."""
+    try:
+        ks = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        ks = []
+    if not ks or ks[0] < 1:
+        raise ValueError(f"{flag} expects integers >= 1 separated by commas (e.g. 1,5,20), got "
+                         f"{text!r}")
+    return ks
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    ks = parse_ks(args.k)
+    for flag, value in (("--nprobe", args.nprobe), ("--ef-search", args.ef_search)):
+        if value is not None:
+            check_positive((flag, value))
+    resolve_device(args.device, "--device")  # before anything is read
+    if args.out is not None:
+        check_apart(args.out, "--out", {"--data": args.data, "--index": args.index})
+        check_output_folder(args.out, RETRIEVAL_EVAL_KIND, reuse=True, flag="--out")
+    examples = load_retrieval_data(args.data)
+    searcher = open_bundle_search(args.index, device=args.device, verify=not args.no_verify)
+    if ks[-1] > len(searcher.index):
+        raise ValueError(f"-k {ks[-1]} is more passages than the index {args.index!r} holds "
+                         f"({len(searcher.index)}); use at most {len(searcher.index)}")
+    scores, rows = searcher.search([e.question for e in examples], ks[-1], nprobe=args.nprobe,
+                                   ef_search=args.ef_search)
+    store = searcher.store
+    passages = [[store[r] for r in found if r >= 0] for found in rows.tolist()]
+    scores = [[s for s, r in zip(sc, found) if r >= 0]
+              for sc, found in zip(scores.tolist(), rows.tolist())]
+    report = retrieval_report(examples, passages, scores, store, ks)
+    for message in report.warnings:
+        warn(message)
+    print(f"{len(examples)} questions, index {args.index} ({len(store)} passages), searched once "
+          f"at k={ks[-1]}")
+    print(format_table(report))
+    if args.out is not None:
+        write_retrieval_report(args.out, report, data=args.data, index=args.index)
+        print(f"metrics: {Path(args.out) / 'metrics.json'}; per question: "
+              f"{Path(args.out) / 'retrieval.jsonl'}")
     return 0
 
 
