@@ -233,3 +233,35 @@ def test_a_model_with_more_passages_per_question_than_the_index_is_refused(setup
     assert cli.main(["eval", "--data", str(data), "--model", str(big), "--index", str(index_dir),
                      "--out", str(tmp_path / "eval"), "--no-progress"]) == 2
     assert f"n_docs={too_many} (from the model {str(big)!r})" in capsys.readouterr().err
+
+
+def test_eval_and_generate_show_each_passage_id_title_score_and_text(setup, tmp_path, capsys):
+    """Titles repeat in real corpora: eval's predictions.jsonl and generate's lines give each
+    retrieved passage's id, title, score and the first 160 characters of its text."""
+    from rag_fast.evaluation.report import passage_record
+
+    root, index_dir, data = setup
+    out = tmp_path / "eval"
+    assert cli.main(["eval", "--data", str(data), "--model", str(root / "model0"), "--index",
+                     str(index_dir), "--out", str(out), "--max-new-tokens", "2", "--device",
+                     "cpu", "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    by_id = {pid: (title, text) for pid, title, text in PASSAGES}
+    assert all(len(r["passages"]) == 2 for r in rows)
+    for p in (p for r in rows for p in r["passages"]):
+        assert list(p) == ["title", "id", "score", "text"] and isinstance(p["score"], float)
+        assert (p["title"], p["text"]) == by_id[p["id"]]
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(root / "model0"), "--index", str(index_dir),
+                     "--question", QA[0][0], "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert list(line) == ["question", "answer", "passages"]
+    assert [(p["id"], p["title"], p["text"]) for p in line["passages"]] == \
+        [(p["id"], p["title"], p["text"]) for p in rows[0]["passages"]]
+    assert [p["score"] for p in line["passages"]] == pytest.approx(
+        [p["score"] for p in rows[0]["passages"]], abs=2e-4)
+    # the text is cut at its first 160 characters; a passage without an id has id None
+    long = Passage("p9", "t", "word " * 100)
+    assert passage_record(long, 0.123456) == {"title": "t", "id": "p9", "score": 0.1235,
+                                              "text": ("word " * 32)[:160]}
+    assert passage_record({"title": "t", "text": "x"}, 1)["id"] is None

@@ -5,7 +5,7 @@
 
 With a model, ``--out`` (default ``eval-<data name>``) receives ``predictions.jsonl`` (per
 question: the question, the gold answers, the prediction, its EM and F1, and the retrieved
-passages' titles and scores) and ``metrics.json`` (EM, F1, BLEU-1, ROUGE-L, recall@K, rounded
+passages' titles, ids, scores and first 160 characters of text) and ``metrics.json`` (EM, F1, BLEU-1, ROUGE-L, recall@K, rounded
 to 4 digits); the metrics are printed as a table. ``--model`` may be a model directory or the
 ``output_dir`` of ``rag-fast train``; ``--index`` defaults to the index the model records.
 A model's answers are decoded greedily (``rag-fast generate`` uses beam search, 4 beams by

@@ -12,7 +12,8 @@ Without an index, each JSONL line may bring its passages:
 default to equal). ``--do-sample`` (with ``--temperature``, ``--top-k``, ``--top-p``, ``--seed``),
 ``--repetition-penalty`` and ``--no-repeat-ngram-size`` apply to seq2seq and decoder-only
 generators alike. One JSON line per question is printed (or written to ``--out``):
-``{"question", "answer", "passages": [{"title", "score"}, ...]}``.
+``{"question", "answer", "passages": [{"title", "id", "score", "text"}, ...]}``, each passage's
+text cut at its first 160 characters (``id`` null for a passage given without one).
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from tqdm.auto import tqdm
 from rag_fast._jsonl import read_objects
 from rag_fast._validation import not_a_file
 from rag_fast.cli.common import check_new_tokens, check_positive, load_model
+from rag_fast.evaluation.report import passage_record
 from rag_fast.models.checkpoint import resolve_model_dir
-from rag_fast.models.rag_model import passage_fields
 from rag_fast.storage import check_apart, disk_errors
 
 
@@ -184,7 +185,7 @@ def run(args) -> int:
         out = open(tmp, "w", encoding="utf-8")
     try:
         with disk_errors(args.out) if args.out else contextlib.nullcontext():
-            _answer_all(model, rows, args, settings, out, bar, passage_fields)
+            _answer_all(model, rows, args, settings, out, bar)
             if args.out:
                 out.close()  # (a full disk may fail here: the temporary is removed below)
                 os.replace(out.name, args.out)
@@ -201,7 +202,7 @@ def run(args) -> int:
     return 0
 
 
-def _answer_all(model, rows, args, settings, out, bar, passage_fields) -> None:
+def _answer_all(model, rows, args, settings, out, bar) -> None:
     """Decode ``rows`` in batches and write one JSON line per question to ``out``."""
     for start in range(0, len(rows), args.batch_size):
         batch = rows[start:start + args.batch_size]
@@ -219,7 +220,7 @@ def _answer_all(model, rows, args, settings, out, bar, passage_fields) -> None:
             found = result.passages[i] if result.passages is not None else []
             out.write(json.dumps({
                 "question": r["question"], "answer": text,
-                "passages": [{"title": passage_fields(p)[0], "score": round(float(s), 4)}
+                "passages": [passage_record(p, s)
                              for p, s in zip(found, result.doc_scores[i].tolist())],
             }, ensure_ascii=False) + "\n")
         if bar is not None:
