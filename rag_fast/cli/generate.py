@@ -6,8 +6,8 @@
 ``--model`` is a model directory (``rag-fast init`` / ``train``, or the ``output_dir`` of
 ``train``, or any ``transformers`` RAG folder). Questions are embedded with the model's own
 question encoder and passages retrieved from ``--index`` (default: the index the model records)
-with the model's ``n_docs``; RAG-Token or RAG-Sequence decoding follows the model's mode.
-Without an index, each JSONL line may bring its passages:
+with the model's ``n_docs`` (``--n-docs N`` replaces it); RAG-Token or RAG-Sequence decoding
+follows the model's mode. Without an index, each JSONL line may bring its passages:
 ``{"question": ..., "passages": [{"title": ..., "text": ...}, ...], "scores": [...]}`` (scores
 default to equal). ``--do-sample`` (with ``--temperature``, ``--top-k``, ``--top-p``, ``--seed``),
 ``--repetition-penalty`` and ``--no-repeat-ngram-size`` apply to seq2seq and decoder-only
@@ -46,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--index", metavar="DIR", default=None,
                    help="index directory (default: the one the model records; else passages "
                         "from the JSONL)")
+    p.add_argument("--n-docs", type=int, default=None, metavar="N",
+                   help="passages retrieved (or read from a question's 'passages') and "
+                        "marginalised over per question (default: the model's n_docs); at "
+                        "least 1 and at most the index's passage count")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="generator tokenizer, when the model directory has none")
     p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough",
@@ -129,7 +133,8 @@ def _load(args):
     model_dir = resolve_model_dir(args.model)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model: no such directory {model_dir}")
-    model = load_model(model_dir, args.index, args.device, require_index=False)
+    model = load_model(model_dir, args.index, args.device, require_index=False,
+                       n_docs=args.n_docs)
     if args.tokenizer is not None:
         from transformers import AutoTokenizer  # deferred: import time
 
@@ -160,6 +165,8 @@ def _batch_from_rows(model, rows: list[dict]):
 def run(args) -> int:
     check_positive(("--batch-size", args.batch_size), ("--num-beams", args.num_beams),
                    ("--max-new-tokens", args.max_new_tokens))
+    if args.n_docs is not None:
+        check_positive(("--n-docs", args.n_docs))
     if args.out:
         _check_out(args)
     rows = read_questions(args)
