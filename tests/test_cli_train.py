@@ -233,3 +233,93 @@ def test_a_model_with_more_passages_per_question_than_the_index_is_refused(setup
     assert cli.main(["eval", "--data", str(data), "--model", str(big), "--index", str(index_dir),
                      "--out", str(tmp_path / "eval"), "--no-progress"]) == 2
     assert f"n_docs={too_many} (from the model {str(big)!r})" in capsys.readouterr().err
+
+
+def test_eval_and_generate_show_each_passage_id_title_score_and_text(setup, tmp_path, capsys):
+    """Titles repeat in real corpora: eval's predictions.jsonl and generate's lines give each
+    retrieved passage's id, title, score and the first 160 characters of its text."""
+    from rag_fast.evaluation.report import passage_record
+
+    root, index_dir, data = setup
+    out = tmp_path / "eval"
+    assert cli.main(["eval", "--data", str(data), "--model", str(root / "model0"), "--index",
+                     str(index_dir), "--out", str(out), "--max-new-tokens", "2", "--device",
+                     "cpu", "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    by_id = {pid: (title, text) for pid, title, text in PASSAGES}
+    assert all(len(r["passages"]) == 2 for r in rows)
+    for p in (p for r in rows for p in r["passages"]):
+        assert list(p) == ["title", "id", "score", "text"] and isinstance(p["score"], float)
+        assert (p["title"], p["text"]) == by_id[p["id"]]
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(root / "model0"), "--index", str(index_dir),
+                     "--question", QA[0][0], "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert list(line) == ["question", "answer", "passages"]
+    assert [(p["id"], p["title"], p["text"]) for p in line["passages"]] == \
+        [(p["id"], p["title"], p["text"]) for p in rows[0]["passages"]]
+    assert [p["score"] for p in line["passages"]] == pytest.approx(
+        [p["score"] for p in rows[0]["passages"]], abs=2e-4)
+    # the text is cut at its first 160 characters; a passage without an id has id None
+    long = Passage("p9", "t", "word " * 100)
+    assert passage_record(long, 0.123456) == {"title": "t", "id": "p9", "score": 0.1235,
+                                              "text": ("word " * 32)[:160]}
+    assert passage_record({"title": "t", "text": "x"}, 1)["id"] is None
+
+
+def test_eval_and_generate_take_n_docs(setup, tmp_path, capsys, monkeypatch):
+    """--n-docs replaces the model's passages per question (retrieved and marginalised over),
+    checked as `init --n-docs` is: an integer >= 1 and at most the index's passage count,
+    named as the flag, before the model loads where the index is given."""
+    root, index_dir, data = setup
+    model = root / "model0"  # n_docs 2
+    out = tmp_path / "eval"
+    assert cli.main(["eval", "--data", str(data), "--model", str(model), "--index", str(index_dir),
+                     "--n-docs", "3", "--out", str(out), "--max-new-tokens", "2", "--device", "cpu",
+                     "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert all(len(r["passages"]) == 3 for r in rows)
+    assert "recall@3" in json.loads((out / "metrics.json").read_text())["metrics"]
+    # generate: the same search, n passages (the first ones those of eval's top 3)
+    capsys.readouterr()
+    for n in (1, 4):
+        assert cli.main(["generate", "--model", str(model), "--index", str(index_dir), "--question",
+                         QA[0][0], "--n-docs", str(n), "--max-new-tokens", "2", "--device",
+                         "cpu"]) == 0
+        ids = [p["id"] for p in json.loads(capsys.readouterr().out)["passages"]]
+        assert len(ids) == n and ids[:3] == [p["id"] for p in rows[0]["passages"]][:n]
+    # without an index, the passages a question brings: --n-docs of them
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": QA[0][0], "passages": [
+        {"title": t, "text": x} for _, t, x in PASSAGES[:3]]}) + "\n")
+    for n, expect in ((None, 2), ("3", 3)):
+        assert cli.main(["generate", "--model", str(model), "--questions", str(questions),
+                         "--max-new-tokens", "2", "--device", "cpu",
+                         *(["--n-docs", n] if n else [])]) == 0
+        assert len(json.loads(capsys.readouterr().out)["passages"]) == expect
+
+    # errors, one line each; with --index given, before the model loads
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before --n-docs was checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(RagModel, "load", never)
+        for command in (["eval", "--data", str(data), "--out", str(tmp_path / "e2")],
+                        ["generate", "--question", "q"]):
+            assert cli.main([*command, "--model", str(model), "--index", str(index_dir),
+                             "--n-docs", "7", "--device", "cpu"]) == 2
+            assert capsys.readouterr().err.strip() == (
+                f"rag-fast: error: --n-docs=7 is more passages per question than the index "
+                f"{str(index_dir)!r} holds (6)")
+            assert cli.main([*command, "--model", str(model), "--index", str(index_dir),
+                             "--n-docs", "0", "--device", "cpu"]) == 2
+            assert capsys.readouterr().err.strip() == "rag-fast: error: --n-docs must be >= 1, got 0"
+    # the index the model records is checked the same way
+    recorded = tmp_path / "recorded"
+    RagModel.load(str(model)).save(str(recorded), index=str(index_dir))
+    assert cli.main(["generate", "--model", str(recorded), "--question", "q", "--n-docs", "7",
+                     "--device", "cpu"]) == 2
+    assert "--n-docs=7 is more passages per question than the index" in capsys.readouterr().err
+    assert cli.main(["eval", "--data", str(data), "--predictions", str(data), "--n-docs",
+                     "3"]) == 2
+    assert "--n-docs needs --model" in capsys.readouterr().err

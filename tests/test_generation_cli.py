@@ -52,6 +52,8 @@ def test_generate_jsonl(tmp_path, mode, capsys):
     assert [p["title"] for p in lines[0]["passages"]] == ["w7", "w10"]
     assert [p["score"] for p in lines[0]["passages"]] == [1.0, 0.5]
     assert [p["title"] for p in lines[1]["passages"]] == ["w13"]
+    # each passage as eval writes it: title, id (none given here), score and text
+    assert lines[0]["passages"][0] == {"title": "w7", "id": None, "score": 1.0, "text": "w8 w9"}
     # the same answers as the Python API on the same contexts and scores
     from rag_fast.models import RagModel
 

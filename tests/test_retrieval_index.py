@@ -409,6 +409,48 @@ def test_build_tunes_on_given_queries(data):
         DenseIndex.build(xb, "ivfpq", progress=False, target_recall=0.95, queries=held_out[:, :8])
 
 
+def test_too_few_tuning_queries_are_warned_with_the_count_needed(data):
+    """The tuner asks each measure's 95% lower bound to reach the target; with Q queries all
+    matching exact search the exact one-sided bound is 0.05 ** (1 / Q), so below Q = 59 no
+    result shows 0.95 (27 queries: 0.895), though the normal-approximation bound of the tuner
+    is then 1. Explicit queries fewer than that are warned about once, naming the count needed."""
+    from rag_fast.retrieval.index import (SmallSampleWarning, _reaches, min_tuning_queries,
+                                          small_sample_message)
+
+    assert [min_tuning_queries(t) for t in (0.5, 0.9, 0.95, 0.99)] == [5, 29, 59, 299]
+    for target in (0.5, 0.9, 0.95, 0.99, 0.999):
+        need = min_tuning_queries(target)
+        assert 0.05 ** (1 / need) >= target > 0.05 ** (1 / (need - 1))
+    assert min_tuning_queries(0.04) == 1 and min_tuning_queries(1.0) is None
+    with pytest.raises(ValueError, match="target must be in"):
+        min_tuning_queries(0.0)
+    assert _reaches((np.ones(27), np.ones(27)), 0.95)  # what the warning is about
+    assert small_sample_message(59, 0.95) is None and small_sample_message(27, 1.0) is None
+    assert small_sample_message(27, 0.95, "--queries") == (
+        "--queries: 27 queries are too few to show recall and same top 5 >= 0.95 with 95% "
+        "confidence (even if all 27 matched exact search, the exact one-sided lower bound would "
+        "be 0.895); give at least 59 queries for this target, or the tuned settings may fall "
+        "short of it on new ones")
+
+    xb, q, _ = data
+    index = DenseIndex.build(xb[:2000], "IVF8,Flat", progress=False)
+    with pytest.warns(SmallSampleWarning, match=r"^queries: 27 queries are too few .* give at "
+                                                r"least 59 queries") as said:
+        index.tune(0.95, queries=q[:27])
+    assert len(said) == 1
+    with pytest.warns(SmallSampleWarning, match=r"^queries: 30 queries .* at least 59") as said:
+        index.measure(0.95, queries=q[:30])  # tunes too: said once
+    assert len(said) == 1
+    with pytest.warns(SmallSampleWarning, match=r"at least 29 queries"):
+        index.measure(0.9, tune=False, queries=q[:28])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SmallSampleWarning)
+        index.tune(0.95, queries=q[:59])
+        index.measure(0.9, queries=q[:29])
+        index.measure(0.95, n_queries=100)  # its own vectors, not given queries
+        DenseIndex.build(xb[:50], "exact", progress=False, target_recall=0.95, queries=q[:5])
+
+
 def test_build_from_shards_equals_build_from_whole(data):
     xb = data[0][:1000]
     whole = DenseIndex.build(xb, "exact", progress=False)

@@ -1,7 +1,8 @@
 """The ``rag-fast`` command.
 
     rag-fast index build --passages FILE --encoder NAME [--preset ivfpq] [--on-disk] --out DIR [--shard i/n]
-    rag-fast index search DIR "question" [-k 5]
+    rag-fast index search DIR "question" [-k 5]        (or --queries FILE [--out FILE])
+    rag-fast index eval --data QA.jsonl --index DIR [-k 1,5,20] [--out DIR]
     rag-fast index info DIR
     rag-fast init --index DIR --generator NAME|DIR|CONFIG.json --out MODEL_DIR
     rag-fast train --config FILE [--model MODEL_DIR] [--output-dir RUN_DIR]

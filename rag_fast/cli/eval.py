@@ -5,9 +5,10 @@
 
 With a model, ``--out`` (default ``eval-<data name>``) receives ``predictions.jsonl`` (per
 question: the question, the gold answers, the prediction, its EM and F1, and the retrieved
-passages' titles and scores) and ``metrics.json`` (EM, F1, BLEU-1, ROUGE-L, recall@K, rounded
+passages' titles, ids, scores and first 160 characters of text) and ``metrics.json`` (EM, F1, BLEU-1, ROUGE-L, recall@K, rounded
 to 4 digits); the metrics are printed as a table. ``--model`` may be a model directory or the
-``output_dir`` of ``rag-fast train``; ``--index`` defaults to the index the model records.
+``output_dir`` of ``rag-fast train``; ``--index`` defaults to the index the model records and
+``--n-docs`` (the passages retrieved and marginalised over per question) to the model's.
 A model's answers are decoded greedily (``rag-fast generate`` uses beam search, 4 beams by
 default; ``--num-beams 1`` there gives the same answer).
 """
@@ -47,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
     if (args.predictions is None) == (args.model is None):
         raise ValueError("give exactly one of --predictions FILE and --model DIR")
     check_positive(("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens))
+    if args.n_docs is not None:
+        if args.model is None:
+            raise ValueError("--n-docs needs --model (predictions retrieve nothing)")
+        check_positive(("--n-docs", args.n_docs))
     out = Path(args.out or f"eval-{Path(args.data).stem}")
     if args.model is not None:  # before anything is read (a bad --device first: no I/O)
         resolve_device(args.device, "--device")
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         _print_metrics(round_metrics(metrics), args.json)
         return 0
 
-    model = load_model(args.model, args.index, args.device)
+    model = load_model(args.model, args.index, args.device, n_docs=args.n_docs)
     check_new_tokens(model, args.max_new_tokens)
     check_apart(out, "--out", {"the model's index": getattr(model, "index_path", None)})
     result = evaluate(model, examples, batch_size=args.batch_size,
@@ -91,6 +96,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="index directory (default: the one the model records)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="where predictions.jsonl and metrics.json go (default eval-<data name>)")
+    p.add_argument("--n-docs", type=int, default=None, metavar="N",
+                   help="passages retrieved and marginalised over per question (default: the "
+                        "model's n_docs); at least 1 and at most the index's passage count")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=16)

@@ -6,13 +6,14 @@
 ``--model`` is a model directory (``rag-fast init`` / ``train``, or the ``output_dir`` of
 ``train``, or any ``transformers`` RAG folder). Questions are embedded with the model's own
 question encoder and passages retrieved from ``--index`` (default: the index the model records)
-with the model's ``n_docs``; RAG-Token or RAG-Sequence decoding follows the model's mode.
-Without an index, each JSONL line may bring its passages:
+with the model's ``n_docs`` (``--n-docs N`` replaces it); RAG-Token or RAG-Sequence decoding
+follows the model's mode. Without an index, each JSONL line may bring its passages:
 ``{"question": ..., "passages": [{"title": ..., "text": ...}, ...], "scores": [...]}`` (scores
 default to equal). ``--do-sample`` (with ``--temperature``, ``--top-k``, ``--top-p``, ``--seed``),
 ``--repetition-penalty`` and ``--no-repeat-ngram-size`` apply to seq2seq and decoder-only
 generators alike. One JSON line per question is printed (or written to ``--out``):
-``{"question", "answer", "passages": [{"title", "score"}, ...]}``.
+``{"question", "answer", "passages": [{"title", "id", "score", "text"}, ...]}``, each passage's
+text cut at its first 160 characters (``id`` null for a passage given without one).
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from tqdm.auto import tqdm
 from rag_fast._jsonl import read_objects
 from rag_fast._validation import not_a_file
 from rag_fast.cli.common import check_new_tokens, check_positive, load_model
+from rag_fast.evaluation.report import passage_record
 from rag_fast.models.checkpoint import resolve_model_dir
-from rag_fast.models.rag_model import passage_fields
 from rag_fast.storage import check_apart, disk_errors
 
 
@@ -45,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--index", metavar="DIR", default=None,
                    help="index directory (default: the one the model records; else passages "
                         "from the JSONL)")
+    p.add_argument("--n-docs", type=int, default=None, metavar="N",
+                   help="passages retrieved (or read from a question's 'passages') and "
+                        "marginalised over per question (default: the model's n_docs); at "
+                        "least 1 and at most the index's passage count")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="generator tokenizer, when the model directory has none")
     p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough",
@@ -128,7 +133,8 @@ def _load(args):
     model_dir = resolve_model_dir(args.model)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model: no such directory {model_dir}")
-    model = load_model(model_dir, args.index, args.device, require_index=False)
+    model = load_model(model_dir, args.index, args.device, require_index=False,
+                       n_docs=args.n_docs)
     if args.tokenizer is not None:
         from transformers import AutoTokenizer  # deferred: import time
 
@@ -159,6 +165,8 @@ def _batch_from_rows(model, rows: list[dict]):
 def run(args) -> int:
     check_positive(("--batch-size", args.batch_size), ("--num-beams", args.num_beams),
                    ("--max-new-tokens", args.max_new_tokens))
+    if args.n_docs is not None:
+        check_positive(("--n-docs", args.n_docs))
     if args.out:
         _check_out(args)
     rows = read_questions(args)
@@ -184,7 +192,7 @@ def run(args) -> int:
         out = open(tmp, "w", encoding="utf-8")
     try:
         with disk_errors(args.out) if args.out else contextlib.nullcontext():
-            _answer_all(model, rows, args, settings, out, bar, passage_fields)
+            _answer_all(model, rows, args, settings, out, bar)
             if args.out:
                 out.close()  # (a full disk may fail here: the temporary is removed below)
                 os.replace(out.name, args.out)
@@ -201,7 +209,7 @@ def run(args) -> int:
     return 0
 
 
-def _answer_all(model, rows, args, settings, out, bar, passage_fields) -> None:
+def _answer_all(model, rows, args, settings, out, bar) -> None:
     """Decode ``rows`` in batches and write one JSON line per question to ``out``."""
     for start in range(0, len(rows), args.batch_size):
         batch = rows[start:start + args.batch_size]
@@ -219,7 +227,7 @@ def _answer_all(model, rows, args, settings, out, bar, passage_fields) -> None:
             found = result.passages[i] if result.passages is not None else []
             out.write(json.dumps({
                 "question": r["question"], "answer": text,
-                "passages": [{"title": passage_fields(p)[0], "score": round(float(s), 4)}
+                "passages": [passage_record(p, s)
                              for p, s in zip(found, result.doc_scores[i].tolist())],
             }, ensure_ascii=False) + "\n")
         if bar is not None:

@@ -1,25 +1,38 @@
-"""``rag-fast index build | search | info``: build, query and describe index directories.
+"""``rag-fast index build | search | eval | info``: build, query, evaluate and describe index
+directories.
 
 ``build`` calls :func:`rag_fast.retrieval.bundle.build_index_bundle` (which writes the
-directory atomically and stages sharded builds); ``search`` and ``info`` open one with
-:func:`~rag_fast.retrieval.bundle.load_index_bundle`.
+directory atomically and stages sharded builds); ``search`` opens one with the question
+encoder it records (:func:`~rag_fast.retrieval.bundle.open_bundle_search`) and answers one
+question or a file of them (``--queries FILE [--out FILE]``: JSON lines, written atomically);
+``eval`` searches the questions of a dataset the same way and reports recall@k against
+gold passage ids and answer strings (:mod:`rag_fast.evaluation.retrieval`); ``info`` opens one
+with :func:`~rag_fast.retrieval.bundle.load_index_bundle`.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from rag_fast.cli.common import check_positive
-from rag_fast.retrieval.bundle import build_index_bundle, describe_quality, load_index_bundle
-from rag_fast.retrieval.encoders import Encoder
+from rag_fast.cli.common import check_positive, resolve_device, warn
+from rag_fast.evaluation.retrieval import (format_table, load_retrieval_data, retrieval_report,
+                                           write_retrieval_report)
+from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
+                                       open_bundle_search, read_tuning_questions)
 from rag_fast.retrieval.index import PRESETS
+from rag_fast.storage import (RETRIEVAL_EVAL_KIND, atomic_write_bytes, check_apart,
+                              check_output_folder)
+
+SEARCH_TEXT_CHARS = 200  # characters of each passage's text in the JSON lines of a batch search
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``index`` and its sub-commands to the ``rag-fast`` command's subparsers."""
     index = subparsers.add_parser("index", help="build, query and describe passage indexes")
-    sub = index.add_subparsers(dest="index_command", required=True, metavar="{build,search,info}")
+    sub = index.add_subparsers(dest="index_command", required=True,
+                               metavar="{build,search,eval,info}")
 
     build = sub.add_parser("build", help="encode passages and build an index directory")
     build.add_argument("--passages", required=True, metavar="FILE",
@@ -45,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "small corpora get, is checked on its own stored vectors instead)")
     build.add_argument("--queries", default=None, metavar="FILE",
                        help="real questions to measure and tune the index on: .txt (one per line) "
-                            "or .jsonl (objects with 'question')")
+                            "or .jsonl (objects with 'question'); fewer than the target needs to "
+                            "be shown with 95%% confidence (59 for 0.95) are warned about")
     build.add_argument("--shard", default=None, metavar="i/n",
                        help="only encode shard i of n (0-based) into DIR.staging/")
     build.add_argument("--split", type=int, default=None, metavar="WORDS",
@@ -67,17 +81,71 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.set_defaults(func=run_build)
 
-    search = sub.add_parser("search", help="retrieve passages for a question")
-    search.add_argument("dir", metavar="DIR")
-    search.add_argument("question")
-    search.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
-    search.add_argument("--nprobe", type=int, default=None)
-    search.add_argument("--ef-search", type=int, default=None)
-    search.add_argument("--json", action="store_true", help="print JSON lines")
-    search.add_argument("--device", default=None)
+    search = sub.add_parser(
+        "search", help="retrieve passages for a question, or for a file of questions",
+        description="Retrieve passages for one question (printed, or JSON lines with --json) "
+                    "or for every question of --queries FILE (encoded in batches and searched "
+                    "once): one JSON line per question, {\"question\", \"hits\": [{\"rank\", "
+                    "\"row\", \"id\", \"title\", \"score\", \"text\"}]} with the first "
+                    f"{SEARCH_TEXT_CHARS} characters of each text, written to --out or printed.")
+    search.add_argument("dir", metavar="DIR", help="the index directory to search")
+    search.add_argument("question", nargs="?", default=None,
+                        help="one question (or give --queries FILE)")
+    search.add_argument("--queries", metavar="FILE", default=None,
+                        help="questions to search, one per line (.txt) or JSON lines with a "
+                             "'question' (.jsonl)")
+    search.add_argument("--out", metavar="FILE", default=None,
+                        help="write the JSON lines here, atomically (a file it wrote before is "
+                             "replaced, any other is refused); default: print them")
+    search.add_argument("-k", type=int, default=5, help="passages per question (default 5)")
+    search.add_argument("--nprobe", type=int, default=None,
+                        help="IVF lists searched (default: the index's tuned setting)")
+    search.add_argument("--ef-search", type=int, default=None,
+                        help="HNSW search breadth (default: the index's tuned setting)")
+    search.add_argument("--json", action="store_true",
+                        help="print one question's hits as JSON lines, each with its full text")
+    search.add_argument("--device", default=None,
+                        help="question encoder device: cpu, cuda or cuda:N (default: cuda if "
+                             "available)")
     search.add_argument("--no-verify", action="store_true",
                         help="skip the SHA-256 check of the index files (sizes are still checked)")
     search.set_defaults(func=run_search)
+
+    evaluate = sub.add_parser(
+        "eval", help="measure retrieval alone: recall@k against gold passage ids and answers",
+        description="Measure an index's retrieval without a model: encode the questions of "
+                    "--data with the question encoder the index records, search once at the "
+                    "largest k, and report gold recall@k (the fraction of questions with gold "
+                    "passage ids that have one among the top k) and answer recall@k (the "
+                    "fraction of questions with answers that have one in a top-k passage), "
+                    "beside what k random passages would score. The table is printed; --out "
+                    "DIR also receives metrics.json and retrieval.jsonl (per question: gold "
+                    "ids, retrieved ids, titles and scores, and the ranks that hit).")
+    evaluate.add_argument("--data", required=True, metavar="FILE",
+                          help="JSONL questions with 'answers' and/or gold passage ids "
+                               "('positive_ids', 'gold' or 'passage_id': an id or a list of ids "
+                               "as the passage file names its passages; or DPR's "
+                               "'positive_ctxs' with 'passage_id'), or a TSV dataset (answers "
+                               "only)")
+    evaluate.add_argument("--index", required=True, metavar="DIR",
+                          help="the index directory to evaluate")
+    evaluate.add_argument("-k", default="1,5,20", metavar="K[,K...]",
+                          help="the cut-offs, comma-separated (default 1,5,20); the index is "
+                               "searched once at the largest")
+    evaluate.add_argument("--out", metavar="DIR", default=None,
+                          help="also write metrics.json and retrieval.jsonl here, atomically (a "
+                               "new or empty folder, or one this command wrote before)")
+    evaluate.add_argument("--nprobe", type=int, default=None,
+                          help="IVF lists searched (default: the index's tuned setting)")
+    evaluate.add_argument("--ef-search", type=int, default=None,
+                          help="HNSW search breadth (default: the index's tuned setting)")
+    evaluate.add_argument("--device", default=None,
+                          help="question encoder device: cpu, cuda or cuda:N (default: cuda if "
+                               "available)")
+    evaluate.add_argument("--no-verify", action="store_true",
+                          help="skip the SHA-256 check of the index files (sizes are still "
+                               "checked)")
+    evaluate.set_defaults(func=run_eval)
 
     info = sub.add_parser(
         "info", help="describe an index directory",
@@ -96,7 +164,8 @@ def run_build(args: argparse.Namespace) -> int:
             preset=args.preset, on_disk=args.on_disk, target_recall=args.target_recall,
             queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
             max_length=args.max_length, batch_size=args.batch_size, device=args.device,
-            overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress)
+            overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress,
+            warn=warn)
     except FileNotFoundError as e:  # the passage reader names its argument: say the flag
         if str(e).startswith("passages: "):
             raise FileNotFoundError("--passages: " + str(e).removeprefix("passages: ")) from None
@@ -104,27 +173,114 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hit(store, rank: int, score: float, row: int, chars: int | None) -> dict:
+    p = store[row]
+    return {"rank": rank, "row": row, "id": p.id, "title": p.title, "score": round(score, 6),
+            "text": p.text if chars is None else p.text[:chars]}
+
+
+def _check_search_out(args: argparse.Namespace) -> None:
+    """``--out`` apart from the inputs, and missing or a results file of ``index search``
+    (every line an object with exactly "question" and "hits", a list): nothing else is
+    replaced."""
+    check_apart(args.out, "--out", {"DIR": args.dir, "--queries": args.queries})
+    path = Path(args.out)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():
+        raise FileExistsError(f"--out {args.out!r} exists and is not a file; refused")
+    try:
+        with open(path, encoding="utf-8") as f:
+            ours = all(isinstance(row := json.loads(line), dict) and set(row) == {"question", "hits"}
+                       and isinstance(row["hits"], list) for line in f if line.strip())
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"--out {args.out!r} exists and is not a results file of "
+                              "`rag-fast index search`; refused (it is never replaced): choose "
+                              "another path")
+
+
 def run_search(args: argparse.Namespace) -> int:
     check_positive(("-k", args.k))
-    manifest, store, index = load_index_bundle(args.dir, verify=not args.no_verify)
-    spec = manifest["query_encoder"]
-    encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],
-                      max_length=spec["max_length"], device=args.device)
-    if not args.question.strip():
-        raise ValueError("question must not be empty")
-    q = encoder.encode_queries([args.question])
-    kwargs = {"nprobe": args.nprobe, "ef_search": args.ef_search}
-    scores, ids = index.search(q, args.k, **{key: v for key, v in kwargs.items() if v is not None})
-    for rank, (score, row) in enumerate(zip(scores[0].tolist(), ids[0].tolist()), 1):
-        if row < 0:
-            continue
-        p = store[row]
-        if args.json:
-            print(json.dumps({"rank": rank, "score": score, "row": row, "id": p.id,
-                              "title": p.title, "text": p.text}))
-        else:
-            text = p.text if len(p.text) <= 200 else p.text[:197] + "..."
-            print(f"{rank:>3}  {score:8.4f}  [{p.id}] {p.title}\n     {text}")
+    if (args.question is None) == (args.queries is None):
+        raise ValueError("give one question, or --queries FILE (not both)")
+    if args.out is not None:
+        _check_search_out(args)
+    if args.queries is not None:
+        questions = read_tuning_questions(args.queries)
+    else:
+        if not args.question.strip():
+            raise ValueError("question must not be empty")
+        questions = [args.question]
+    searcher = open_bundle_search(args.dir, device=args.device, verify=not args.no_verify)
+    scores, rows = searcher.search(questions, args.k, nprobe=args.nprobe, ef_search=args.ef_search)
+    if args.queries is None and args.out is None:  # one question, printed
+        for rank, (score, row) in enumerate(zip(scores[0].tolist(), rows[0].tolist()), 1):
+            if row < 0:
+                continue
+            hit = _hit(searcher.store, rank, score, row, None)
+            if args.json:
+                print(json.dumps({**hit, "score": score}))
+            else:
+                text = hit["text"] if len(hit["text"]) <= 200 else hit["text"][:197] + "..."
+                print(f"{rank:>3}  {score:8.4f}  [{hit['id']}] {hit['title']}\n     {text}")
+        return 0
+    lines = []
+    for question, found, where in zip(questions, scores.tolist(), rows.tolist()):
+        hits = [_hit(searcher.store, rank, score, row, SEARCH_TEXT_CHARS)
+                for rank, (score, row) in enumerate(zip(found, where), 1) if row >= 0]
+        lines.append(json.dumps({"question": question, "hits": hits}, ensure_ascii=False) + "\n")
+    if args.out is None:
+        sys.stdout.write("".join(lines))
+        return 0
+    atomic_write_bytes(args.out, "".join(lines).encode("utf-8"))
+    print(f"{len(lines)} questions, {args.k} passages each -> {args.out}", file=sys.stderr)
+    return 0
+
+
+def parse_ks(text: str, flag: str = "-k") -> list[int]:
+    """``"1,5,20"`` -> ``[1, 5, 20]`` (sorted, unique), else a ValueError naming ``flag``."""
+    try:
+        ks = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        ks = []
+    if not ks or ks[0] < 1:
+        raise ValueError(f"{flag} expects integers >= 1 separated by commas (e.g. 1,5,20), got "
+                         f"{text!r}")
+    return ks
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    ks = parse_ks(args.k)
+    for flag, value in (("--nprobe", args.nprobe), ("--ef-search", args.ef_search)):
+        if value is not None:
+            check_positive((flag, value))
+    resolve_device(args.device, "--device")  # before anything is read
+    if args.out is not None:
+        check_apart(args.out, "--out", {"--data": args.data, "--index": args.index})
+        check_output_folder(args.out, RETRIEVAL_EVAL_KIND, reuse=True, flag="--out")
+    examples = load_retrieval_data(args.data)
+    searcher = open_bundle_search(args.index, device=args.device, verify=not args.no_verify)
+    if ks[-1] > len(searcher.index):
+        raise ValueError(f"-k {ks[-1]} is more passages than the index {args.index!r} holds "
+                         f"({len(searcher.index)}); use at most {len(searcher.index)}")
+    scores, rows = searcher.search([e.question for e in examples], ks[-1], nprobe=args.nprobe,
+                                   ef_search=args.ef_search)
+    store = searcher.store
+    passages = [[store[r] for r in found if r >= 0] for found in rows.tolist()]
+    scores = [[s for s, r in zip(sc, found) if r >= 0]
+              for sc, found in zip(scores.tolist(), rows.tolist())]
+    report = retrieval_report(examples, passages, scores, store, ks)
+    for message in report.warnings:
+        warn(message)
+    print(f"{len(examples)} questions, index {args.index} ({len(store)} passages), searched once "
+          f"at k={ks[-1]}")
+    print(format_table(report))
+    if args.out is not None:
+        write_retrieval_report(args.out, report, data=args.data, index=args.index)
+        print(f"metrics: {Path(args.out) / 'metrics.json'}; per question: "
+              f"{Path(args.out) / 'retrieval.jsonl'}")
     return 0
 
 

@@ -1,8 +1,10 @@
 """An evaluation's files: ``predictions.jsonl`` and ``metrics.json`` in an output folder.
 
 ``predictions.jsonl`` holds, per question, the question, the gold answers, the prediction,
-its EM and F1, and the retrieved passages' titles and scores; ``metrics.json`` the data and
-model it scored and the metrics rounded to 4 digits. Both are written atomically, in a folder
+its EM and F1, and the retrieved passages (title, id, score and the first
+:data:`PASSAGE_TEXT_CHARS` characters of the text, :func:`passage_record`, which ``rag-fast
+generate`` writes too); ``metrics.json`` the data and model it scored and the metrics rounded
+to 4 digits. Both are written atomically, in a folder
 marked as an evaluation's (``rag_fast.storage.EVAL_KIND``).
 """
 from __future__ import annotations
@@ -19,6 +21,24 @@ if TYPE_CHECKING:
     from rag_fast.evaluation.evaluate import EvalResult
 
 EVAL_FILES = ("predictions.jsonl", "metrics.json")
+PASSAGE_TEXT_CHARS = 160  # characters of a retrieved passage's text in an answer's record
+
+
+def passage_record(passage, score: float) -> dict:
+    """A retrieved passage as ``eval`` and ``generate`` write it: ``{"title", "id", "score",
+    "text"}``, the score rounded to 4 digits, the text cut at its first
+    :data:`PASSAGE_TEXT_CHARS` characters, the id None where the passage has none (given as
+    text in a question file). ``passage``: an object with ``title``, ``text`` (and ``id``), a
+    dict with those keys, or a string (its text)."""
+    if isinstance(passage, str):
+        title, text, pid = "", passage, None
+    elif isinstance(passage, dict):
+        title, text, pid = passage.get("title", ""), passage["text"], passage.get("id")
+    else:
+        title, text, pid = (getattr(passage, "title", ""), passage.text,
+                            getattr(passage, "id", None))
+    return {"title": str(title or ""), "id": None if pid is None else str(pid),
+            "score": round(float(score), 4), "text": str(text)[:PASSAGE_TEXT_CHARS]}
 
 
 def round_metrics(metrics: dict) -> dict:
@@ -34,8 +54,7 @@ def prediction_rows(examples: Sequence[QAExample], result: EvalResult) -> list[d
         rows.append({
             "question": e.question, "answers": list(e.answers), "prediction": prediction,
             "em": exact_match_one(prediction, e.answers), "f1": round(f1_one(prediction, e.answers), 4),
-            "passages": [{"title": getattr(p, "title", ""), "id": getattr(p, "id", None),
-                          "score": round(float(s), 4)} for p, s in zip(passages, scores)],
+            "passages": [passage_record(p, s) for p, s in zip(passages, scores)],
         })
     return rows
 
@@ -57,4 +76,5 @@ def write_evaluation(out: str | Path, examples: Sequence[QAExample], result: Eva
     return metrics, len(rows)
 
 
-__all__ = ["EVAL_FILES", "prediction_rows", "round_metrics", "write_evaluation"]
+__all__ = ["EVAL_FILES", "PASSAGE_TEXT_CHARS", "passage_record", "prediction_rows",
+           "round_metrics", "write_evaluation"]

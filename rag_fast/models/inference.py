@@ -1,7 +1,7 @@
 """A model directory opened to answer questions: its retriever attached, on its device.
 
 ``rag-fast eval`` and ``rag-fast generate`` open their model here; the errors name the
-options those commands spell (``--model``, ``--index``, ``--max-new-tokens``).
+options those commands spell (``--model``, ``--index``, ``--n-docs``, ``--max-new-tokens``).
 """
 from __future__ import annotations
 
@@ -9,21 +9,31 @@ import os
 
 import torch
 
+from rag_fast.models.build import check_n_docs
 from rag_fast.models.rag_model import RagModel
 from rag_fast.models.retriever_io import load_retriever
 
 
 def load_for_inference(model_dir: str, index: str | None, device: torch.device | str,
-                       require_index: bool = True) -> RagModel:
+                       require_index: bool = True, n_docs: int | None = None) -> RagModel:
     """The model directory ``model_dir`` with its retriever (over ``index``, else the index the
     model records; none when it records none and ``require_index`` is False), moved to
     ``device`` in eval mode.
 
+    ``n_docs`` (``--n-docs``) replaces the model's passages per question, retrieved and
+    marginalised over (None: the model's own).
+
     Raises:
-        ValueError: ``require_index`` and no index given or recorded.
+        ValueError: ``require_index`` and no index given or recorded; ``n_docs`` below 1 or
+            above the index's passage count (naming ``--n-docs``).
         FileNotFoundError: the index directory does not exist.
     """
-    model = RagModel.load(model_dir)
+    if n_docs is not None:
+        if isinstance(n_docs, bool) or not isinstance(n_docs, int) or n_docs < 1:
+            raise ValueError(f"--n-docs must be an integer >= 1, got {n_docs!r}")
+        if index is not None:  # before the model loads
+            check_n_docs(n_docs, index, name="--n-docs")
+    model = RagModel.load(model_dir, **({} if n_docs is None else {"n_docs": n_docs}))
     index = index or model.index_path
     if index is None:
         if require_index:
@@ -32,8 +42,10 @@ def load_for_inference(model_dir: str, index: str | None, device: torch.device |
         if not os.path.isdir(index):
             raise FileNotFoundError(f"index directory {index!r} does not exist (the model "
                                     "records it; pass --index DIR if it moved)")
-        model.retriever = load_retriever(index, n_docs=model.n_docs,
-                                         n_docs_from=f"the model {model_dir!r}")
+        if n_docs is not None:
+            check_n_docs(n_docs, index, name="--n-docs")
+        model.retriever = load_retriever(index, n_docs=model.n_docs, n_docs_from=(
+            "--n-docs" if n_docs is not None else f"the model {model_dir!r}"))
         model.index_path = index
     return model.to(device).eval()
 

@@ -18,7 +18,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +28,8 @@ import numpy as np
 
 from rag_fast._jsonl import decoded_lines, read_objects
 from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard, shard_rows
-from rag_fast.retrieval.index import PRESETS, SMALL_CORPUS, DenseIndex, _factory_index, plan_factory
+from rag_fast.retrieval.index import (PRESETS, SMALL_CORPUS, DenseIndex, SmallSampleWarning,
+                                      _factory_index, plan_factory, small_sample_message)
 from rag_fast.retrieval.passages import PassageStore, passages_digest, stand_in_questions
 from rag_fast.storage import (atomic_directory, check_apart, check_output_folder,
                               describe_files, part_digests, read_manifest, write_manifest)
@@ -179,6 +182,10 @@ def _encoder(flag: str, name: str, **kwargs) -> Encoder:
         raise ValueError(f"{flag}: {e}") from None
 
 
+def _warn_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def read_tuning_questions(path: str) -> list[str]:
     """The questions of a ``--queries`` file: a .txt file (one per non-empty line) or JSONL
     objects with a non-empty string ``question``.
@@ -238,6 +245,7 @@ def build_index_bundle(
     dedupe: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
 ) -> Path:
     """Encode ``passages`` and write the index directory ``out`` (see the module docstring).
 
@@ -265,6 +273,9 @@ def build_index_bundle(
         dedupe: keep the first passage of each repeated id instead of refusing.
         progress: progress bars and a line on the tuning questions.
         log: where the lines on progress and the result go (default ``print``).
+        warn: where warnings go (default: stderr, after ``warning: ``): ``--queries`` fewer
+            than the target needs to be shown with the tuner's confidence
+            (:func:`~rag_fast.retrieval.index.min_tuning_queries`).
     Returns:
         ``out`` as a Path; with ``shard``, the shard's embeddings file.
     Raises:
@@ -326,11 +337,15 @@ def build_index_bundle(
             source = f"one sentence from each of {len(questions)} sampled passages"
         else:
             source = f"{len(questions)} questions from {queries}"
+            if (message := small_sample_message(len(questions), target_recall, "--queries")):
+                (warn or _warn_stderr)(message)
         if progress:
             log(f"encoding {len(questions)} questions to measure the index on ({source})")
         vectors = question_encoder.encode_queries(questions).numpy()
-    index = DenseIndex.build(embeddings, preset, progress=progress, on_disk=on_disk,
-                             target_recall=target_recall, queries=vectors, query_source=source)
+    with warnings.catch_warnings():  # a small --queries is said above, naming the flag
+        warnings.simplefilter("ignore", SmallSampleWarning)
+        index = DenseIndex.build(embeddings, preset, progress=progress, on_disk=on_disk,
+                                 target_recall=target_recall, queries=vectors, query_source=source)
     with atomic_directory(out, overwrite=overwrite, kind=BUNDLE_KIND) as tmp:
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
         index.save(tmp / "index")
@@ -364,5 +379,45 @@ def load_index_bundle(directory: str | Path, verify: bool = False):
     return manifest, store, index
 
 
-__all__ = ["BUNDLE_KIND", "STAGING_KEY", "TUNING_QUESTIONS", "build_index_bundle",
-           "describe_quality", "load_index_bundle", "read_tuning_questions", "staging_folder"]
+class BundleSearch:
+    """An index directory opened to answer questions: its passages (``store``), its index and
+    the question encoder its manifest records (``encoder``), what ``rag-fast index search``
+    and ``rag-fast index eval`` search with (:func:`open_bundle_search`)."""
+
+    def __init__(self, manifest: dict, store: PassageStore, index: DenseIndex, encoder: Encoder):
+        self.manifest, self.store, self.index, self.encoder = manifest, store, index, encoder
+
+    def search(self, questions: list[str], k: int, *, nprobe: int | None = None,
+               ef_search: int | None = None, chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+        """``(scores, rows)`` ``[Q, k]`` of ``questions``: encoded in batches (``chunk``
+        questions at a time, each a batch search), best first; a row is -1 (its score -inf)
+        where fewer than ``k`` were found. ``nprobe``, ``ef_search``: the index's defaults
+        when None."""
+        settings = {key: v for key, v in (("nprobe", nprobe), ("ef_search", ef_search))
+                    if v is not None}
+        scores, rows = [], []
+        for start in range(0, len(questions), chunk):
+            q = self.encoder.encode_queries(list(questions[start:start + chunk])).numpy()
+            found = self.index.search(q, k, **settings)
+            scores.append(found[0])
+            rows.append(found[1])
+        if not rows:
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+        return np.concatenate(scores), np.concatenate(rows)
+
+
+def open_bundle_search(directory: str | Path, *, device: str | None = None,
+                       verify: bool = True) -> BundleSearch:
+    """An index directory with the question encoder its manifest records, on ``device``
+    (default: CUDA when available), to search questions with (``verify``: every file's
+    SHA-256, else the sizes)."""
+    manifest, store, index = load_index_bundle(directory, verify=verify)
+    spec = manifest["query_encoder"]
+    encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],
+                      max_length=spec["max_length"], device=device)
+    return BundleSearch(manifest, store, index, encoder)
+
+
+__all__ = ["BUNDLE_KIND", "STAGING_KEY", "TUNING_QUESTIONS", "BundleSearch", "build_index_bundle",
+           "describe_quality", "load_index_bundle", "open_bundle_search", "read_tuning_questions",
+           "staging_folder"]

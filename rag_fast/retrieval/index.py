@@ -932,6 +932,10 @@ class DenseIndex:
         exact and its approximate results, so it stands for a new text near the corpus rather
         than a passage finding itself.
 
+        Given ``queries`` fewer than :func:`min_tuning_queries` asks for ``target_recall``
+        (59 for 0.95) raise a :class:`SmallSampleWarning`: not even all of them matching exact
+        search would show the target with the tuner's 95% confidence.
+
         Returns:
             ``{"target_recall", "k", "queries", "query_source", "recall", "same_top5",
             "ms_per_query", "reached", "settings"}``: ``recall`` is recall@k, ``same_top5``
@@ -942,11 +946,13 @@ class DenseIndex:
         q, exclude = self._tuning_queries(queries, k, n_queries, seed)
         source = query_source or ("given" if exclude is None else "corpus (leave-one-out)")
         approximate = self.factory != "Flat"
+        if approximate and exclude is None:
+            self._warn_small_sample(len(q), target_recall)
         if tune and approximate:
             if progress:
                 tqdm.write(f"tuning search settings: recall@{k} and same top 5 >= {target_recall} "
                            f"against exact search on {len(q)} queries ({source})")
-            self.tune(target_recall, queries=q, k=k, seed=seed, _exclude=exclude)
+            self.tune(target_recall, queries=q, k=k, seed=seed, _exclude=exclude, _warned=True)
         per_query = self._quality(q, self._truth(q, k, exclude), exclude)[:2] if approximate else None
         recall, same = (float(v.mean()) for v in per_query) if per_query else (1.0, 1.0)
         reached = _reaches(per_query, target_recall) if per_query else True
@@ -966,6 +972,12 @@ class DenseIndex:
                        f"(best {quality['recall']}, {quality['same_top5']} at {quality['settings']}); "
                        "consider preset 'exact', another preset or factory, or a lower target")
         return quality
+
+    @staticmethod
+    def _warn_small_sample(count: int, target: float) -> None:
+        message = small_sample_message(count, target)
+        if message is not None:
+            warnings.warn(message, SmallSampleWarning, stacklevel=3)
 
     def _tuning_queries(self, queries, k: int, n_queries: int, seed: int):
         """(queries ``[Q, d]`` float32, the stored row each one is or None): the given queries,
@@ -1345,12 +1357,16 @@ class DenseIndex:
         rerank_factors: Sequence[int] = RERANK_FACTORS,
         seed: int = 0,
         _exclude: np.ndarray | None = None,
+        _warned: bool = False,
     ) -> dict:
         """Pick the fastest ``nprobe`` (IVF) or ``ef_search`` (HNSW), and re-rank factor, whose
         search on ``queries`` reaches ``target_recall`` against exact search twice over: as
         recall@k, and as the fraction of queries whose top 5 are exact search's top 5 (what a
         retriever of 5 passages hands on), each with 95% confidence over the queries (its
         one-sided lower bound must reach the target); make it the default and return it.
+        Given ``queries`` fewer than :func:`min_tuning_queries` asks for ``target_recall`` (59
+        for 0.95) raise a :class:`SmallSampleWarning`: on so few, not even a perfect result
+        shows the target with that confidence.
 
         Args:
             queries: ``[Q, d]`` queries (real question embeddings where you have them); None ->
@@ -1378,6 +1394,9 @@ class DenseIndex:
             q, _exclude = self._tuning_queries(queries, k, n_queries, seed)
         else:
             q = queries
+        if queries is not None and _exclude is None and not _warned and (self._ivf is not None
+                                                                          or self._hnsw):
+            self._warn_small_sample(len(q), target_recall)
         if self._ivf is not None:
             knob, grid = "nprobe", [2**i for i in range(int(math.log2(self._ivf.nlist)) + 1)]
         elif self._hnsw:
@@ -1603,8 +1622,53 @@ def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
 def _reaches(per_query: tuple[np.ndarray, ...], target: float) -> bool:
     """Whether each per-query measure's mean reaches ``target`` with 95% confidence: its
     one-sided lower bound, mean - 1.645 * std / sqrt(n), is >= ``target`` (so a setting that
-    only just passes on this sample of queries is not chosen over one that surely does)."""
+    only just passes on this sample of queries is not chosen over one that surely does).
+
+    This normal approximation says nothing on a small sample whose queries all match exact
+    search (its std is 0, its bound the mean, 1): :func:`min_tuning_queries` is the sample
+    below which that 95% cannot hold, and :meth:`DenseIndex.tune` warns below it."""
     return all(v.mean() - 1.645 * v.std() / math.sqrt(len(v)) >= target for v in per_query)
+
+
+TUNING_CONFIDENCE = 0.95  # the confidence _reaches asks of a setting
+
+
+class SmallSampleWarning(UserWarning):
+    """Too few tuning queries to show the target at the tuner's confidence (see
+    :func:`min_tuning_queries`)."""
+
+
+def min_tuning_queries(target: float, confidence: float = TUNING_CONFIDENCE) -> int | None:
+    """The fewest queries on which search quality ``target`` can be shown with ``confidence``:
+    the smallest Q whose exact one-sided (Clopper-Pearson) lower bound with all Q queries
+    matching exact search, ``(1 - confidence) ** (1 / Q)``, reaches ``target``. With fewer,
+    not even a perfect result shows the target (27 queries: 0.895 at most, short of 0.95,
+    which needs 59). None for ``target`` 1, which no finite sample shows."""
+    if not 0.0 < target <= 1.0 or not 0.0 < confidence < 1.0:
+        raise ValueError(f"target must be in (0, 1] and confidence in (0, 1), got {target!r}, "
+                         f"{confidence!r}")
+    if target >= 1.0:
+        return None
+    alpha = 1.0 - confidence
+    q = max(1, math.ceil(math.log(alpha) / math.log(target)))
+    while alpha ** (1.0 / q) < target:  # the float log ratio may land one off either way
+        q += 1
+    while q > 1 and alpha ** (1.0 / (q - 1)) >= target:
+        q -= 1
+    return q
+
+
+def small_sample_message(count: int, target: float, name: str = "queries") -> str | None:
+    """One line when ``count`` tuning queries are fewer than :func:`min_tuning_queries`
+    needs for ``target`` (naming ``name``: the argument or flag that gave them), else None."""
+    need = min_tuning_queries(float(target))
+    if need is None or count >= need:
+        return None
+    bound = (1.0 - TUNING_CONFIDENCE) ** (1.0 / max(1, count))
+    return (f"{name}: {count} queries are too few to show recall and same top 5 >= {target} "
+            f"with {TUNING_CONFIDENCE:.0%} confidence (even if all {count} matched exact search, "
+            f"the exact one-sided lower bound would be {bound:.3f}); give at least {need} "
+            "queries for this target, or the tuned settings may fall short of it on new ones")
 
 
 def _search_tensor(index, q: torch.Tensor, k: int, params) -> tuple[torch.Tensor, torch.Tensor]:
