@@ -1,4 +1,5 @@
-"""Answers that survive tokenization: `rag-fast tokenizer fit` (rag_fast.tokenization).
+"""Answers that survive tokenization: `rag-fast tokenizer fit` (rag_fast.tokenization), the
+example's generator tokenizer it made, and the ids `init` takes from it.
 
 Exact match compares the generator's decoded answer with the gold one: a tokenizer that
 lower-cases, strips accents, splits "3.7.15" into "3. 7. 15" or maps "[" to [UNK] makes some
@@ -11,9 +12,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from rag_fast import cli
-from rag_fast.tokenization import MIN_VOCAB_SIZE, fit_tokenizer, fit_tokenizer_folder
+from rag_fast.tokenization import (MIN_VOCAB_SIZE, SPECIAL_TOKENS, fit_tokenizer,
+                                   fit_tokenizer_folder)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "examples" / "workflow"
@@ -34,6 +37,70 @@ def _run(capsys, *args) -> tuple[int, str, str]:
     code = cli.main(["tokenizer", "fit", *[str(a) for a in args]])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+# ---- the shipped example tokenizer ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def example():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+
+def _qa_texts(name: str) -> list[str]:
+    rows = [json.loads(line) for line in (WORKFLOW / name).read_text("utf-8").splitlines()]
+    return [text for row in rows for text in [row["question"], *row["answers"]]]
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "dev.jsonl"])
+def test_every_question_and_answer_of_the_example_round_trips(example, name):
+    texts = _qa_texts(name)
+    assert len(texts) >= 2 * len((WORKFLOW / name).read_text("utf-8").splitlines())  # q + a
+    broken = [t for t in texts if _roundtrip(example, t) != t]
+    assert not broken, broken[:5]
+    # as an answer comes out of decoding: after the start token, before the end token
+    ids = [[0, *example(t, add_special_tokens=False)["input_ids"], 2, 1, 1] for t in texts]
+    assert example.batch_decode(ids, skip_special_tokens=True) == texts
+    assert example.unk_token_id not in {i for row in ids for i in row}
+
+
+def test_the_example_passages_round_trip_and_the_dev_set_has_the_reported_answer(example):
+    rows = [json.loads(x) for x in (WORKFLOW / "passages.jsonl").read_text("utf-8").splitlines()]
+    broken = [r["id"] for r in rows for t in (r["title"], r["text"]) if _roundtrip(example, t) != t]
+    assert not broken, broken[:5]
+    assert "2.5 million light-years" in _qa_texts("dev.jsonl")  # the issue's example answer
+
+
+def test_the_example_tokenizer_is_what_the_documented_command_makes(tmp_path, capsys):
+    """The README / docs command, run again, writes the shipped tokenizer byte for byte."""
+    marker = json.loads((TOKENIZER / "rag_fast-output.json").read_text("utf-8"))
+    assert marker["kind"] == "rag_fast.tokenizer" and marker["vocab_size"] == 4000
+    assert marker["passages"] == "examples/workflow/passages.jsonl"
+    assert marker["data"] == ["examples/workflow/train.jsonl"]
+    out = tmp_path / "tok"
+    code, printed, err = _run(capsys, "--passages", WORKFLOW / "passages.jsonl", "--data",
+                              WORKFLOW / "train.jsonl", "--vocab-size", 4000, "--out", out)
+    assert code == 0, err
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (out / name).read_bytes() == (TOKENIZER / name).read_bytes(), name
+    assert {n: f["sha256"] for n, f in marker["files"].items()} == {
+        n: f["sha256"] for n, f in json.loads((out / "rag_fast-output.json").read_text())
+        ["files"].items()}
+
+
+def test_the_example_tokenizer_has_the_ids_the_example_generator_gets(example):
+    from rag_fast.models.build import _generator_from_config
+
+    assert len(example) == 4000
+    assert [example.convert_tokens_to_ids(t) for t, _ in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    assert (example.bos_token_id, example.pad_token_id, example.eos_token_id) == (0, 1, 2)
+    torch.manual_seed(0)
+    generator = _generator_from_config(str(WORKFLOW / "generator.json"), example, seed=0)
+    c = generator.config
+    assert c.vocab_size == 4000 and generator.get_input_embeddings().num_embeddings == 4000
+    assert (c.pad_token_id, c.bos_token_id, c.eos_token_id, c.decoder_start_token_id) == (1, 0, 2, 0)
+    context = example("a question")["input_ids"]
+    assert context[0] == 0 and context[-1] == 2  # <s> text </s>, as BART encodes
 
 
 # ---- fit_tokenizer: decode(encode(text)) == text --------------------------------------------
