@@ -1,5 +1,6 @@
 """Answers that survive tokenization: `rag-fast tokenizer fit` (rag_fast.tokenization), the
-example's generator tokenizer it made, and the ids `init` takes from it.
+example's generator tokenizer it made, and how `init` takes a tokenizer's vocabulary and
+special ids (the answers' decoding in `generate` / `eval`: tests/test_eval_generate.py).
 
 Exact match compares the generator's decoded answer with the gold one: a tokenizer that
 lower-cases, strips accents, splits "3.7.15" into "3. 7. 15" or maps "[" to [UNK] makes some
@@ -356,3 +357,55 @@ def test_the_library_names_its_arguments(tmp_path, corpus):
     (tmp_path / "tok" / "a").write_text("a")
     with pytest.raises(FileExistsError, match="^out "):
         fit_tokenizer_folder(passages, tmp_path / "tok", vocab_size=300, overwrite=True)
+
+
+# ---- init: the generator config and the tokenizer agree --------------------------------------
+@pytest.mark.parametrize("extra,words", [
+    ({"vocab_size": 3999}, ["vocab_size 3999 is smaller than the generator tokenizer's 4000",
+                            "at least 4000"]),
+    ({"vocab_size": "4000"}, ["vocab_size", "int"]),  # (transformers 5 checks it first)
+    ({"pad_token_id": 0}, ["pad_token_id 0 differs from the generator tokenizer's (1)"]),
+    ({"eos_token_id": 5}, ["eos_token_id 5 differs", "(2)"]),
+    ({"bos_token_id": 2}, ["bos_token_id 2 differs", "(0)"]),
+])
+def test_a_generator_config_that_disagrees_with_the_tokenizer_is_refused(tmp_path, example,
+                                                                        extra, words):
+    from rag_fast.models.build import _generator_from_config
+
+    config = json.loads((WORKFLOW / "generator.json").read_text()) | extra
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError) as exc:
+        _generator_from_config(str(path), example, seed=0)
+    message = str(exc.value)
+    assert message.startswith(f"generator config {path}: "), message
+    assert all(w in message for w in words), message
+
+
+def test_a_generator_config_that_agrees_with_the_tokenizer_is_kept(tmp_path, example):
+    from rag_fast.models.build import _generator_from_config
+
+    config = {"model_type": "bart", "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+              "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+              "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "vocab_size": 4096,
+              "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": [2]}
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(config))
+    generator = _generator_from_config(str(path), example, seed=0)
+    assert generator.config.vocab_size == 4096  # larger than the tokenizer: allowed
+
+
+def test_init_says_the_config_is_too_small_for_the_tokenizer(tmp_path, capsys):
+    from utils import save_tiny_bert
+
+    (tmp_path / "enc").mkdir()
+    encoder = save_tiny_bert(tmp_path / "enc", ["what"])
+    config = json.loads((WORKFLOW / "generator.json").read_text()) | {"vocab_size": 1000}
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(config))
+    code = cli.main(["init", "--question-encoder", encoder, "--generator", str(path),
+                     "--generator-tokenizer", str(TOKENIZER), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    _one_error(code, err, "vocab_size 1000 is smaller than the generator tokenizer's 4000",
+               str(path))
+    assert not (tmp_path / "m").exists()
