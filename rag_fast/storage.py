@@ -177,7 +177,8 @@ KIND_WORDS = {"rag_fast.index_bundle": "an index directory from `rag-fast index 
               "rag_fast.eval": "an evaluation's folder (`rag-fast eval`)",
               "rag_fast.retrieval_eval": "a retrieval evaluation's folder (`rag-fast index eval`)",
               "rag_fast.refreshed_index": "a training run's refreshed index directory",
-              "rag_fast.tokenized_passages": "a passage store's token cache"}
+              "rag_fast.tokenized_passages": "a passage store's token cache",
+              "rag_fast.tokenizer": "a tokenizer folder (`rag-fast tokenizer fit`)"}
 
 
 def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
@@ -443,16 +444,17 @@ def remove_leftovers(out: Path) -> None:
 # ---- what an output folder is, and whether a command may write it ---------------------------
 # The file that says what a folder rag_fast wrote is, by kind: its manifest (index bundle,
 # passage store, saved index, token cache), a model's side file, or the marker of a training
-# run or an evaluation.
+# run, an evaluation or a fitted tokenizer.
 OUTPUT_MARKER = "rag_fast-output.json"
 RUN_KIND, EVAL_KIND = "rag_fast.train_run", "rag_fast.eval"
 RETRIEVAL_EVAL_KIND = "rag_fast.retrieval_eval"  # `rag-fast index eval --out`
+TOKENIZER_KIND = "rag_fast.tokenizer"  # `rag-fast tokenizer fit`'s folder (rag_fast.tokenization)
 REFRESHED_KIND = "rag_fast.refreshed_index"  # a training run's index/ after refreshes
 _MARKER_FILES = (MANIFEST, "rag_fast.json", OUTPUT_MARKER)
 # the kinds each marker file may name (a model's kind in rag_fast-output.json is not a model);
 # a manifest.json names a stored directory's kind: any other of rag_fast's
 _MARKER_KINDS = {"rag_fast.json": ("rag_fast.model",),
-                 OUTPUT_MARKER: (RUN_KIND, EVAL_KIND, RETRIEVAL_EVAL_KIND, REFRESHED_KIND)}
+                 OUTPUT_MARKER: (RUN_KIND, EVAL_KIND, RETRIEVAL_EVAL_KIND, REFRESHED_KIND, TOKENIZER_KIND)}
 
 
 def _names_its_kind(marker: str, kind: object) -> bool:

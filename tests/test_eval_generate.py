@@ -1,7 +1,8 @@
 """``rag-fast generate --num-beams 1`` answers what ``eval`` (``evaluate()``) predicts, for an
 encoder-decoder generator whose decoder start token (2) is not its BOS (0), as in a pretrained
 BART, and for a decoder-only generator; answers start where ``transformers`` starts them and
-training labels start with the same token."""
+training labels start with the same token; and the answers are the tokenizer's decoding, with
+no clean-up of spaces before punctuation."""
 from __future__ import annotations
 
 import json
@@ -121,3 +122,42 @@ def test_decoder_only_generate_one_beam_is_eval(tmp_path, mode):
     assert encode_targets(model, ["w8 w9"])[0].tolist() == [8, 9, 2]
     model.save(str(tmp_path / "model"))
     assert _cli_answers(tmp_path, tmp_path / "model", result.doc_scores, 4) == result.predictions
+
+
+# ---- the answer is the tokenizer's decoding, nothing more ------------------------------------
+def test_generated_answers_are_not_cleaned_up():
+    """transformers' `clean_up_tokenization_spaces` turns "x . ." into "x.."; a tokenizer
+    whose config turns it on must not change what `generate` and `eval` answer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rag_fast.models.rag_model import decode_answers
+
+    words = ["<s>", "<pad>", "</s>", "<unk>", ".", ",", "x", "what", "is", "/", "//", "p"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>",
+                                  clean_up_tokenization_spaces=True)
+    ids = torch.tensor([[0, 6, 4, 5, 4, 2, 1]])
+    assert tok.batch_decode(ids, skip_special_tokens=True) == ["x.,."]  # what it would do
+    assert decode_answers(tok, ids) == ["x . , ."]
+
+    hf = tiny_hf_rag("token", n_docs=2, vocab_size=len(words))
+    with torch.no_grad():  # every step's best token is "."
+        hf.rag.generator.final_logits_bias[0, words.index(".")] = 1e4
+    model = RagModel(hf.rag.generator, hf.rag.question_encoder, None, mode="token", n_docs=2,
+                     generator_tokenizer=tok, question_tokenizer=tok)
+    passages = [[{"title": "p", "text": "x"}, {"title": "p", "text": "x ."}]]
+    emb = torch.randn(1, 2, hf.rag.question_encoder.config.hidden_size)
+    out = model.generate(["what is x"], passages=passages, passage_embeddings=emb,
+                         num_beams=1, max_new_tokens=3)
+    assert out.texts == [". . ."]
+
+    class _Retriever:
+        def retrieve(self, q, n_docs):
+            return Retrieved(passages * q.shape[0], emb.expand(q.shape[0], -1, -1))
+
+    model.retriever = _Retriever()
+    result = evaluate(model, [QAExample("what is x", (". . .",))], max_new_tokens=3)
+    assert result.predictions == [". . ."]

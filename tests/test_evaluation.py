@@ -20,6 +20,59 @@ def test_squad_normalisation_em_and_f1():
     assert f1(["x"], [["y", "x"]]) == 1.0  # best over answers
 
 
+@pytest.mark.parametrize("text,expected", [
+    ("The Cat!", "cat"),                      # lower case, punctuation, article
+    ("an apple", "apple"), ("A pear", "pear"),
+    ("a.b", "ab"),                            # punctuation removed, not made a space
+    ("Saint-Étienne", "saintétienne"),        # the hyphen goes; non-ASCII letters stay
+    ("3.7.15", "3715"), ("2.5 million light-years", "25 million lightyears"),
+    ("[a]/b", "ab"),                          # one word "ab", so no article "a" left
+    ("  lots \t of\n\nspace  ", "lots of space"),
+    ("theatre, anthem, atheist", "theatre anthem atheist"),  # articles only as whole words
+    ("the-end", "theend"),                    # joined by the removed hyphen: not an article
+    ("The a an THE", ""),
+    ("l'Hôpital — «ça»", "lhôpital — «ça»"),  # only ASCII punctuation (string.punctuation)
+    ("", ""),
+])
+def test_normalisation_is_squad_v1_1s(text, expected):
+    assert normalize_answer(text) == expected
+
+
+def test_normalisation_matches_squad_step_by_step_on_random_text():
+    """The official order (lower, punctuation, articles, whitespace), written out here with
+    str methods, agrees with normalize_answer on random strings of tricky characters."""
+    import random
+    import re
+    import string
+
+    def official_steps(s: str) -> str:
+        s = s.lower()
+        s = "".join(ch for ch in s if ch not in set(string.punctuation))
+        s = re.sub(r"\b(a|an|the)\b", " ", s)
+        return " ".join(s.split())
+
+    rng = random.Random(0)
+    alphabet = list("aAnNtThHeE .,-'!?\t\n/[]") + ["É", "ß", "—", "İ", "ﬁ", "3"]
+    for _ in range(2000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 20)))
+        assert normalize_answer(s) == official_steps(s), repr(s)
+
+
+def test_em_and_f1_score_the_normalised_strings():
+    from rag_fast.evaluation.metrics import exact_match_one, f1_one
+
+    assert exact_match_one("The Cat!", ["cat"]) == 1.0
+    assert exact_match_one("Saint Etienne", ["Saint-Étienne"]) == 0.0  # accents are kept
+    assert exact_match_one("saint-étienne", ["Saint-Étienne"]) == 1.0
+    assert exact_match_one("3.7.15", ["3 7 15"]) == 0.0  # "3715" vs "3 7 15"
+    # F1 splits the normalised strings at whitespace: "a.b c" -> ["ab", "c"]
+    assert f1_one("a.b c", ["ab d"]) == pytest.approx(0.5)
+    assert f1_one("2.5 million light-years", ["25 lightyears"]) == pytest.approx(0.8)
+    assert f1_one("the the cat", ["cat cat"]) == pytest.approx(2 * (1 / 1) * (1 / 2) / 1.5)
+    # nothing left after normalising: 1.0 only against nothing
+    assert f1_one("the", ["an"]) == 1.0 and f1_one("the", ["cat"]) == 0.0
+
+
 def test_bleu1_and_rouge_l_from_libraries():
     # sacrebleu: 3/3 unigrams match, brevity penalty exp(1 - 5/3)
     assert bleu1(["the cat sat"], [["the cat sat on mat"]]) == pytest.approx(0.5134, abs=1e-3)

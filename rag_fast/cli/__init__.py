@@ -4,14 +4,15 @@
     rag-fast index search DIR "question" [-k 5]        (or --queries FILE [--out FILE])
     rag-fast index eval --data QA.jsonl --index DIR [-k 1,5,20] [--out DIR]
     rag-fast index info DIR
+    rag-fast tokenizer fit --passages FILE [--data QA.jsonl] --vocab-size N --out DIR
     rag-fast init --index DIR --generator NAME|DIR|CONFIG.json --out MODEL_DIR
     rag-fast train --config FILE [--model MODEL_DIR] [--output-dir RUN_DIR]
     rag-fast eval --data dev.jsonl --model RUN_DIR [--out EVAL_DIR]
     rag-fast generate --model RUN_DIR --question "..."
     rag-fast reseal DIR                  accept a hand edit of a model's or an index's manifest
 
-One module per top-level command (``index``, ``reseal``, ``init``, ``train``, ``eval``,
-``generate``): its ``register(subparsers)`` adds the sub-parser and sets ``func``, which parses
+One module per top-level command (``index``, ``tokenizer``, ``reseal``, ``init``, ``train``,
+``eval``, ``generate``): its ``register(subparsers)`` adds the sub-parser and sets ``func``, which parses
 nothing more and calls the library. :data:`COMMANDS` lists them; :mod:`rag_fast.cli.common`
 holds what several commands share. This module holds the error contract: errors the user can
 fix (bad arguments, missing or corrupt files) print one line and exit 2; an unexpected error
@@ -27,12 +28,13 @@ from typing import Callable
 from rag_fast import _pool
 from rag_fast._quiet import set_verbose
 from rag_fast.cli import eval as eval_command
-from rag_fast.cli import generate, index, init, reseal, train
+from rag_fast.cli import generate, index, init, reseal, tokenizer, train
 from rag_fast.storage import StorageError
 
 # top-level command -> its registrar (the order of `rag-fast --help`)
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "index": index.register,
+    "tokenizer": tokenizer.register,
     "reseal": reseal.register,
     "init": init.register,
     "train": train.register,
@@ -68,7 +70,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="rag-fast", description="Fast Retrieval-Augmented Generation. The workflow: "
-        "index build -> init -> train -> eval -> generate, each reading what the one before wrote.")
+        "index build -> init -> train -> eval -> generate, each reading what the one before wrote; "
+        "tokenizer fit makes a generator tokenizer for a generator trained from scratch.")
     parser.add_argument("--verbose", action="store_true",
                         help="show third-party logs and progress bars (transformers, hub)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")

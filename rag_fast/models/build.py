@@ -15,7 +15,8 @@ The generator is a ``*ForConditionalGeneration`` or a decoder-only ``*ForCausalL
 Llama, GPT-2, ...; docs/decoder_only.md) name or folder with weights, or a JSON config file
 (``{"model_type": "bart", "d_model": 256, ...}``, or ``"qwen2"``, ``"llama"``, ``"gpt2"``, ...)
 for a generator trained from scratch (random weights, seeded): its vocabulary size and
-special-token ids come from the generator tokenizer unless the file sets them.
+pad / bos / eos ids come from the generator tokenizer unless the file sets them, and where it
+does they must agree with the tokenizer (a vocabulary at least as large, the same ids).
 """
 from __future__ import annotations
 
@@ -92,6 +93,29 @@ def _special_ids(tokenizer: Any) -> dict:
     return {"pad_token_id": pad, "bos_token_id": bos, "eos_token_id": eos}
 
 
+def _check_config_agrees(path: str, values: dict, tokenizer: Any, ids: dict) -> None:
+    """A generator config file's own ``vocab_size`` and pad / bos / eos ids, where it sets
+    them, against the generator tokenizer's: the tokenizer's every id must have a row in the
+    embeddings, and the ids that pad, start and end the answers it encodes must be the ones
+    the model pads, starts and stops with. A ValueError naming the file and the key."""
+    size = len(tokenizer)
+    vocab = values.get("vocab_size")
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)):
+        raise ValueError(f"generator config {path}: vocab_size must be an int, got {vocab!r}")
+    if vocab is not None and vocab < size:
+        raise ValueError(f"generator config {path}: vocab_size {vocab} is smaller than the "
+                         f"generator tokenizer's {size} tokens (its ids would fall outside the "
+                         f"embeddings); set it to at least {size}, or leave it out to take the "
+                         "tokenizer's")
+    for key, value in ids.items():
+        given = values.get(key)
+        if given is None or given == value or (isinstance(given, list) and value in given):
+            continue  # (a list of end ids that holds the tokenizer's is fine)
+        raise ValueError(f"generator config {path}: {key} {given!r} differs from the generator "
+                         f"tokenizer's ({value}); leave it out to take the tokenizer's, or give "
+                         "the tokenizer the config was written for")
+
+
 def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Module:
     import transformers
 
@@ -116,6 +140,7 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
     except Exception as e:  # transformers' and huggingface_hub's own field checks
         raise ValueError(f"generator config {path}: {brief_error(e)}") from None
     ids = _special_ids(tokenizer)
+    _check_config_agrees(path, values, tokenizer, ids)
     for key, value in ids.items():
         if key not in values:
             setattr(config, key, value)

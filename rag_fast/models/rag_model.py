@@ -111,6 +111,17 @@ def join_context(title: str, text: str, question: str, prefix: str = "") -> str:
     return (prefix + title + " / " + text + " // " + question).replace("  ", " ")
 
 
+def decode_answers(tokenizer: Any, sequences: Any) -> list[str]:
+    """The answers' text of generated ``sequences`` (ids ``[N, T]``): the tokenizer's own
+    decoding with the special tokens (start, end, padding) left out and the surrounding
+    whitespace stripped, nothing more. ``transformers``' clean-up of spaces before punctuation
+    (``clean_up_tokenization_spaces``, on in some tokenizers' configs) is off: it turns
+    "2 . 5" into "2. 5" and "a , b" into "a, b", so an answer the tokenizer gives back exactly
+    (a byte-level one, as ``rag-fast tokenizer fit`` makes) would not come back as written."""
+    return [t.strip() for t in tokenizer.batch_decode(
+        sequences, skip_special_tokens=True, clean_up_tokenization_spaces=False)]
+
+
 def _from_retrieved_passages(retriever: Any, found: Any) -> Retrieved:
     """Adapt ``rag_fast.retrieval.RetrievedPassages`` (store rows ``ids`` ``[B, K]``, -1 where
     missing, and ``doc_embeddings``) to :class:`Retrieved`, reading texts from the retriever's
@@ -759,8 +770,7 @@ class RagModel(nn.Module):
                 generation_config=self.generation_config, **settings)
             texts = None
             if self.generator_tokenizer is not None:
-                texts = [t.strip() for t in self.generator_tokenizer.batch_decode(
-                    sequences, skip_special_tokens=True)]
+                texts = decode_answers(self.generator_tokenizer, sequences)
             return Generation(sequences, texts, passages, doc_scores)
         view = _TransformersView(self)
         if self.mode == "token":
@@ -771,8 +781,7 @@ class RagModel(nn.Module):
                                               doc_scores, decoding=decoding, impl=impl, **settings)
         texts = None
         if self.generator_tokenizer is not None:
-            texts = [t.strip() for t in self.generator_tokenizer.batch_decode(
-                sequences, skip_special_tokens=True)]
+            texts = decode_answers(self.generator_tokenizer, sequences)
         return Generation(sequences, texts, passages, doc_scores)
 
     # ------------------------------------------------------------------ checkpoints
@@ -872,4 +881,5 @@ class _TransformersView:
                 self.generation_config = getattr(model.generator, "generation_config", None)
 
 
-__all__ = ["Generation", "RagModel", "RagOutput", "Retrieved", "Retriever", "join_context", "passage_fields"]
+__all__ = ["Generation", "RagModel", "RagOutput", "Retrieved", "Retriever", "decode_answers",
+           "join_context", "passage_fields"]

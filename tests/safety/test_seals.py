@@ -187,7 +187,8 @@ def test_a_file_added_to_a_model_directory_is_refused_until_listed(world, copy_o
     folder changed its EOS and padding with no error."""
     model = copy_of(world["model"])
     added = model / "generator_tokenizer" / "special_tokens_map.json"
-    added.write_text(json.dumps({"eos_token": "[CLS]", "pad_token": "[SEP]"}))
+    # (the example tokenizer's own start and end tokens, swapped into other roles)
+    added.write_text(json.dumps({"eos_token": "<s>", "pad_token": "</s>"}))
     with pytest.raises(CheckpointError) as info:
         RagModel.load(str(model))
     message = str(info.value)

@@ -1,0 +1,226 @@
+"""A generator tokenizer fitted to a corpus, whose decoding gives back the text it encoded.
+
+    fit_tokenizer(texts, vocab_size=4000)                        a tokenizer, in memory
+    fit_tokenizer_folder("passages.jsonl", "tok/", vocab_size=4000, data=["train.jsonl"])
+
+What ``rag-fast tokenizer fit`` runs. The tokenizer is a byte-level BPE (GPT-2's and BART's
+kind, fitted with the ``tokenizers`` library): text is cut into words and runs of digits,
+punctuation and spaces (a word keeps the space before it), every byte is a symbol, and the
+most frequent pairs are merged until ``vocab_size`` tokens. Nothing normalises the text (no
+lower-casing, no accent stripping, no space added in front), and any byte sequence is some
+sequence of tokens, so ``decode(encode(text)) == text`` for every string: an answer such as
+"3.7.15", "Saint-Étienne" or "[a]/b" comes back from the generator as it was written, which
+exact match needs. (A WordPiece tokenizer with BERT's normaliser decodes those as
+"3. 7. 15" and "saint - etienne" and has no token for "[", "]" or "/".)
+
+The special tokens are BART's, at the ids BART's configuration expects: ``<s>`` 0 (start:
+bos, cls), ``<pad>`` 1, ``</s>`` 2 (end: eos, sep), ``<unk>`` 3 (never produced: every byte
+has a token), ``<mask>`` 4. A context is encoded as ``<s> text </s>``. ``rag-fast init
+--generator CONFIG.json --generator-tokenizer DIR`` takes the vocabulary size and the pad /
+bos / eos ids from the tokenizer. Text that spells a special token ("<s>") is encoded as text,
+not as that token, so it survives too.
+
+The folder is what ``transformers.AutoTokenizer.from_pretrained`` opens
+(``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``), written
+atomically and marked as rag_fast's (``rag_fast-output.json``, kind ``rag_fast.tokenizer``,
+with the size and SHA-256 of each file and what it was fitted on): it is replaced only with
+``overwrite`` and only when it is such a folder (:func:`rag_fast.storage.check_output_folder`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+from rag_fast.evaluation.data import load_qa
+from rag_fast.retrieval.passages import read_passages
+from rag_fast.storage import (
+    OUTPUT_MARKER,
+    TOKENIZER_KIND,
+    atomic_directory,
+    atomic_write_bytes,
+    check_apart,
+    check_output_folder,
+    describe_files,
+)
+
+# (token, role) in id order: BART's ids for start, padding and end
+SPECIAL_TOKENS = (("<s>", "bos"), ("<pad>", "pad"), ("</s>", "eos"), ("<unk>", "unk"),
+                  ("<mask>", "mask"))
+BYTES = 256  # the byte-level alphabet: one token per byte value
+MIN_VOCAB_SIZE = BYTES + len(SPECIAL_TOKENS)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_vocab_size(vocab_size: object, name: str = "vocab_size") -> int:
+    """``vocab_size`` as an int of at least :data:`MIN_VOCAB_SIZE` (the 256 bytes and the 5
+    special tokens), else a ValueError naming ``name``."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise ValueError(f"{name} must be an int, got {vocab_size!r}")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"{name} must be at least {MIN_VOCAB_SIZE} (one token per byte value "
+                         f"and {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+    return vocab_size
+
+
+def special_tokens_map() -> dict[str, str]:
+    """The special tokens by ``transformers``' names (``bos_token``, ``cls_token``, ...)."""
+    roles = {role: token for token, role in SPECIAL_TOKENS}
+    return {"bos_token": roles["bos"], "cls_token": roles["bos"], "eos_token": roles["eos"],
+            "sep_token": roles["eos"], "pad_token": roles["pad"], "unk_token": roles["unk"],
+            "mask_token": roles["mask"]}
+
+
+def fit_tokenizer(texts: Iterable[str], vocab_size: int, *, progress: bool = False) -> Any:
+    """A byte-level BPE tokenizer (``transformers.PreTrainedTokenizerFast``) of at most
+    ``vocab_size`` tokens fitted to ``texts`` (see the module docstring); fewer when the texts
+    allow no more merges. The same texts in the same order give the same tokenizer.
+    ``progress``: the ``tokenizers`` library's progress bars, where stderr is a terminal.
+
+    Raises:
+        ValueError: ``vocab_size`` below :data:`MIN_VOCAB_SIZE` or not an int; whatever
+            ``texts`` raises while it is read.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    check_vocab_size(vocab_size)
+    tok = Tokenizer(models.BPE())  # no unknown token: every byte is in the alphabet
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[t for t, _ in SPECIAL_TOKENS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  # (its bars print blank lines where stderr is no terminal)
+                                  show_progress=progress and sys.stderr.isatty())
+    tok.train_from_iterator(texts, trainer)
+    for i, (token, _) in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(token) == i, (token, tok.token_to_id(token))
+    bos, eos = SPECIAL_TOKENS[0][0], SPECIAL_TOKENS[2][0]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} {eos} $B {eos}",
+        special_tokens=[(bos, 0), (eos, 2)])
+    tok.encode_special_tokens = True  # "<s>" in a text is that text, not the start token
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
+                                   split_special_tokens=True, **special_tokens_map())
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    """What :func:`fit_tokenizer_folder` fitted: the folder, its tokens, and its sources."""
+
+    out: Path
+    vocab_size: int
+    passages: int
+    questions: int
+    characters: int
+
+    def line(self) -> str:
+        """One line for the command line."""
+        qa = f" and {self.questions:,} questions with their answers" if self.questions else ""
+        return (f"fitted a byte-level BPE tokenizer of {self.vocab_size:,} tokens on "
+                f"{self.passages:,} passages{qa} ({self.characters:,} characters) -> {self.out}")
+
+
+def _read_data(data: Sequence[str | os.PathLike]) -> tuple[list[str], int]:
+    """The questions, answers and labels of every example of the QA files ``data`` (read, and
+    so checked, before the passages), and the number of examples."""
+    texts, examples = [], 0
+    for path in data:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"data: {os.fspath(path)!r} does not exist (expected a QA "
+                                    "file: JSONL lines with 'question' and 'answers', or TSV)")
+        for e in load_qa(os.fspath(path)):
+            texts += [e.question, *e.answers] + ([e.label] if e.label is not None else [])
+            examples += 1
+    return texts, examples
+
+
+def save_tokenizer(tokenizer: Any, folder: str | os.PathLike, record: dict | None = None) -> None:
+    """Write ``tokenizer`` (from :func:`fit_tokenizer`) into the folder ``folder`` as
+    ``transformers`` reads it, and mark the folder as rag_fast's tokenizer (``record``: what
+    it was fitted on, kept in the marker). Used inside :func:`fit_tokenizer_folder`'s atomic
+    folder; on its own it writes each file atomically.
+
+    ``tokenizer_config.json`` names the class ``PreTrainedTokenizerFast``, which every
+    ``transformers`` from 4.40 on opens, and ``special_tokens_map.json`` is written for those
+    that read the special tokens from it.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(folder))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["clean_up_tokenization_spaces"] = False
+    config["split_special_tokens"] = True
+    atomic_write_bytes(config_path, _json_bytes(config))
+    atomic_write_bytes(folder / "special_tokens_map.json", _json_bytes(special_tokens_map()))
+    # every file save_pretrained wrote (a transformers that writes more than TOKENIZER_FILES
+    # included) is listed, so that only this folder's own files count as rag_fast's
+    names = sorted(p.name for p in folder.iterdir() if p.name != OUTPUT_MARKER)
+    marker = {"kind": TOKENIZER_KIND, "format": 1, **(record or {}),
+              "files": describe_files(folder, names)}
+    atomic_write_bytes(folder / OUTPUT_MARKER, _json_bytes(marker))
+
+
+def _json_bytes(payload: dict) -> bytes:
+    return (json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def fit_tokenizer_folder(passages: str | os.PathLike, out: str | os.PathLike, *,
+                         vocab_size: int, data: Sequence[str | os.PathLike] = (),
+                         overwrite: bool = False, dedupe: bool = False,
+                         progress: bool = False) -> FitSummary:
+    """Fit :func:`fit_tokenizer` on the titles and texts of ``passages`` (a file or folder as
+    ``rag-fast index build`` reads it: :func:`rag_fast.retrieval.passages.read_passages`) and
+    the questions and answers of the QA files ``data``, and save it as the folder ``out``.
+
+    Everything is checked before the fit: ``vocab_size``, ``out`` (missing, empty, or with
+    ``overwrite`` a tokenizer folder of this function's holding nothing else; never one of the
+    inputs), that ``passages`` exists, and every ``data`` file in full.
+
+    Raises:
+        ValueError: a bad ``vocab_size``; ``out`` overlapping an input; a malformed passages
+            or QA file (naming it and the line); passages and QA files without any text.
+        FileNotFoundError: a missing ``passages`` or ``data`` file (the message starts with
+            ``passages:`` or ``data:``).
+        FileExistsError: ``out`` exists and may not be replaced.
+    """
+    check_vocab_size(vocab_size)
+    data = list(data)
+    inputs = {"passages": passages, **{f"data[{i}]": d for i, d in enumerate(data)}}
+    check_apart(out, "out", inputs)
+    check_output_folder(out, TOKENIZER_KIND, overwrite=overwrite, flag="out")
+    if not os.path.exists(passages):
+        raise FileNotFoundError(f"passages: {os.fspath(passages)!r} does not exist")
+    qa_texts, questions = _read_data(data)
+    counts = {"passages": 0, "characters": 0}
+
+    def texts() -> Iterator[str]:
+        for p in read_passages(passages, dedupe=dedupe):
+            counts["passages"] += 1
+            for text in (p.title, p.text):
+                if text:
+                    counts["characters"] += len(text)
+                    yield text
+        for text in qa_texts:
+            if text:
+                counts["characters"] += len(text)
+                yield text
+
+    tokenizer = fit_tokenizer(texts(), vocab_size, progress=progress)
+    if counts["characters"] == 0:
+        raise ValueError(f"passages {os.fspath(passages)!r}"
+                         + (" and the data files" if data else "")
+                         + " hold no text to fit a tokenizer on")
+    record = {"vocab_size": len(tokenizer), "requested_vocab_size": vocab_size,
+              "passages": os.fspath(passages), "data": [os.fspath(d) for d in data],
+              "method": "byte-level BPE (tokenizers), rag_fast.tokenization.fit_tokenizer"}
+    with atomic_directory(out, overwrite=overwrite, kind=TOKENIZER_KIND) as tmp:
+        save_tokenizer(tokenizer, tmp, record)
+    return FitSummary(Path(out), len(tokenizer), counts["passages"], questions,
+                      counts["characters"])
