@@ -197,3 +197,52 @@ def test_a_warm_up_longer_than_the_run_is_clamped_with_a_warning():
     with pytest.warns(UserWarning, match="warmup_steps 10 is more than max_steps 3"):
         tc = config(max_steps=3, warmup_steps=10)
     assert tc.warmup_steps == 3
+
+
+class _Clock:
+    """A stand-in for the trainer's ``time`` module: each ``perf_counter()`` call is 1 s later."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("old_checkpoint", [False, True])
+def test_elapsed_time_goes_on_across_a_resume(tmp_path, monkeypatch, old_checkpoint):
+    """metrics.jsonl's elapsed_s after a resume continues from the checkpoint's elapsed time; a
+    checkpoint of an earlier rag_fast (no elapsed_s in its state) counts from 0."""
+    import dataclasses
+    import json
+
+    from rag_fast.training import checkpoint as checkpoint_module
+    from rag_fast.training import trainer as trainer_module
+
+    def elapsed() -> dict[int, float]:
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["elapsed_s"] for r in map(json.loads, lines) if "loss" in r}
+
+    def run(max_steps: int) -> Trainer:
+        monkeypatch.setattr(trainer_module, "time", _Clock())  # a fresh clock per session
+        trainer = Trainer(make_model(), make_dataset(), collate, loss_fn,
+                          config(max_steps=max_steps, warmup_steps=0, log_every=1,
+                                 checkpoint_every=2, output_dir=str(tmp_path), plot_file=None))
+        trainer.resume()
+        trainer.train()
+        return trainer
+
+    with monkeypatch.context() as m:
+        if old_checkpoint:  # written as an earlier rag_fast wrote it: no elapsed_s in its state
+            m.setattr(checkpoint_module, "asdict", lambda state: {
+                k: v for k, v in dataclasses.asdict(state).items() if k != "elapsed_s"})
+        first = run(2)
+    one, two = elapsed()[1], elapsed()[2]
+    assert 0 < one < two and first.state.elapsed_s == two
+    saved = checkpoint_module.load_checkpoint(str(tmp_path / "checkpoint-last.pt"))["state"]
+    assert ("elapsed_s" in saved) is not old_checkpoint
+    resumed = run(4)
+    base = 0.0 if old_checkpoint else two  # the same clock readings, from the checkpoint's time
+    assert elapsed() == {1: one, 2: two, 3: base + one, 4: base + two}
+    assert resumed.state.elapsed_s == base + two

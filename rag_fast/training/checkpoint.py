@@ -60,6 +60,8 @@ class TrainState:
     history: list = field(default_factory=list)  # (step, loss) every log_every steps
     evals: list = field(default_factory=list)    # (step, metrics)
     refreshed_at: int = 0    # step of the last index refresh (0: the index the run began with)
+    elapsed_s: float = 0.0   # training time up to ``step``, over every session of the run (a
+    #                          checkpoint of an older rag_fast has none: its resume counts from 0)
 
 
 # ---------------------------------------------------------------------- RNG and files

@@ -17,7 +17,10 @@ The rest of a run lives beside this loop: its options in ``rag_fast.training.con
 optimizer and schedule in ``rag_fast.training.optim``, the plot in ``rag_fast.training.plot``.
 
 Rank 0 also appends logged steps and evaluations to ``metrics.jsonl`` and draws ``training.png``
-at the end (both in ``output_dir``; see TrainConfig). When the model's retriever keeps its time
+at the end (both in ``output_dir``; see TrainConfig). A logged step's ``elapsed_s`` is the run's
+training time up to it, continued across resumes (``TrainState.elapsed_s``, checkpointed; the
+time of steps after the last checkpoint of a killed session is not counted, as they are trained
+again), and ``examples_per_s`` the rate of the current session. When the model's retriever keeps its time
 (``retrieval_seconds``), each logged line also has ``step_s`` and ``retrieval_s`` (mean seconds
 per step since the previous line, and the retrieval part of it).
 
@@ -279,7 +282,9 @@ class Trainer:
 
             bar = tqdm(total=config.max_steps, initial=self.state.step, desc="train",
                        dynamic_ncols=True)
-        start, seen = time.perf_counter(), 0
+        # elapsed_s continues the run's time across resumes (the checkpoint's elapsed_s), while
+        # examples_per_s is this session's rate
+        start, seen, before_session = time.perf_counter(), 0, self.state.elapsed_s
         # retrieval time inside the training steps (not evaluation), per logged interval
         interval = {"steps": 0, "step_s": 0.0, "retrieval_s": 0.0}
         while self.state.step < config.max_steps:
@@ -293,11 +298,12 @@ class Trainer:
             seen += self.global_batch
             step = self.state.step
             elapsed = max(time.perf_counter() - start, 1e-9)
+            self.state.elapsed_s = before_session + elapsed
             if step % max(1, config.log_every) == 0 or step == config.max_steps:
                 self.state.history.append((step, loss))
                 record = {"step": step, "loss": loss if math.isfinite(loss) else None,
                           "lr": self._step_lr, "examples_per_s": round(seen / elapsed, 3),
-                          "elapsed_s": round(elapsed, 3)}
+                          "elapsed_s": round(self.state.elapsed_s, 3)}
                 if after is not None:  # a timed retriever: mean seconds per step since the last record
                     n = max(1, interval["steps"])
                     record["step_s"] = round(interval["step_s"] / n, 6)
