@@ -233,3 +233,43 @@ def test_a_model_with_more_passages_per_question_than_the_index_is_refused(setup
     assert cli.main(["eval", "--data", str(data), "--model", str(big), "--index", str(index_dir),
                      "--out", str(tmp_path / "eval"), "--no-progress"]) == 2
     assert f"n_docs={too_many} (from the model {str(big)!r})" in capsys.readouterr().err
+
+
+def test_set_and_the_short_flags_override_the_config(setup, tmp_path, monkeypatch):
+    """--set KEY=VALUE and --max-steps / --lr / --micro-batch-size / --seed replace the file's
+    values before the run: the checkpoint's config, the metrics and the trained model show
+    them; a later option wins; a path --set gives is relative to the current folder."""
+    from rag_fast.training.checkpoint import load_checkpoint
+
+    root, index_dir, data = setup
+    config = tmp_path / "conf" / "train.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model": str(root / "model0"), "index": str(index_dir), "data": {"train": "missing.jsonl"},
+        "train": {"max_steps": 50, "micro_batch_size": 4, "lr": 1e-3, "seed": 0,
+                  "progress": False, "log_every": 1, "plot_file": None}}))
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "qa.jsonl").write_text(data.read_text())
+    monkeypatch.chdir(tmp_path / "here")
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", str(config), "--output-dir", str(out), "--device", "cpu",
+                     "--set", "train.max_steps=9", "--max-steps", "2", "--lr", "0.002",
+                     "--set", "train.schedule=constant", "--micro-batch-size", "2",
+                     "--seed", "5", "--set", "model.n_docs=1", "--set", "data.train=qa.jsonl",
+                     "--set", "train.extra={\"note\": [1, 2]}"]) == 0
+    saved = load_checkpoint(str(out / "checkpoint-last.pt"))["config"]
+    assert {k: saved[k] for k in ("max_steps", "lr", "schedule", "micro_batch_size", "seed",
+                                  "extra")} == {
+        "max_steps": 2, "lr": 0.002, "schedule": "constant", "micro_batch_size": 2, "seed": 5,
+        "extra": {"note": [1, 2]}}
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["lr"]) for r in metrics] == [(1, 0.002), (2, 0.002)]
+    assert RagModel.load(str(out / "model")).options()["n_docs"] == 1
+
+
+def test_set_values_are_json_when_they_parse():
+    from rag_fast.cli.train import parse_value
+
+    assert [parse_value(t) for t in ("20", "1e-4", "true", "null", "[0.9, 0.99]", '"20"', "cpu",
+                                     "", "{bad")] == [
+        20, 1e-4, True, None, [0.9, 0.99], "20", "cpu", "", "{bad"]
