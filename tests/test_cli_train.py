@@ -273,3 +273,59 @@ def test_set_values_are_json_when_they_parse():
     assert [parse_value(t) for t in ("20", "1e-4", "true", "null", "[0.9, 0.99]", '"20"', "cpu",
                                      "", "{bad")] == [
         20, 1e-4, True, None, [0.9, 0.99], "20", "cpu", "", "{bad"]
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes(setup, tmp_path,
+                                                                       monkeypatch, capsys):
+    """Ctrl-C during `rag-fast train` (exit 130) names the run's last checkpoint and its step,
+    and the command line that resumes from it, which does; before any checkpoint it says that
+    none exists and the command starts over; with "resume": false it adds --set resume=true."""
+    import shlex
+
+    from rag_fast.training import Trainer
+
+    root, index_dir, data = setup
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({
+        "model": str(root / "model0"), "index": str(index_dir), "data": {"train": str(data)},
+        "train": {"max_steps": 3, "micro_batch_size": 2, "checkpoint_every": 1,
+                  "progress": False, "plot_file": None}}))
+    out = tmp_path / "run dir"  # a path the shell must quote
+    argv = ["train", "--config", str(config), "--output-dir", str(out), "--device", "cpu",
+            "--lr", "0.002", "--set", "train.log_every=1"]
+    shown = shlex.join(["rag-fast", *argv])
+
+    def interrupt_at(step):
+        def train_step(self):
+            if self.state.step == step:
+                raise KeyboardInterrupt
+            return train_step.original(self)
+
+        train_step.original = Trainer.train_step
+        return train_step
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", interrupt_at(0))
+        assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"rag-fast: interrupted; no checkpoint was written yet in {out}, so the same command "
+        f"starts over: {shown}")
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", interrupt_at(2))
+        assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"rag-fast: interrupted; the last checkpoint is {out / 'checkpoint-last.pt'} (step 2); "
+        f"the same command resumes from it: {shown}")
+    assert cli.main(shlex.split(shown)[1:]) == 0  # the command it names
+    assert "resumed from step 2" in capsys.readouterr().out
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+    config.write_text(json.dumps({**json.loads(config.read_text()), "resume": False}))
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", interrupt_at(0))
+        assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"rag-fast: interrupted; the last checkpoint is {out / 'checkpoint-last.pt'} (step 3); "
+        f"the config says \"resume\": false, so to resume from it run the same command with "
+        f"--set resume=true: {shown} --set resume=true")

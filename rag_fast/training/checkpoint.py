@@ -207,6 +207,27 @@ def _verify(path: str) -> dict:
     raise CheckpointError(problem + restart)
 
 
+def last_checkpoint(output_dir: str) -> tuple[str, int] | None:
+    """``(path, step)`` of the checkpoint in a run's folder that a resume would start from,
+    judged by its manifest and the payload's size (no SHA-256: quick enough for a message on
+    Ctrl-C); None when there is none, or none whose manifest matches it."""
+    path = os.path.join(output_dir, CHECKPOINT)
+    manifest = _manifest_path(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None
+    # a save killed between its two renames left the new payload's manifest as a temporary
+    for candidate in [manifest, *sorted(glob.glob(glob.escape(manifest) + ".tmp-*"))]:
+        try:
+            record = _read_manifest(candidate)
+        except CheckpointError:
+            continue
+        if record["size"] == size:
+            return path, record["step"]
+    return None
+
+
 def load_checkpoint(path: str) -> dict:
     """A Trainer checkpoint, verified against its manifest and loaded with
     ``torch.load(weights_only=True)``: nothing in it but tensors and plain data is unpickled.
