@@ -98,28 +98,32 @@ def test_killed_run_resumes_to_same_parameters(tmp_path):
         torch.testing.assert_close(params(resumed)[name], value, rtol=0, atol=0, msg=name)
 
 
-def _ddp_worker(rank: int, world_size: int, out: str) -> None:
+def _ddp_worker(rank: int, world_size: int, out: str, find_unused) -> None:
     torch.set_num_threads(1)
     model = make_model(dropout=False)
-    Trainer(model, make_dataset(), collate, loss_fn, ddp_config(micro_batch_size=2)).train()
+    trainer = Trainer(model, make_dataset(), collate, loss_fn,
+                      ddp_config(micro_batch_size=2, find_unused_parameters=find_unused))
+    trainer.train()
+    assert trainer.ddp.find_unused_parameters is False  # every parameter is trained
     if rank == 0:
         torch.save(params(model), out)
 
 
-def ddp_config(micro_batch_size: int) -> TrainConfig:
+def ddp_config(micro_batch_size: int, find_unused_parameters=False) -> TrainConfig:
     # adam_eps: with the default 1e-8, Adam turns rounding noise in near-zero gradients (the
     # tiny question encoder's) into lr-sized updates, so runs that sum in a different order
     # drift apart by ~1e-3 although their gradients agree to float precision.
     return config(micro_batch_size=micro_batch_size, max_steps=4, adam_eps=1e-3,
-                  find_unused_parameters=False)
+                  find_unused_parameters=find_unused_parameters)
 
 
 @pytest.mark.slow
-def test_two_process_ddp_equals_one_process_same_global_batch(tmp_path):
+@pytest.mark.parametrize("find_unused", [False, None])  # None: the first step decides
+def test_two_process_ddp_equals_one_process_same_global_batch(tmp_path, find_unused):
     single = make_model(dropout=False)
     Trainer(single, make_dataset(), collate, loss_fn, ddp_config(micro_batch_size=4)).train()
     out = str(tmp_path / "ddp.pt")
-    spawn(_ddp_worker, 2, out)
+    spawn(_ddp_worker, 2, out, find_unused)
     ddp = torch.load(out)
     for name, value in params(single).items():
         torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-5, msg=name)
