@@ -434,3 +434,29 @@ def test_resolve_device(monkeypatch):
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"device is 'cuda:5' \(cuda:5\) but only 2 CUDA"):
         resolve_device("cuda:5")
+
+
+def test_last_checkpoint_is_read_from_the_manifest(tmp_path):
+    """The checkpoint a resume would start from, for messages: its manifest's step when the
+    payload has the recorded size (also from the temporary manifest of a save killed between
+    its renames); None when there is no payload or no manifest matches it."""
+    import json
+
+    from rag_fast.training.checkpoint import CHECKPOINT_FORMAT, last_checkpoint
+
+    def manifest(name, size, step):
+        (tmp_path / name).write_text(json.dumps({
+            "format": CHECKPOINT_FORMAT, "payload": "checkpoint-last.pt", "size": size,
+            "sha256": "0" * 64, "step": step}))
+
+    assert last_checkpoint(str(tmp_path)) is None
+    manifest("checkpoint-last.json", 10, 4)
+    assert last_checkpoint(str(tmp_path)) is None  # no payload
+    (tmp_path / "checkpoint-last.pt").write_bytes(b"x" * 10)
+    assert last_checkpoint(str(tmp_path)) == (str(tmp_path / "checkpoint-last.pt"), 4)
+    (tmp_path / "checkpoint-last.pt").write_bytes(b"x" * 12)  # a newer payload, renamed in
+    assert last_checkpoint(str(tmp_path)) is None
+    manifest("checkpoint-last.json.tmp-77", 12, 6)
+    assert last_checkpoint(str(tmp_path)) == (str(tmp_path / "checkpoint-last.pt"), 6)
+    (tmp_path / "checkpoint-last.json").write_text("{not json")
+    assert last_checkpoint(str(tmp_path)) == (str(tmp_path / "checkpoint-last.pt"), 6)

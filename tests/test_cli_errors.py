@@ -426,3 +426,70 @@ def test_an_abbreviated_option_is_a_typo_not_a_prefix(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "unrecognized arguments: --dat" in err, err
     assert "did you mean --data?" in err, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    # an unknown key, top level or in a section
+    (["--set", "foo=1"], "--set foo=1: unknown key 'foo' (expected: model, index, data, train, "
+                         "resume)"),
+    (["--set", "train.lrr=1"], "--set train.lrr=1: train: unknown training option 'lrr' (did "
+                               "you mean 'lr'?)"),
+    (["--set", "data.dev=x"], "--set data.dev=x: data.dev: unknown key (expected train, eval)"),
+    # a value of the wrong type, said with the option (not the file) that gave it
+    (["--set", "train.lr=fast"], "--set train.lr=fast: train: lr must be a finite float, got "
+                                 "'fast'"),
+    (["--set", "train.max_steps=2.5"], "--set train.max_steps=2.5: train: max_steps must be an "
+                                       "int, got 2.5"),
+    (["--max-steps", "0"], "--max-steps 0: train: max_steps must be >= 1, got 0"),
+    (["--lr", "nan"], "--lr nan: train: lr must be a finite float, got nan"),
+    (["--set", "index.verify=maybe"], "--set index.verify=maybe: index.verify: expected true or "
+                                      "false, got 'maybe'"),
+    # a directory string is a section: its options can be set (and checked)
+    (["--set", "model.n_docs=0"], "--set model.n_docs=0: model.n_docs: expected a positive "
+                                  "integer, got 0"),
+    # a key under a value that is not an object
+    (["--set", "train.output_dir.x=1"], "--set train.output_dir.x=1: train.output_dir is "
+                                        "\"run\", not an object, so it has no key 'x'"),
+    (["--set", "data.train.name=x"], "--set data.train.name=x: data.train is \"qa.jsonl\", not "
+                                     "an object, so it has no key 'name'"),
+    (["--set", "train.seed=1", "--set", "train.seed.x=1"],
+     "--set train.seed.x=1: train.seed is 1, not an object, so it has no key 'x'"),
+    # the later of two values wins, and is the one named
+    (["--set", "train.lr=x", "--lr", "0.1", "--set", "train.lr=y"],
+     "--set train.lr=y: train: lr must be a finite float, got 'y'"),
+    # a problem of the file is still the file's
+    (["--set", "train.lr=0.1", "--set", "model.n_docs=2"],
+     "{path}: data.train: dataset file not found: {tmp}/qa.jsonl (a relative path is read from "
+     "the config file's folder)"),
+    (["--set", "data.train=nope.jsonl"],
+     "--set data.train=nope.jsonl: data.train: dataset file not found: {cwd}/nope.jsonl (a "
+     "relative path is read from the current folder, as the command line gives it)"),
+])
+def test_set_errors_name_the_option_and_the_key(tmp_path, capsys, argv, message):
+    import os
+
+    from rag_fast import cli
+
+    path = _train_config(tmp_path, "no-model")
+    assert cli.main(["train", "--config", str(path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "rag-fast: error: " + message.format(path=path, tmp=tmp_path, cwd=os.getcwd())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--set", "train.lr"], "argument --set: expected KEY=VALUE with KEY a dotted path into the "
+                            "training config (such as train.lr=1e-4 or model.n_docs=3), got "
+                            "'train.lr'"),
+    (["--set", "train..lr=1"], "argument --set: expected KEY=VALUE with KEY a dotted path into "
+                               "the training config (such as train.lr=1e-4 or model.n_docs=3), "
+                               "got 'train..lr=1'"),
+    (["--max-steps", "ten"], "argument --max-steps: invalid int value: 'ten'"),
+    (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+])
+def test_set_syntax_errors_are_usage_errors(tmp_path, capsys, argv, message):
+    from rag_fast import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--config", str(_train_config(tmp_path, "no-model")), *argv])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"rag-fast train: error: {message}")

@@ -51,7 +51,7 @@ def test_build_index_bundle_is_a_library_call(tmp_path):
     build_index_bundle(str(corpus), encoder, tmp_path / "kb", preset="exact", shard=(1, 2),
                        device="cpu", progress=False, log=lines.append)
     out = build_index_bundle(str(corpus), encoder, tmp_path / "kb", preset="exact",
-                             device="cpu", progress=False, log=lines.append)
+                             device="cpu", progress=False, remove_staging=True, log=lines.append)
     assert out == tmp_path / "kb" and not (tmp_path / "kb.staging").exists()
     assert lines[-1].startswith("built Flat over 4 passages") and str(out) in lines[-1], lines
     manifest, store, index = load_index_bundle(out, verify=True)

@@ -139,6 +139,9 @@ def test_train_under_torchrun_with_two_gloo_processes(setup, tmp_path):
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("trained 2 steps") == 1  # rank 0 reports and saves
+    # find_unused_parameters decided by the first step (the question encoder's pooler is
+    # unused under mean pooling): DDP does not warn that it searched for nothing
+    assert "find_unused_parameters" not in proc.stderr, proc.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     trained = RagModel.load(str(out))  # the output directory resolves to its model/
@@ -323,3 +326,99 @@ def test_eval_and_generate_take_n_docs(setup, tmp_path, capsys, monkeypatch):
     assert cli.main(["eval", "--data", str(data), "--predictions", str(data), "--n-docs",
                      "3"]) == 2
     assert "--n-docs needs --model" in capsys.readouterr().err
+
+
+def test_set_and_the_short_flags_override_the_config(setup, tmp_path, monkeypatch):
+    """--set KEY=VALUE and --max-steps / --lr / --micro-batch-size / --seed replace the file's
+    values before the run: the checkpoint's config, the metrics and the trained model show
+    them; a later option wins; a path --set gives is relative to the current folder."""
+    from rag_fast.training.checkpoint import load_checkpoint
+
+    root, index_dir, data = setup
+    config = tmp_path / "conf" / "train.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model": str(root / "model0"), "index": str(index_dir), "data": {"train": "missing.jsonl"},
+        "train": {"max_steps": 50, "micro_batch_size": 4, "lr": 1e-3, "seed": 0,
+                  "progress": False, "log_every": 1, "plot_file": None}}))
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "qa.jsonl").write_text(data.read_text())
+    monkeypatch.chdir(tmp_path / "here")
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", str(config), "--output-dir", str(out), "--device", "cpu",
+                     "--set", "train.max_steps=9", "--max-steps", "2", "--lr", "0.002",
+                     "--set", "train.schedule=constant", "--micro-batch-size", "2",
+                     "--seed", "5", "--set", "model.n_docs=1", "--set", "data.train=qa.jsonl",
+                     "--set", "train.extra={\"note\": [1, 2]}"]) == 0
+    saved = load_checkpoint(str(out / "checkpoint-last.pt"))["config"]
+    assert {k: saved[k] for k in ("max_steps", "lr", "schedule", "micro_batch_size", "seed",
+                                  "extra")} == {
+        "max_steps": 2, "lr": 0.002, "schedule": "constant", "micro_batch_size": 2, "seed": 5,
+        "extra": {"note": [1, 2]}}
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["lr"]) for r in metrics] == [(1, 0.002), (2, 0.002)]
+    assert RagModel.load(str(out / "model")).options()["n_docs"] == 1
+
+
+def test_set_values_are_json_when_they_parse():
+    from rag_fast.cli.train import parse_value
+
+    assert [parse_value(t) for t in ("20", "1e-4", "true", "null", "[0.9, 0.99]", '"20"', "cpu",
+                                     "", "{bad")] == [
+        20, 1e-4, True, None, [0.9, 0.99], "20", "cpu", "", "{bad"]
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes(setup, tmp_path,
+                                                                       monkeypatch, capsys):
+    """Ctrl-C during `rag-fast train` (exit 130) names the run's last checkpoint and its step,
+    and the command line that resumes from it, which does; before any checkpoint it says that
+    none exists and the command starts over; with "resume": false it adds --set resume=true."""
+    import shlex
+
+    from rag_fast.training import Trainer
+
+    root, index_dir, data = setup
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({
+        "model": str(root / "model0"), "index": str(index_dir), "data": {"train": str(data)},
+        "train": {"max_steps": 3, "micro_batch_size": 2, "checkpoint_every": 1,
+                  "progress": False, "plot_file": None}}))
+    out = tmp_path / "run dir"  # a path the shell must quote
+    argv = ["train", "--config", str(config), "--output-dir", str(out), "--device", "cpu",
+            "--lr", "0.002", "--set", "train.log_every=1"]
+    shown = shlex.join(["rag-fast", *argv])
+
+    def interrupt_at(step):
+        def train_step(self):
+            if self.state.step == step:
+                raise KeyboardInterrupt
+            return train_step.original(self)
+
+        train_step.original = Trainer.train_step
+        return train_step
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", interrupt_at(0))
+        assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"rag-fast: interrupted; no checkpoint was written yet in {out}, so the same command "
+        f"starts over: {shown}")
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", interrupt_at(2))
+        assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"rag-fast: interrupted; the last checkpoint is {out / 'checkpoint-last.pt'} (step 2); "
+        f"the same command resumes from it: {shown}")
+    assert cli.main(shlex.split(shown)[1:]) == 0  # the command it names
+    assert "resumed from step 2" in capsys.readouterr().out
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+    config.write_text(json.dumps({**json.loads(config.read_text()), "resume": False}))
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", interrupt_at(0))
+        assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"rag-fast: interrupted; the last checkpoint is {out / 'checkpoint-last.pt'} (step 3); "
+        f"the config says \"resume\": false, so to resume from it run the same command with "
+        f"--set resume=true: {shown} --set resume=true")

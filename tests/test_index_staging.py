@@ -125,3 +125,69 @@ def test_a_staging_without_a_key_is_stale(tmp_path, encoder_dir, capsys):
     assert "discarding stale staging" in capsys.readouterr().out
     np.testing.assert_allclose(_stored(tmp_path / "idx"), _fresh_vectors(encoder_dir, PASSAGES, "cls"),
                                atol=2e-3)
+
+
+def _staged(tmp_path):
+    staging = tmp_path / "idx.staging"
+    return sorted(p.name for p in staging.iterdir()) if staging.exists() else None
+
+
+def test_a_shard_build_names_both_ways_on(tmp_path, encoder_dir, capsys):
+    """After a shard, the line says how to train on the shards (the staging folder as a sharded
+    index) and how to merge them (without --shard, which keeps the staging)."""
+    import os
+
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    assert _build(corpus, encoder_dir, tmp_path / "idx", "--shard", "0/2") == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    staging = os.path.abspath(tmp_path / "idx.staging")
+    assert line.startswith(f"encoded shard 0/2 -> {staging}{os.sep}embeddings-0-of-2.npy. ")
+    assert "under torchrun with 2 processes" in line
+    assert f'{{"path": {json.dumps(staging)}, "sharded": true}}' in line
+    assert "docs/distributed.md" in line
+    assert f"merge them into one index directory {tmp_path / 'idx'}: run this command " \
+           "without --shard" in line
+    assert f"keeps {tmp_path / 'idx.staging'} unless given --remove-staging" in line
+
+
+def test_merging_keeps_the_staged_shards_unless_asked(tmp_path, encoder_dir, capsys):
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    out = tmp_path / "idx"
+    for i in range(2):
+        assert _build(corpus, encoder_dir, out, "--shard", f"{i}/2") == 0
+    staged = _staged(tmp_path)
+    capsys.readouterr()
+    assert _build(corpus, encoder_dir, out) == 0
+    assert _staged(tmp_path) == staged == [  # untouched: what sharded training reads
+        "embeddings-0-of-2.npy", "embeddings-1-of-2.npy", "key.json", "passages"]
+    said = capsys.readouterr().out
+    assert f"kept the staging folder {tmp_path / 'idx.staging'} with its 2 of 2 shards" in said
+    assert "--remove-staging to remove it" in said
+    np.testing.assert_allclose(_stored(out), _fresh_vectors(encoder_dir, PASSAGES, "cls"), atol=2e-3)
+    # asked: the merge removes the staging folder
+    assert _build(corpus, encoder_dir, out, "--overwrite", "--remove-staging") == 0
+    assert _staged(tmp_path) is None and "kept the staging" not in capsys.readouterr().out
+    np.testing.assert_allclose(_stored(out), _fresh_vectors(encoder_dir, PASSAGES, "cls"), atol=2e-3)
+
+
+def test_a_single_build_removes_only_its_own_staging(tmp_path, encoder_dir, capsys):
+    """Without shards the build's staging is its own and goes; an incomplete shard set another
+    build is writing stays (only the single build's embeddings go)."""
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    assert _build(corpus, encoder_dir, tmp_path / "solo") == 0
+    assert not (tmp_path / "solo.staging").exists()
+    assert _build(corpus, encoder_dir, tmp_path / "idx", "--shard", "1/3") == 0
+    assert _build(corpus, encoder_dir, tmp_path / "idx") == 0
+    assert _staged(tmp_path) == ["embeddings-1-of-3.npy", "key.json", "passages"]
+    assert "with its 1 of 3 shards" in capsys.readouterr().out
+
+
+def test_remove_staging_is_refused_with_shard(tmp_path, encoder_dir, capsys):
+    corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    assert _build(corpus, encoder_dir, tmp_path / "idx", "--shard", "0/2",
+                  "--remove-staging") == 2
+    assert capsys.readouterr().err.strip() == (
+        "rag-fast: error: --remove-staging: only for the build without --shard (the one that "
+        "merges the staged shards into --out); a --shard build adds its shard to the staging "
+        "folder")
+    assert list(tmp_path.iterdir()) == [tmp_path / "psgs.tsv"]

@@ -103,7 +103,9 @@ def test_sharded_build_equals_single_build(tmp_path, corpus, minilm, built):
     assert cli.main(["index", "build", *common]) == 0
     a, b = DenseIndex.load(out / "index"), DenseIndex.load(built / "index")
     np.testing.assert_allclose(a.embeddings.astype(np.float32), b.embeddings.astype(np.float32), atol=2e-3)
-    assert not (tmp_path / "sharded.staging").exists()
+    # kept: training on a sharded index reads the staged shards (--remove-staging removes them)
+    assert sorted(p.name for p in (tmp_path / "sharded.staging").glob("embeddings-*")) == [
+        f"embeddings-{i}-of-3.npy" for i in range(3)]
 
 
 def test_interrupted_build_leaves_nothing(tmp_path, corpus, minilm, monkeypatch, capsys):

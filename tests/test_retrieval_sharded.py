@@ -326,7 +326,9 @@ def test_shards_of_the_build_command(tmp_path):
     for i in range(2):
         assert cli.main(args + ["--shard", f"{i}/2"]) == 0
     shutil.copytree(tmp_path / "idx.staging", tmp_path / "copy.staging")
-    assert cli.main(args) == 0  # the final build over the staged shards (removes the staging)
+    # the final build over the staged shards, removing them
+    assert cli.main(args + ["--remove-staging"]) == 0
+    assert not (tmp_path / "idx.staging").exists()
     run_ranks(2, _cli_worker, tmp_path / "copy.staging", tmp_path / "idx")
 
 

@@ -98,28 +98,32 @@ def test_killed_run_resumes_to_same_parameters(tmp_path):
         torch.testing.assert_close(params(resumed)[name], value, rtol=0, atol=0, msg=name)
 
 
-def _ddp_worker(rank: int, world_size: int, out: str) -> None:
+def _ddp_worker(rank: int, world_size: int, out: str, find_unused) -> None:
     torch.set_num_threads(1)
     model = make_model(dropout=False)
-    Trainer(model, make_dataset(), collate, loss_fn, ddp_config(micro_batch_size=2)).train()
+    trainer = Trainer(model, make_dataset(), collate, loss_fn,
+                      ddp_config(micro_batch_size=2, find_unused_parameters=find_unused))
+    trainer.train()
+    assert trainer.ddp.find_unused_parameters is False  # every parameter is trained
     if rank == 0:
         torch.save(params(model), out)
 
 
-def ddp_config(micro_batch_size: int) -> TrainConfig:
+def ddp_config(micro_batch_size: int, find_unused_parameters=False) -> TrainConfig:
     # adam_eps: with the default 1e-8, Adam turns rounding noise in near-zero gradients (the
     # tiny question encoder's) into lr-sized updates, so runs that sum in a different order
     # drift apart by ~1e-3 although their gradients agree to float precision.
     return config(micro_batch_size=micro_batch_size, max_steps=4, adam_eps=1e-3,
-                  find_unused_parameters=False)
+                  find_unused_parameters=find_unused_parameters)
 
 
 @pytest.mark.slow
-def test_two_process_ddp_equals_one_process_same_global_batch(tmp_path):
+@pytest.mark.parametrize("find_unused", [False, None])  # None: the first step decides
+def test_two_process_ddp_equals_one_process_same_global_batch(tmp_path, find_unused):
     single = make_model(dropout=False)
     Trainer(single, make_dataset(), collate, loss_fn, ddp_config(micro_batch_size=4)).train()
     out = str(tmp_path / "ddp.pt")
-    spawn(_ddp_worker, 2, out)
+    spawn(_ddp_worker, 2, out, find_unused)
     ddp = torch.load(out)
     for name, value in params(single).items():
         torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-5, msg=name)
@@ -197,3 +201,52 @@ def test_a_warm_up_longer_than_the_run_is_clamped_with_a_warning():
     with pytest.warns(UserWarning, match="warmup_steps 10 is more than max_steps 3"):
         tc = config(max_steps=3, warmup_steps=10)
     assert tc.warmup_steps == 3
+
+
+class _Clock:
+    """A stand-in for the trainer's ``time`` module: each ``perf_counter()`` call is 1 s later."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("old_checkpoint", [False, True])
+def test_elapsed_time_goes_on_across_a_resume(tmp_path, monkeypatch, old_checkpoint):
+    """metrics.jsonl's elapsed_s after a resume continues from the checkpoint's elapsed time; a
+    checkpoint of an earlier rag_fast (no elapsed_s in its state) counts from 0."""
+    import dataclasses
+    import json
+
+    from rag_fast.training import checkpoint as checkpoint_module
+    from rag_fast.training import trainer as trainer_module
+
+    def elapsed() -> dict[int, float]:
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["elapsed_s"] for r in map(json.loads, lines) if "loss" in r}
+
+    def run(max_steps: int) -> Trainer:
+        monkeypatch.setattr(trainer_module, "time", _Clock())  # a fresh clock per session
+        trainer = Trainer(make_model(), make_dataset(), collate, loss_fn,
+                          config(max_steps=max_steps, warmup_steps=0, log_every=1,
+                                 checkpoint_every=2, output_dir=str(tmp_path), plot_file=None))
+        trainer.resume()
+        trainer.train()
+        return trainer
+
+    with monkeypatch.context() as m:
+        if old_checkpoint:  # written as an earlier rag_fast wrote it: no elapsed_s in its state
+            m.setattr(checkpoint_module, "asdict", lambda state: {
+                k: v for k, v in dataclasses.asdict(state).items() if k != "elapsed_s"})
+        first = run(2)
+    one, two = elapsed()[1], elapsed()[2]
+    assert 0 < one < two and first.state.elapsed_s == two
+    saved = checkpoint_module.load_checkpoint(str(tmp_path / "checkpoint-last.pt"))["state"]
+    assert ("elapsed_s" in saved) is not old_checkpoint
+    resumed = run(4)
+    base = 0.0 if old_checkpoint else two  # the same clock readings, from the checkpoint's time
+    assert elapsed() == {1: one, 2: two, 3: base + one, 4: base + two}
+    assert resumed.state.elapsed_s == base + two

@@ -16,8 +16,10 @@ One module per top-level command (``index``, ``tokenizer``, ``reseal``, ``init``
 nothing more and calls the library. :data:`COMMANDS` lists them; :mod:`rag_fast.cli.common`
 holds what several commands share. This module holds the error contract: errors the user can
 fix (bad arguments, missing or corrupt files) print one line and exit 2; an unexpected error
-prints one line and exits 1 with the traceback in a file; Ctrl-C exits 130. Third-party logs
-and progress bars are off unless ``--verbose``.
+prints one line and exits 1 with the traceback in a file; Ctrl-C exits 130, saying what was
+kept (a command that knows more sets ``args.on_interrupt``, as ``train`` does to name its last
+checkpoint and the command that resumes from it). Third-party logs and progress bars are off
+unless ``--verbose``.
 """
 from __future__ import annotations
 
@@ -191,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         said = ("the run's last checkpoint (if one was written) is kept: the same command "
                 "resumes from it" if args.command == "train" else
                 "nothing was written at the output path")
+        on_interrupt = getattr(args, "on_interrupt", None)  # what the command knows by now
+        if on_interrupt is not None:
+            try:
+                said = on_interrupt()
+            except Exception:  # noqa: BLE001  (the general line is still true)
+                pass
         print(f"rag-fast: interrupted; {said}", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001  (a bug: said in one line, traceback kept)

@@ -61,7 +61,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "or .jsonl (objects with 'question'); fewer than the target needs to "
                             "be shown with 95%% confidence (59 for 0.95) are warned about")
     build.add_argument("--shard", default=None, metavar="i/n",
-                       help="only encode shard i of n (0-based) into DIR.staging/")
+                       help="Only encode shard i of n (0-based) into DIR.staging/, where DIR is "
+                            "--out. Once all n shards exist, training under torchrun with n "
+                            "processes reads them there when the training config's index is "
+                            "{\"path\": \"DIR.staging\", \"sharded\": true}, and the same "
+                            "command without --shard merges them into the index directory DIR.")
+    build.add_argument("--remove-staging", action="store_true",
+                       help="After merging the staged shards into --out, remove DIR.staging/ "
+                            "with them. Without it the staging folder is kept, since training "
+                            "on a sharded index reads it.")
     build.add_argument("--split", type=int, default=None, metavar="WORDS",
                        help="split passages into WORDS-word chunks (raw .txt documents: 100)")
     build.add_argument("--pooling", default="auto", choices=["auto", "cls", "mean", "pooler"],
@@ -165,7 +173,7 @@ def run_build(args: argparse.Namespace) -> int:
             queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
             max_length=args.max_length, batch_size=args.batch_size, device=args.device,
             overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress,
-            warn=warn)
+            warn=warn, remove_staging=args.remove_staging)
     except FileNotFoundError as e:  # the passage reader names its argument: say the flag
         if str(e).startswith("passages: "):
             raise FileNotFoundError("--passages: " + str(e).removeprefix("passages: ")) from None

@@ -5,7 +5,10 @@ checksums of the parts), ``passages/`` (a PassageStore) and ``index/`` (a DenseI
 assembled under a temporary name and renamed at the end, so an interrupted build leaves
 nothing at ``out``. With ``shard=(i, n)`` a process only encodes its shard into
 ``OUT.staging/``; a final build without a shard finds the complete set of shards there and
-builds the index from them.
+builds the index from them. That staging folder is also what training on a sharded index reads
+(``"index": {"path": "OUT.staging", "sharded": true}``), so the build that merges staged shards
+keeps it unless asked to remove it (``remove_staging``); a build that encoded the whole corpus
+itself removes its own staging.
 
 This is the library behind ``rag-fast index build``: its errors name the options as that
 command spells them (``--out``, ``--encoder``, ``--shard``, ...), so that the command reports
@@ -244,6 +247,7 @@ def build_index_bundle(
     overwrite: bool = False,
     dedupe: bool = False,
     progress: bool = True,
+    remove_staging: bool = False,
     log: Callable[[str], None] = print,
     warn: Callable[[str], None] | None = None,
 ) -> Path:
@@ -265,13 +269,17 @@ def build_index_bundle(
             passages.
         shard: ``"i/n"`` or ``(i, n)``: only encode shard i of n into ``OUT.staging/`` and
             return the shard's embeddings file; the build without a shard then uses the
-            complete set of staged shards.
+            complete set of staged shards (and keeps them, see ``remove_staging``).
         split: split passages into chunks of this many words (None: as read).
         pooling, max_length, device: the encoders' settings (device: the passage encoder's;
             the query encoder, when given, runs on the CPU).
         batch_size: passages per encoder batch.
         dedupe: keep the first passage of each repeated id instead of refusing.
         progress: progress bars and a line on the tuning questions.
+        remove_staging: after a build that used shards staged by ``shard`` builds (sets of
+            2 or more), remove ``OUT.staging/`` with them; by default it is kept, as training
+            on a sharded index reads it. The staging of a build without shards is removed
+            either way, and a set of shards it did not use is kept either way.
         log: where the lines on progress and the result go (default ``print``).
         warn: where warnings go (default: stderr, after ``warning: ``): ``--queries`` fewer
             than the target needs to be shown with the tuner's confidence
@@ -298,6 +306,10 @@ def build_index_bundle(
     check_apart(staging, "--out's staging folder", inputs)
     check_output_folder(out, BUNDLE_KIND, overwrite=overwrite, flag="--out")
     shard = parse_shard(shard) if shard is not None else None
+    if shard is not None and remove_staging:
+        raise ValueError("--remove-staging: only for the build without --shard (the one that "
+                         "merges the staged shards into --out); a --shard build adds its shard "
+                         "to the staging folder")
     questions = read_tuning_questions(queries) if queries is not None else None
     # the encoders first: a wrong name fails before the passages are read
     passage_encoder = _encoder("--encoder", encoder, pooling=pooling, max_length=max_length,
@@ -323,7 +335,12 @@ def build_index_bundle(
         i, n = shard
         path = encode_passages(passage_encoder, store, staging / f"embeddings-{i}-of-{n}.npy",
                                shard, batch_size, progress)
-        log(f"encoded shard {i}/{n} -> {path}; run without --shard once all {n} shards exist")
+        log(f"encoded shard {i}/{n} -> {path}. Once all {n} shards exist, either train on "
+            f"them: under torchrun with {n} processes, with the training config's index set to "
+            f"{{\"path\": {json.dumps(os.path.abspath(staging))}, \"sharded\": true}} "
+            "(docs/distributed.md); "
+            f"or merge them into one index directory {out}: run this command without --shard "
+            f"(it keeps {staging} unless given --remove-staging)")
         return path
     shards = _complete_shards(staging, len(store))
     if shards is None:
@@ -357,7 +374,7 @@ def build_index_bundle(
             "encoder": passage_encoder.describe(), "query_encoder": question_encoder.describe(),
             "files": describe_files(tmp, files),
         })
-    shutil.rmtree(staging, ignore_errors=True)
+    kept = _discard_staging(staging, remove_staging)
     quality = index.describe()["search_quality"]
     settings = ", ".join(f"{k}={v}" for k, v in index.params.items() if k != "rerank" or
                          index.factory != "Flat")
@@ -365,7 +382,28 @@ def build_index_bundle(
     log(f"built {factory}{where} over {len(index)} passages ({index.dim}-d) -> {out}; "
         + describe_quality(quality, index.factory)
         + (f"; search defaults {settings}" if settings else ""))
+    if kept:
+        log(f"kept the staging folder {staging} with its {kept}, which training on a sharded "
+            "index reads (\"sharded\": true); run with --remove-staging to remove it")
     return out
+
+
+def _discard_staging(staging: Path, remove: bool) -> str | None:
+    """After a build: remove the staging folder, unless it holds shards of a ``--shard`` set
+    (n >= 2; ``embeddings-0-of-1.npy`` is the single-process build's own) and ``remove`` is
+    False. Then only the single-process embeddings are removed, and the return value says what
+    was kept (e.g. ``"2 shards (embeddings-i-of-2.npy)"``); None when the folder is gone."""
+    sets: dict[int, int] = {}
+    for f in staging.glob("embeddings-*-of-*.npy"):
+        n = int(f.stem.rsplit("-of-", 1)[1])
+        if n >= 2:
+            sets[n] = sets.get(n, 0) + 1
+    if remove or not sets:
+        shutil.rmtree(staging, ignore_errors=True)
+        return None
+    (staging / "embeddings-0-of-1.npy").unlink(missing_ok=True)
+    return ", ".join(f"{count} of {n} shards (embeddings-i-of-{n}.npy)"
+                     for n, count in sorted(sets.items()))
 
 
 def load_index_bundle(directory: str | Path, verify: bool = False):

@@ -60,6 +60,8 @@ class TrainState:
     history: list = field(default_factory=list)  # (step, loss) every log_every steps
     evals: list = field(default_factory=list)    # (step, metrics)
     refreshed_at: int = 0    # step of the last index refresh (0: the index the run began with)
+    elapsed_s: float = 0.0   # training time up to ``step``, over every session of the run (a
+    #                          checkpoint of an older rag_fast has none: its resume counts from 0)
 
 
 # ---------------------------------------------------------------------- RNG and files
@@ -203,6 +205,27 @@ def _verify(path: str) -> dict:
         if _mismatch(path, pending, record, size, sha256) is None:
             return record
     raise CheckpointError(problem + restart)
+
+
+def last_checkpoint(output_dir: str) -> tuple[str, int] | None:
+    """``(path, step)`` of the checkpoint in a run's folder that a resume would start from,
+    judged by its manifest and the payload's size (no SHA-256: quick enough for a message on
+    Ctrl-C); None when there is none, or none whose manifest matches it."""
+    path = os.path.join(output_dir, CHECKPOINT)
+    manifest = _manifest_path(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None
+    # a save killed between its two renames left the new payload's manifest as a temporary
+    for candidate in [manifest, *sorted(glob.glob(glob.escape(manifest) + ".tmp-*"))]:
+        try:
+            record = _read_manifest(candidate)
+        except CheckpointError:
+            continue
+        if record["size"] == size:
+            return path, record["step"]
+    return None
 
 
 def load_checkpoint(path: str) -> dict:

@@ -59,7 +59,9 @@ class TrainConfig:
     eval_every: int = _option(0, "steps between evaluations; 0: never")
     log_every: int = _option(10, "steps between loss records (history, metrics); 0: every step")
     progress: bool = _option(True, "show a progress bar (rank 0)")
-    find_unused_parameters: bool = _option(True, "DDP's find_unused_parameters")
+    find_unused_parameters: bool | None = _option(
+        None, "DDP's find_unused_parameters; None: decided by the first step, on only when a "
+              "trainable parameter gets no gradient there (docs/distributed.md)")
     freeze_question_encoder: bool = _option(
         False, "do not train the model's question_encoder (requires_grad off, not optimized)")
     question_encoder_lr: float | None = _option(

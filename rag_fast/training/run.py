@@ -26,7 +26,10 @@ The config file (paths in it are relative to the file's own folder)::
 
 ``--model``, ``--index``, ``--output-dir`` and ``--device`` on the command line replace the
 config's (relative to the current folder); the other options of the file's ``model`` and
-``index`` sections still apply. The run writes into ``output_dir``: the resumable
+``index`` sections still apply. ``--set KEY=VALUE`` (and the short flags ``--max-steps``,
+``--lr``, ``--micro-batch-size``, ``--seed``) set any value by its dotted key path before the
+file is checked (:func:`apply_overrides`); an error about such a value names the option
+instead of the file. The run writes into ``output_dir``: the resumable
 ``checkpoint-last.pt`` (verified on resume; refused when its run started from another
 model directory or from other weights in this one), ``metrics.jsonl`` (loss, learning rate and speed
 per logged step, eval metrics), ``training.png`` (their plot) and, at the end, the trained
@@ -42,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 
 import torch.distributed as dist
@@ -76,6 +80,29 @@ _FLAGS = {"model": "--model", "index": "--index"}
 
 
 _NULL = object()  # a key the file gives as JSON null (None also stands for a missing key)
+# the keys whose values are paths: relative to the current folder when a --set gives them
+_PATH_KEYS = ("model.path", "index.path", "data.train", "data.eval", "train.output_dir")
+
+
+class _Where:
+    """What an error about a config key names as its source: the file, or the command-line
+    option that set the key (``overrides``: dotted key -> option, e.g. ``"train.lr"`` ->
+    ``"--set train.lr=fast"``)."""
+
+    def __init__(self, path: str, overrides: dict[str, str] | None = None) -> None:
+        self.path, self.overrides = path, dict(overrides or {})
+
+    def __call__(self, *keys: str) -> str:
+        """The source of ``keys`` (dotted), the first one an option set winning: that option
+        (it set the key, or a section holding it); else the file, ``with`` the options that
+        set keys inside the first key's section."""
+        for key in keys:
+            for set_key, option in reversed(self.overrides.items()):
+                if key == set_key or key.startswith(set_key + "."):
+                    return option
+        inside = [option for set_key, option in self.overrides.items()
+                  if keys and set_key.startswith(keys[0] + ".")]
+        return f"{self.path} with {', '.join(inside)}" if inside else self.path
 
 
 def _fail(path: str, key: str, expected: str, got=None) -> ValueError:
@@ -83,6 +110,65 @@ def _fail(path: str, key: str, expected: str, got=None) -> ValueError:
     :data:`_NULL` says ``null``."""
     tail = "" if got is None else ", got null" if got is _NULL else f", got {got!r}"
     return ValueError(f"{path}: {key}: expected {expected}{tail}")
+
+
+def _from_here(key: str, value):
+    """A value a --set gives at ``key``, its paths made absolute (relative to the current
+    folder, as the command line's other paths are; the file's own are relative to its folder)."""
+    def rebased(path):
+        return os.path.abspath(path) if isinstance(path, str) and path else path
+
+    if key in _PATH_KEYS:
+        return rebased(value)
+    if key in ("model", "index"):
+        if isinstance(value, str):
+            return rebased(value)
+        if isinstance(value, dict) and "path" in value:
+            return {**value, "path": rebased(value["path"])}
+    if key in ("data", "train") and isinstance(value, dict):
+        return {k: _from_here(f"{key}.{k}", v) for k, v in value.items()}
+    return value
+
+
+def apply_overrides(config: dict, overrides) -> dict[str, str]:
+    """Set each ``(key, value, option)`` of ``overrides`` in the config file's object, in
+    order (a later one wins): ``key`` a dotted path (``"train.lr"``, ``"model.n_docs"``,
+    ``"data.train"``, ``"resume"``), ``option`` what set it (``"--set train.lr=1e-4"``, named
+    in errors). Missing sections are created; a ``model`` or ``index`` given as a directory
+    string stands for ``{"path": DIR}``, so ``model.n_docs`` can be set on it. Paths a value
+    gives are relative to the current folder. The values are checked afterwards, with the
+    file's (:func:`load_config`).
+
+    Returns:
+        dotted key -> the option that set it last.
+
+    Raises:
+        ValueError: naming the option: an empty key part, or a key under a value that is not
+            an object (``train.lr.x``).
+    """
+    where: dict[str, str] = {}
+    for key, value, option in overrides:
+        parts = key.split(".")
+        if not all(parts):
+            raise ValueError(f"{option}: {key!r} is not a key path: expected names joined by "
+                             "dots, such as train.lr or model.n_docs")
+        node, walked = config, []
+        for part in parts[:-1]:
+            walked.append(part)
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif isinstance(child, str) and walked in (["model"], ["index"]):
+                child = node[part] = {"path": child}  # the directory string, as a section
+            elif not isinstance(child, dict):
+                raise ValueError(
+                    f"{option}: {'.'.join(walked)} is {json.dumps(child)}, not an object, so "
+                    f"it has no key {'.'.join(parts[len(walked):])!r}")
+            node = child
+        node[parts[-1]] = _from_here(key, value)
+        where = {k: v for k, v in where.items() if not k.startswith(key + ".")}
+        where[key] = option
+    return where
 
 
 def _given(value):
@@ -94,8 +180,8 @@ def _relative(base: str, value: str) -> str:
     return value if os.path.isabs(value) else os.path.normpath(os.path.join(base, value))
 
 
-def _directory_section(value, key: str, allowed: tuple, expected: str, path: str, base: str,
-                       given: str | None = None):
+def _directory_section(value, key: str, allowed: tuple, expected: str, where: _Where,
+                       base: str, given: str | None = None):
     """``"DIR"`` or ``{"path": DIR, option: value}`` -> the dict form with ``path`` made relative
     to the config's folder; None stays None.
 
@@ -108,18 +194,19 @@ def _directory_section(value, key: str, allowed: tuple, expected: str, path: str
     if value is None:
         return None if given is None else {"path": given}
     if not isinstance(value, dict):
-        raise _fail(path, key, expected, value)
+        raise _fail(where(key), key, expected, value)
     bad = sorted(set(value) - set(allowed))
     if bad:
-        raise ValueError(f"{path}: {key}.{bad[0]}: unknown option (expected one of "
-                         f"{', '.join(allowed)})")
+        raise ValueError(f"{where(f'{key}.{bad[0]}')}: {key}.{bad[0]}: unknown option "
+                         f"(expected one of {', '.join(allowed)})")
     if given is not None:
         return {**value, "path": given}
     if "path" not in value:
-        raise ValueError(f"{path}: {key}: no \"path\": set it in the file (the {key} directory) "
-                         f"or pass {_FLAGS[key]} DIR")
+        raise ValueError(f"{where(key)}: {key}: no \"path\": set it in the file (the {key} "
+                         f"directory) or pass {_FLAGS[key]} DIR")
     if not isinstance(value["path"], str):
-        raise _fail(path, f"{key}.path", f"a {key} directory (a string)", value["path"])
+        raise _fail(where(f"{key}.path"), f"{key}.path", f"a {key} directory (a string)",
+                    value["path"])
     return {**value, "path": _relative(base, value["path"])}
 
 
@@ -139,30 +226,36 @@ def _one_of(values) -> str:
     return "one of " + ", ".join(values)
 
 
-def _check_model_options(model: dict | None, path: str) -> None:
+def _check_model_options(model: dict | None, where: _Where) -> None:
     """Every RagModel option of the ``model`` section has a value RagModel takes (its own
-    checks, ``check_arguments``); else a ValueError names the file and ``model.KEY`` (before any
-    model is loaded)."""
+    checks, ``check_arguments``); else a ValueError names the file (or the option that set it)
+    and ``model.KEY`` (before any model is loaded)."""
     words = _model_option_words()
     for key, value in (model or {}).items():
         if key in MODEL_OPTIONS:
             try:
                 check_arguments(**{key: value})
             except ValueError:
-                raise _fail(path, f"model.{key}", words[key], _given(value)) from None
+                raise _fail(where(f"model.{key}"), f"model.{key}", words[key],
+                            _given(value)) from None
 
 
-def load_config(path: str, model: str | None = None, index: str | None = None) -> dict:
+def load_config(path: str, model: str | None = None, index: str | None = None,
+                overrides=()) -> dict:
     """Read and check a training config; paths become relative to the current folder.
 
     ``model`` / ``index``: the directories ``--model`` / ``--index`` name (relative to the current
     folder); they replace the file's ``path`` of that section, which may then leave it out.
+    ``overrides``: ``(dotted key, value, option)`` triples set in the file's object before it
+    is checked (:func:`apply_overrides`); the result's ``"overrides"`` maps each key to the
+    option that set it, for :func:`run_training`'s messages.
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: invalid JSON (with its line), an unknown key, a value of the wrong type
-            (named as ``FILE: section.key: expected ...``; RagModel options included), or a
-            ``model`` / ``index`` section without ``"path"`` that the command line does not give.
+            (named as ``FILE: section.key: expected ...``, or ``OPTION: section.key: ...`` for
+            a value an override set; RagModel options included), or a ``model`` / ``index``
+            section without ``"path"`` that the command line does not give.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path}: {not_a_file(path)}")
@@ -181,65 +274,86 @@ def load_config(path: str, model: str | None = None, index: str | None = None) -
                          f"({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
     if not isinstance(config, dict):
         raise _fail(path, "(top level)", "a JSON object", type(config).__name__)
+    set_by = apply_overrides(config, overrides)
+    where = _Where(path, set_by)
     unknown = sorted(set(config) - set(TOP_LEVEL))
     if unknown:
-        raise ValueError(f"{path}: unknown key {unknown[0]!r} (expected: {', '.join(TOP_LEVEL)})")
+        raise ValueError(f"{where(unknown[0])}: unknown key {unknown[0]!r} (expected: "
+                         f"{', '.join(TOP_LEVEL)})")
     base = os.path.dirname(os.path.abspath(path))
     out = {"resume": config.get("resume", True)}
     if not isinstance(out["resume"], bool):
-        raise _fail(path, "resume", "true or false", _given(out["resume"]))
+        raise _fail(where("resume"), "resume", "true or false", _given(out["resume"]))
 
     out["model"] = _directory_section(config.get("model"), "model", ("path", *MODEL_OPTIONS),
-                                      "a model directory or {'path': DIR, ...}", path, base,
+                                      "a model directory or {'path': DIR, ...}", where, base,
                                       given=model)
-    _check_model_options(out["model"], path)
+    _check_model_options(out["model"], where)
     out["index"] = _directory_section(config.get("index"), "index",
                                       ("path", "verify", "sharded", "preset", "cache"),
                                       "an index directory or {'path': DIR, 'verify': bool, "
-                                      "'sharded': bool, 'preset': str, 'cache': bool}", path, base,
-                                      given=index)
+                                      "'sharded': bool, 'preset': str, 'cache': bool}", where,
+                                      base, given=index)
     index = out["index"] or {}
     for key in ("verify", "sharded", "cache"):
         if key in index and not isinstance(index[key], bool):
-            raise _fail(path, f"index.{key}", "true or false", _given(index[key]))
+            raise _fail(where(f"index.{key}"), f"index.{key}", "true or false",
+                        _given(index[key]))
     for key in ("preset", "cache"):
         if key in index and not index.get("sharded"):
-            raise ValueError(f"{path}: index.{key}: only for a sharded index (\"sharded\": true); "
-                             "an index directory has its index built already")
+            raise ValueError(f"{where(f'index.{key}', 'index.sharded')}: index.{key}: only for "
+                             "a sharded index (\"sharded\": true); an index directory has its "
+                             "index built already")
     if "preset" in index:
         if not isinstance(index["preset"], str) or not index["preset"]:
-            raise _fail(path, "index.preset", "a preset name or faiss factory string",
-                        index["preset"])
+            raise _fail(where("index.preset"), "index.preset",
+                        "a preset name or faiss factory string", index["preset"])
 
     data = config.get("data")
     if not isinstance(data, dict) or not isinstance(data.get("train"), str):
-        raise _fail(path, "data", "{'train': FILE, 'eval': FILE (optional)}", data)
+        raise _fail(where("data", "data.train"), "data",
+                    "{'train': FILE, 'eval': FILE (optional)}", data)
     bad = sorted(set(data) - {"train", "eval"})
     if bad:
-        raise ValueError(f"{path}: data.{bad[0]}: unknown key (expected train, eval)")
+        raise ValueError(f"{where(f'data.{bad[0]}')}: data.{bad[0]}: unknown key (expected "
+                         "train, eval)")
     if data.get("eval") is not None and not isinstance(data["eval"], str):
-        raise _fail(path, "data.eval", "a file path", data["eval"])
+        raise _fail(where("data.eval"), "data.eval", "a file path", data["eval"])
     out["data"] = {k: _relative(base, v) for k, v in data.items() if v is not None}
 
     train = config.get("train", {})
     if not isinstance(train, dict):
-        raise _fail(path, "train", "an object of TrainConfig fields", train)
+        raise _fail(where("train"), "train", "an object of TrainConfig fields", train)
     train = dict(train)
     if train.get("output_dir") == "":
-        raise _fail(path, "train.output_dir", "a folder path (relative to the config file's "
-                    "folder) or null", "")
+        source = where("train.output_dir")
+        relative = "the config file's folder" if source == path else "the current folder"
+        raise _fail(source, "train.output_dir", f"a folder path (relative to {relative}) or "
+                    "null", "")
     if isinstance(train.get("output_dir"), str):
         train["output_dir"] = _relative(base, train["output_dir"])
     out["train"] = train
+    out["overrides"] = set_by
     return out
 
 
-def train_config(values: dict, path: str):
-    """TrainConfig of the ``train`` section; errors name the file and ``train.KEY``."""
+_TRAIN_FIELDS = sorted((name for name, *_ in TrainConfig.schema()), key=len, reverse=True)
+
+
+def train_config(values: dict, path: str, overrides: dict[str, str] | None = None):
+    """TrainConfig of the ``train`` section; errors name the file and ``train.KEY``, or the
+    option that set the key (``overrides``: dotted key -> option, as :func:`load_config`
+    returns them)."""
     try:
         return TrainConfig.from_dict(values)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: train: {e}") from None
+        text = str(e)
+        # the fields the message is about: the one it starts with, unknown ones, those it names
+        keys = [name for name in _TRAIN_FIELDS if text.startswith(name + " ")]
+        keys += sorted(str(k) for k in values if k not in _TRAIN_FIELDS)
+        keys += [name for name in _TRAIN_FIELDS if re.search(rf"\b{name}\b", text)]
+        where = _Where(path, overrides)(*(f"train.{k}" for k in keys), "train")
+        raise ValueError(f"{where}: train: {e}") from None
 
 
 def run_origin(model_dir: str) -> dict | None:
@@ -283,14 +397,16 @@ def run_training(config: dict, path: str, output_flag: str | None = None):
     Under ``torchrun`` each process joins the group; lines on resuming and the result are
     printed by rank 0.
     """
-    tc = train_config(config["train"], path)
+    overrides = config.get("overrides") or {}
+    where = _Where(path, overrides)
+    tc = train_config(config["train"], path, overrides)
     if config["model"] is None:
         raise ValueError(f"{path}: no model: set \"model\" or pass --model DIR")
     if not tc.output_dir:
         raise ValueError(f"{path}: train.output_dir is not set (or pass --output-dir DIR)")
     # before the model, the index or the data are read: the run's folder apart from every input,
     # and only ever empty or one of rag-fast train's runs (which it resumes)
-    flag = output_flag or f"{path}: train.output_dir"
+    flag = output_flag or f"{where('train.output_dir')}: train.output_dir"
     index_path = (config["index"] or {}).get("path")
     check_apart(tc.output_dir, flag, {
         "--config": path, "the model": (config["model"] or {}).get("path"),
@@ -300,9 +416,12 @@ def run_training(config: dict, path: str, output_flag: str | None = None):
     for key, file in config["data"].items():  # before the model and the index are loaded
         if not os.path.isfile(file):
             problem = "is not a file" if os.path.exists(file) else "dataset file not found:"
-            where = (f"{file} {problem}" if os.path.exists(file) else f"{problem} {file}")
-            raise ValueError(f"{path}: data.{key}: {where} (a relative path is read from "
-                             "the config file's folder)")
+            problem_at = f"{file} {problem}" if os.path.exists(file) else f"{problem} {file}"
+            source = where(f"data.{key}")
+            read_from = ("the config file's folder" if source == path else
+                         "the current folder, as the command line gives it")
+            raise ValueError(f"{source}: data.{key}: {problem_at} (a relative path is read "
+                             f"from {read_from})")
 
     device = resolve_device(tc.device)
     init_from_env(device)
@@ -317,8 +436,9 @@ def run_training(config: dict, path: str, output_flag: str | None = None):
         raise ValueError(f"{path}: no index: the model records none; set \"index\" or "
                          "pass --index DIR (an index directory from `rag-fast index build`)")
     if index.get("sharded") and not dist.is_initialized():
-        raise ValueError(f"{path}: index.sharded: a sharded index needs one process per "
-                         "shard: run under torchrun (--nproc-per-node = the number of shards)")
+        raise ValueError(f"{where('index.sharded')}: index.sharded: a sharded index needs one "
+                         "process per shard: run under torchrun (--nproc-per-node = the number "
+                         "of shards)")
     retriever = section_retriever(index, model.n_docs, n_docs_from=f"the model {model_dir!r}")
     if not index.get("sharded"):
         retriever = TimedRetriever(retriever)  # retrieval_s per step in metrics.jsonl

@@ -13,13 +13,30 @@ parameters as a single uninterrupted one:
   scaler, step, data position and every RNG state, restored exactly on resume (its files and
   their verification: ``rag_fast.training.checkpoint``).
 
+Under DDP, ``find_unused_parameters`` (``TrainConfig``) makes every backward pass search the
+autograd graph for parameters that got no gradient, and DDP warns when it finds none; without
+it, such a parameter makes DDP fail at the next step. Which parameters go unused depends on the
+model and its options (a frozen question encoder is not trainable at all, but an encoder's
+pooler is unused under mean pooling), so by default (None) the first step decides: it runs
+without DDP, after the parameters and buffers were broadcast from rank 0 as DDP would; after
+its backward pass the gradients are averaged over the ranks by hand, the same arithmetic as
+DDP's, and the model is then wrapped in DDP with ``find_unused_parameters`` on exactly when a
+trainable parameter got no gradient on some rank (their names: ``Trainer.unused_parameters``).
+``true`` or ``false`` in the config are used as they are. Whenever DDP runs without the
+search (decided or set so), each step checks that every trainable parameter got a gradient: one
+that goes unused stops the run before the optimizer step, with an error naming it and saying to
+set the option to true.
+
 The rest of a run lives beside this loop: its options in ``rag_fast.training.config``, the
 optimizer and schedule in ``rag_fast.training.optim``, the plot in ``rag_fast.training.plot``.
 
 Rank 0 also appends logged steps and evaluations to ``metrics.jsonl`` and draws ``training.png``
-at the end (both in ``output_dir``; see TrainConfig). When the model's retriever keeps its time
-(``retrieval_seconds``), each logged line also has ``step_s`` and ``retrieval_s`` (mean seconds
-per step since the previous line, and the retrieval part of it).
+at the end (both in ``output_dir``; see TrainConfig). A logged step's ``elapsed_s`` is the run's
+training time up to it, continued across resumes (``TrainState.elapsed_s``, checkpointed; the
+time of steps after the last checkpoint of a killed session is not counted, as they are trained
+again), and ``examples_per_s`` the rate of the current session. When the model's retriever
+keeps its time (``retrieval_seconds``), each logged line also has ``step_s`` and
+``retrieval_s`` (mean seconds per step since the previous line, and the retrieval part of it).
 
 A collective retriever (``model.retriever.collective``: a sharded index over the process group,
 see ``rag_fast.retrieval.sharded.ShardedRetriever``) is searched by every rank in each forward
@@ -51,7 +68,7 @@ from rag_fast.storage import atomic_write
 from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, _json_default, claim_run_folder,
                                           restore_checkpoint, save_checkpoint)
 from rag_fast.training.config import PRECISIONS, TrainConfig
-from rag_fast.training.distributed import world
+from rag_fast.training.distributed import average_gradients, broadcast_module, world
 from rag_fast.training.optim import _question_encoder, lr_lambda, make_optimizer
 from rag_fast.training.plot import _number, plot_training
 from rag_fast.training.refresh import IndexRefresher, question_encoder_embedder
@@ -169,10 +186,14 @@ class Trainer:
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=config.precision == "fp16")
         self.ddp = None
+        # DDP's find_unused_parameters: the config's, or (None) decided by the first step
+        self.find_unused_parameters = config.find_unused_parameters
+        self.unused_parameters: list[str] = []  # trainable, no gradient in the first step
         if self.world_size > 1:
-            self.ddp = nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=config.find_unused_parameters)
+            if self.find_unused_parameters is None:
+                broadcast_module(model)  # what wrapping does; the first step wraps it
+            else:
+                self._wrap(self.find_unused_parameters)
         self.state = TrainState()
         if config.output_dir:
             claim_run_folder(config.output_dir, self.rank, self.world_size)
@@ -184,6 +205,44 @@ class Trainer:
         random.seed(config.seed)
         np.random.seed(config.seed)
         torch.manual_seed(config.seed)
+
+    # ------------------------------------------------------------------ data parallelism
+    def _wrap(self, find_unused_parameters: bool) -> None:
+        device = next(self.model.parameters()).device
+        self.ddp = nn.parallel.DistributedDataParallel(
+            self.model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=find_unused_parameters)
+
+    def _first_step_decides(self) -> None:
+        """After the first step's backward pass, run without DDP: average its gradients over
+        the ranks by hand (as DDP would have), and wrap the model in DDP with
+        ``find_unused_parameters`` on exactly when a trainable parameter got no gradient on
+        some rank."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        unused = average_gradients([p for _, p in named])
+        self.find_unused_parameters = bool(unused)
+        self.unused_parameters = [named[i][0] for i in unused]
+        self._wrap(self.find_unused_parameters)
+
+    def _check_every_gradient(self) -> None:
+        """Under DDP without find_unused_parameters: every trainable parameter got a gradient
+        in this step, else a ValueError naming them and the option (raised before the
+        optimizer step: DDP has not averaged this step's gradients, and would fail at the next
+        one)."""
+        missing = [n for n, p in self.model.named_parameters()
+                   if p.requires_grad and p.grad is None]
+        if not missing:
+            return
+        how = ("every trainable parameter got one in the first step, which decided it"
+               if self.config.find_unused_parameters is None else
+               "the config sets find_unused_parameters false")
+        named = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                          else "")
+        raise ValueError(
+            f"step {self.state.step + 1}: no gradient for the trainable parameter"
+            f"{'s' if len(missing) > 1 else ''} {named}, and DDP runs without "
+            f"find_unused_parameters ({how}): set train.find_unused_parameters to true "
+            "(rag-fast train --set train.find_unused_parameters=true)")
 
     # ------------------------------------------------------------------ data
     def _order(self, epoch: int) -> list[int]:
@@ -249,6 +308,10 @@ class Trainer:
                     loss = self.loss_fn(module, batch)
                 self.scaler.scale(loss / config.grad_accum).backward()
             total += float(loss.detach()) / config.grad_accum
+        if self.world_size > 1 and self.ddp is None:
+            self._first_step_decides()
+        elif self.ddp is not None and not self.find_unused_parameters:
+            self._check_every_gradient()
         if config.max_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
@@ -279,7 +342,9 @@ class Trainer:
 
             bar = tqdm(total=config.max_steps, initial=self.state.step, desc="train",
                        dynamic_ncols=True)
-        start, seen = time.perf_counter(), 0
+        # elapsed_s continues the run's time across resumes (the checkpoint's elapsed_s), while
+        # examples_per_s is this session's rate
+        start, seen, before_session = time.perf_counter(), 0, self.state.elapsed_s
         # retrieval time inside the training steps (not evaluation), per logged interval
         interval = {"steps": 0, "step_s": 0.0, "retrieval_s": 0.0}
         while self.state.step < config.max_steps:
@@ -293,11 +358,12 @@ class Trainer:
             seen += self.global_batch
             step = self.state.step
             elapsed = max(time.perf_counter() - start, 1e-9)
+            self.state.elapsed_s = before_session + elapsed
             if step % max(1, config.log_every) == 0 or step == config.max_steps:
                 self.state.history.append((step, loss))
                 record = {"step": step, "loss": loss if math.isfinite(loss) else None,
                           "lr": self._step_lr, "examples_per_s": round(seen / elapsed, 3),
-                          "elapsed_s": round(elapsed, 3)}
+                          "elapsed_s": round(self.state.elapsed_s, 3)}
                 if after is not None:  # a timed retriever: mean seconds per step since the last record
                     n = max(1, interval["steps"])
                     record["step_s"] = round(interval["step_s"] / n, 6)
