@@ -73,10 +73,10 @@ def _shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
     return n * rank // world, n * (rank + 1) // world
 
 
-def _questions(topics: np.ndarray, rank: int, step: int) -> np.ndarray:
+def _questions(topics: np.ndarray, basis: np.ndarray, rank: int, step: int) -> np.ndarray:
     import bench_index
 
-    space = bench_index.SyntheticSpace(topics, topics[:0])  # questions need the topics only
+    space = bench_index.SyntheticSpace(topics, topics[:0], basis)  # questions need no sub-topics
     return space.queries(QUESTIONS, seed=7_000_000 + 10_000 * rank + step)
 
 
@@ -101,7 +101,7 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         try:
-            topics = np.load(job["topics"])
+            topics, basis = np.load(job["topics"]), np.load(job["basis"])
             n = job["passages"]
             lo, hi = _shard_bounds(n, world, rank) if job["layout"] == "sharded" else (0, n)
             if job["preset"] == "exact":
@@ -127,7 +127,7 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
 
             times = []
             for s in range(WARMUP + job["steps"]):
-                q = torch.from_numpy(_questions(topics, rank, s))
+                q = torch.from_numpy(_questions(topics, basis, rank, s))
                 dist.barrier()
                 start = time.perf_counter()
                 step(q)
@@ -235,6 +235,7 @@ def run(ctx: Context) -> list[Row]:
         xb = space.corpus(n)
         np.save(os.path.join(tmp, "corpus.npy"), xb)
         np.save(os.path.join(tmp, "topics.npy"), space.topics)
+        np.save(os.path.join(tmp, "basis.npy"), space.basis)
         for preset in presets:
             if preset != "exact":
                 _build_saved(xb, preset, tmp, WORLDS)
@@ -243,7 +244,8 @@ def run(ctx: Context) -> list[Row]:
                 measured = {}
                 for layout in ("full index per rank", "sharded"):
                     job = {"corpus": os.path.join(tmp, "corpus.npy"),
-                           "topics": os.path.join(tmp, "topics.npy"), "dir": tmp,
+                           "topics": os.path.join(tmp, "topics.npy"),
+                           "basis": os.path.join(tmp, "basis.npy"), "dir": tmp,
                            "preset": preset, "steps": ctx.repeats, "passages": n,
                            "layout": "sharded" if layout == "sharded" else "full",
                            "extension": _has_inner_products()}

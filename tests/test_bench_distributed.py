@@ -49,6 +49,21 @@ def test_rows_memory_and_render(monkeypatch):
     assert "`benchmarks/results/x.json`" in text and "--only distributed" in text
 
 
+def test_questions_come_from_the_saved_space():
+    """A rank draws its questions from the topics and basis the parent saved: seeded by rank
+    and step, of the corpus's dimension, around the topics' directions (not sub-topics)."""
+    import bench_index
+    import numpy as np
+
+    space = bench_index.SyntheticSpace.for_corpus(2000)
+    q = bench._questions(space.topics, space.basis, 1, 3)
+    assert q.shape == (bench.QUESTIONS, bench_index.D) and q.dtype == np.float32
+    assert np.array_equal(q, bench._questions(space.topics, space.basis, 1, 3))
+    assert not np.array_equal(q, bench._questions(space.topics, space.basis, 0, 3))
+    latent = q @ space.basis.T  # back in the latent space: near a topic
+    assert (latent @ space.topics.T).max(1).min() > 0.3
+
+
 def test_step_bytes_formula():
     # queries all-gathered (4 d W n) dominate; results 12 k W n; fetched fp16 vectors 2 d n k
     w, n, k, d = 4, 8, 5, 768
