@@ -6,6 +6,8 @@ Public API (the heavier parts are imported on first use):
     rag_token_beam_step                                   fused RAG-Token beam step
     reference                                             the paper's math in plain PyTorch
     empty_cache, pool_info                                the ops' CPU buffer pool (rag_fast._pool)
+    set_threads, get_threads                              CPU threads of torch's ops and rag_fast's
+                                                          kernels (RAG_FAST_THREADS at import)
     use_fused_losses                                      switch transformers' RAG models to them
     PassageStore, Encoder, DenseIndex, Retriever          retrieval (rag_fast.retrieval)
     RagModel, build_rag_model, load_retriever             model directories, retrieval, answers
@@ -16,10 +18,17 @@ from __future__ import annotations
 
 import importlib
 
-from rag_fast import reference
-from rag_fast._pool import empty_cache, pool_info
-from rag_fast.integrations import use_fused_losses
-from rag_fast.ops import (
+from rag_fast import _threads
+
+# the rag-fast command on a machine other processes keep busy: OpenMP threads sleep at barriers
+# (set before torch loads OpenMP; a library user's process is left alone)
+_threads.command_wait_policy()
+
+from rag_fast import reference  # noqa: E402  (loads torch)
+from rag_fast._pool import empty_cache, pool_info  # noqa: E402
+from rag_fast._threads import get_threads, set_threads  # noqa: E402
+from rag_fast.integrations import use_fused_losses  # noqa: E402
+from rag_fast.ops import (  # noqa: E402
     linear_rag_nll,
     rag_sequence_nll,
     rag_token_beam_step,
@@ -28,6 +37,11 @@ from rag_fast.ops import (
 )
 
 __version__ = "0.1.0"
+
+try:  # RAG_FAST_THREADS: the thread count for this process
+    _threads.apply_env()
+except ValueError:  # not an import error: RagModel and the rag-fast command report it, as they
+    pass            # do a bad RAG_FAST_POOL_MB, before any work
 
 _LAZY = {
     "PassageStore": "rag_fast.retrieval",
@@ -57,6 +71,7 @@ def __getattr__(name: str):
 __all__ = [
     "__version__",
     "empty_cache",
+    "get_threads",
     "linear_rag_nll",
     "pool_info",
     "rag_sequence_nll",
@@ -64,6 +79,7 @@ __all__ = [
     "rag_token_marginal",
     "rag_token_nll",
     "reference",
+    "set_threads",
     "use_fused_losses",
     *_LAZY,
 ]

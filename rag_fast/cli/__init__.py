@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Callable
 
-from rag_fast import _pool
+from rag_fast import _pool, _threads
 from rag_fast._quiet import set_verbose
 from rag_fast.cli import eval as eval_command
 from rag_fast.cli import generate, index, init, reseal, tokenizer, train
@@ -80,7 +81,42 @@ def build_parser() -> argparse.ArgumentParser:
     for register in COMMANDS.values():
         register(subparsers)
     _mark_commands(parser)
+    _add_threads_option(parser)
     return parser
+
+
+# commands that compute nothing worth threads: no --threads
+NO_THREADS = frozenset({"rag-fast reseal", "rag-fast index info"})
+
+
+def _add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads N`` on every command that computes (the leaf parsers, less
+    :data:`NO_THREADS`; ``train`` has its own, a short form of ``--set train.threads=N``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+                    _add_threads_option(sub)
+                elif sub.prog not in NO_THREADS and "--threads" not in sub._option_string_actions:
+                    sub.add_argument(
+                        "--threads", type=int, default=None, metavar="N",
+                        help="CPU threads for torch's ops and rag_fast's kernels (default: "
+                             "RAG_FAST_THREADS if set, else one per core; on a machine "
+                             "another process keeps busy, 1 runs steadier: docs/tuning.md)")
+
+
+def apply_threads(args: argparse.Namespace) -> int | None:
+    """The command's thread count: ``--threads``, else ``RAG_FAST_THREADS``, else torch's
+    default (one per core) left as it is. Returns the count set (None: unchanged).
+
+    Raises:
+        ValueError: a count below 1, naming the flag or the variable.
+    """
+    n = getattr(args, "threads", None)
+    if n is not None:
+        _threads.set_threads(_threads.check_threads(n, "--threads"))
+        return n
+    return _threads.apply_env()
 
 
 def _mark_commands(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +204,12 @@ def _report_unexpected(exc: BaseException, verbose: bool) -> int:
     return 1
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` for a command: ``rag-fast: warning: MESSAGE`` on one line,
+    without the source line Python adds (``--verbose`` keeps Python's format)."""
+    print(f"rag-fast: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command. Exit status: 0 done; 2 an expected failure (bad argument, input, file or
     artefact, no space left), said in one line naming the file, line or key; 1 an unexpected
@@ -181,8 +223,20 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         _unknown_options(getattr(args, "_command_parser", parser), extra)
     set_verbose(args.verbose)
+    shown = warnings.showwarning
+    if not args.verbose:  # a warning is one line, as the command's own are
+        warnings.showwarning = _one_line_warning
+    try:
+        return _run(args)
+    finally:
+        warnings.showwarning = shown  # main() called in a process that goes on
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command, under :func:`main`'s error contract."""
     try:
         _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
+        apply_threads(args)  # --threads / RAG_FAST_THREADS, likewise
         return int(args.func(args) or 0)
     except (ValueError, OSError, StorageError) as exc:
         _end_progress_bars()

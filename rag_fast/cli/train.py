@@ -19,7 +19,11 @@ from rag_fast.training.run import load_config, run_training, schema_help
 # the short flags: flag -> (the training config's dotted key, the value's type, its metavar)
 SHORT_FLAGS = {"--max-steps": ("train.max_steps", int, "N"), "--lr": ("train.lr", float, "X"),
                "--micro-batch-size": ("train.micro_batch_size", int, "N"),
-               "--seed": ("train.seed", int, "N")}
+               "--seed": ("train.seed", int, "N"), "--threads": ("train.threads", int, "N")}
+# what a short flag's help says beyond "the same as --set KEY=VALUE"
+SHORT_HELP = {"--threads": " CPU threads for torch's ops and rag_fast's kernels, fixed (default: "
+                           "RAG_FAST_THREADS if set, else adaptive: one per core, fewer while "
+                           "other processes keep cores busy; docs/tuning.md)."}
 
 
 def parse_value(text: str):
@@ -141,5 +145,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, (key, kind, metavar) in SHORT_FLAGS.items():
         p.add_argument(flag, action=_Override, dest="overrides", key=key, kind=kind,
                        metavar=metavar,
-                       help=f"The same as --set {key}={metavar}.")
+                       help=f"The same as --set {key}={metavar}.{SHORT_HELP.get(flag, '')}")
     p.set_defaults(func=run, overrides=[])

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rag_fast import _pool
+from rag_fast import _pool, _threads
 from rag_fast._validation import IMPLS, check_context_length, check_decoding_scores
 from rag_fast.generation import (
     causal,
@@ -263,6 +263,7 @@ class RagModel(nn.Module):
     ) -> None:
         super().__init__()
         _pool.limit_bytes()  # the buffer pool's RAG_FAST_POOL_MB, before any model work
+        _threads.threads_from_env()  # and RAG_FAST_THREADS (applied at import when valid)
         check_arguments(mode=mode, n_docs=n_docs, question_pooling=question_pooling,
                         lm_head_loss=lm_head_loss, loss_impl=loss_impl,
                         max_context_length=max_context_length,

@@ -79,6 +79,10 @@ class TrainConfig:
     refresh_encoder: str = _option(
         "question_encoder", "what re-embeds the passages at a refresh: question_encoder (the "
                             "model's, as trained so far)")
+    threads: int | None = _option(
+        None, "CPU threads of torch's ops and rag_fast's kernels during training; None: "
+              "RAG_FAST_THREADS if set, else adaptive on the CPU: one per core, fewer while "
+              "other processes keep cores busy (docs/tuning.md)")
     extra: dict = _option({}, "free-form JSON for your own code (the Trainer ignores it)")
 
     def __post_init__(self) -> None:
@@ -101,6 +105,8 @@ class TrainConfig:
         if self.refresh_encoder not in REFRESH_ENCODERS:
             raise ValueError(f"refresh_encoder must be one of {REFRESH_ENCODERS}, got "
                              f"{self.refresh_encoder!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {self.threads!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
         if self.warmup_steps > self.max_steps:  # a shortened run keeps its other settings

@@ -34,9 +34,15 @@ Rank 0 also appends logged steps and evaluations to ``metrics.jsonl`` and draws 
 at the end (both in ``output_dir``; see TrainConfig). A logged step's ``elapsed_s`` is the run's
 training time up to it, continued across resumes (``TrainState.elapsed_s``, checkpointed; the
 time of steps after the last checkpoint of a killed session is not counted, as they are trained
-again), and ``examples_per_s`` the rate of the current session. When the model's retriever
+again), ``examples_per_s`` the rate of the current session, and ``threads`` the CPU threads
+the step ran on. When the model's retriever
 keeps its time (``retrieval_seconds``), each logged line also has ``step_s`` and
 ``retrieval_s`` (mean seconds per step since the previous line, and the retrieval part of it).
+
+Rank 0 says once, in one line, when the steps become far slower than the first ones (the median
+of the last 5 steps over 3x that of steps 3 to 7: ``rag_fast._threads.SlowStepWatch``), which
+on a CPU usually means another process is using the cores (docs/tuning.md, "Threads on a shared
+machine"); above the progress bar when there is one, else as a ``SlowStepsWarning``.
 
 A collective retriever (``model.retriever.collective``: a sharded index over the process group,
 see ``rag_fast.retrieval.sharded.ShardedRetriever``) is searched by every rank in each forward
@@ -55,6 +61,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -64,6 +71,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rag_fast import _threads
+from rag_fast._threads import SlowStepWatch
 from rag_fast.storage import atomic_write
 from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, _json_default, claim_run_folder,
                                           restore_checkpoint, save_checkpoint)
@@ -72,6 +81,11 @@ from rag_fast.training.distributed import average_gradients, broadcast_module, w
 from rag_fast.training.optim import _question_encoder, lr_lambda, make_optimizer
 from rag_fast.training.plot import _number, plot_training
 from rag_fast.training.refresh import IndexRefresher, question_encoder_embedder
+
+
+class SlowStepsWarning(UserWarning):
+    """Training steps became far slower than the first ones (``rag_fast._threads``'
+    ``SlowStepWatch``): usually another process using the CPU."""
 
 
 def resolve_device(config_device: str | None, name: str = "device") -> torch.device:
@@ -345,14 +359,47 @@ class Trainer:
         # elapsed_s continues the run's time across resumes (the checkpoint's elapsed_s), while
         # examples_per_s is this session's rate
         start, seen, before_session = time.perf_counter(), 0, self.state.elapsed_s
+        watch = SlowStepWatch()  # says once when steps become far slower than the first ones
+        threads_before = _threads.get_threads()
+        fixed = config.threads if config.threads is not None else _threads.threads_from_env()
+        auto = None
+        if fixed is not None:
+            _threads.set_threads(fixed)
+        elif self.device_type == "cpu":
+            auto = _threads.AutoThreads()
+        if _threads.COMMAND_POLICY and self.device_type == "cpu" and self.rank == 0:
+            self._say("other processes were keeping the cores busy as this command started: "
+                      "OpenMP threads sleep at barriers instead of spinning in this run "
+                      "(OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose)", bar, None)
+        try:
+            return self._train_loop(bar, watch, auto, start, seen, before_session)
+        finally:
+            _threads.set_threads(threads_before)  # a library user's process keeps its setting
+
+    def _train_loop(self, bar, watch, auto, start, seen, before_session) -> TrainState:
+        config = self.config
         # retrieval time inside the training steps (not evaluation), per logged interval
         interval = {"steps": 0, "step_s": 0.0, "retrieval_s": 0.0}
         while self.state.step < config.max_steps:
             before, step_start = self._retrieval_seconds(), time.perf_counter()
             loss = self.train_step()
             after = self._retrieval_seconds()
+            step_s = time.perf_counter() - step_start
             interval["steps"] += 1
-            interval["step_s"] += time.perf_counter() - step_start
+            interval["step_s"] += step_s
+            if auto is not None:
+                changed = auto.after_step(self.state.step)
+                if changed is not None and len(auto.changes) == 1 and self.rank == 0:
+                    self._say(f"other processes are using {auto.other_cores():.1f} of the "
+                              f"cores: training on {changed} thread(s) instead of {auto.most} "
+                              "while they do (threads: null adapts; --threads N or "
+                              "RAG_FAST_THREADS fix the count)", bar, None)
+            slow = watch.observe(step_s)
+            if slow is not None and self.rank == 0:
+                if auto is None:
+                    slow += "; the count is fixed (--threads, RAG_FAST_THREADS or threads in " \
+                            "the config): unset it to adapt"
+                self._say(slow, bar, SlowStepsWarning)
             if before is not None and after is not None:
                 interval["retrieval_s"] += after - before
             seen += self.global_batch
@@ -363,7 +410,8 @@ class Trainer:
                 self.state.history.append((step, loss))
                 record = {"step": step, "loss": loss if math.isfinite(loss) else None,
                           "lr": self._step_lr, "examples_per_s": round(seen / elapsed, 3),
-                          "elapsed_s": round(self.state.elapsed_s, 3)}
+                          "elapsed_s": round(self.state.elapsed_s, 3),
+                          "threads": _threads.get_threads()}
                 if after is not None:  # a timed retriever: mean seconds per step since the last record
                     n = max(1, interval["steps"])
                     record["step_s"] = round(interval["step_s"] / n, 6)
@@ -394,6 +442,17 @@ class Trainer:
             except Exception as e:  # the run is done and checkpointed: a plot is not worth it
                 warnings.warn(f"could not write the training plot {plot}: {e!r}", stacklevel=2)
         return self.state
+
+    @staticmethod
+    def _say(message: str, bar, category) -> None:
+        """One line for the user: above the progress bar when there is one; else a warning of
+        ``category``, or (None) a line on stderr."""
+        if bar is not None:  # the bar stays intact below the line
+            bar.write(f"rag_fast: {'warning: ' if category else ''}{message}", file=sys.stderr)
+        elif category is not None:
+            warnings.warn(message, category, stacklevel=3)
+        else:
+            print(f"rag_fast: {message}", file=sys.stderr)
 
     def refresh_index(self) -> dict:
         """Re-embed the passages and swap the rebuilt index in on every rank (collective), as
