@@ -43,7 +43,7 @@ import dataclasses
 import torch
 
 from harness import (Context, Row, add_ratio, allocator_caption, machine_words,
-                     measure_interleaved, noisy_note, run_command, spread_cell)
+                     measure_interleaved, noisy_note, run_command, source_path, spread_cell)
 
 NAME = "decoding"
 VOCAB = 50265
@@ -303,7 +303,7 @@ def render(results: dict, source: str) -> str:
     noisy = [r for r in rows if r.get("noisy")]
     caption = (
         f"Measured by `{run_command(results.get('args') or {})}` on {machine} "
-        f"(`benchmarks/results/{source}`). K={K_DOCS} passages of {CONTEXT_LEN} tokens, "
+        f"(`{source_path(source)}`). K={K_DOCS} passages of {CONTEXT_LEN} tokens, "
         f"{BEAMS} beams, V={VOCAB}, min = max new tokens, B questions as each case says: "
         "8 questions and 20 new tokens except RAG-Sequence on the BART-base-sized generator "
         "(2 and 12: transformers' RAG-Sequence re-encodes every passage for every distinct "

@@ -43,7 +43,8 @@ import traceback
 from datetime import timedelta
 
 import numpy as np
-from harness import Context, Measurement, Row, add_ratio, allocator_caption, run_command
+from harness import (Context, Measurement, Row, add_ratio, allocator_caption, run_command,
+                     source_path)
 
 NAME = "distributed"
 D, QUESTIONS, K = 768, 8, 5
@@ -300,7 +301,7 @@ def render(results: dict, source: str) -> str:
     runs = sorted({len(r["runs_ms"]) for r in rows})
     caption = (
         f"Measured by `{command}` on {m['cpu']}, {m['cpu_count']} cores, torch "
-        f"{m['torch'].split('+')[0]} (`benchmarks/results/{source}`): retrieval time of one "
+        f"{m['torch'].split('+')[0]} (`{source_path(source)}`): retrieval time of one "
         f"training step, {QUESTIONS} questions x k={K} per rank (search and the winners' fp16 "
         f"vectors), median of {runs[0]} timed steps after {WARMUP} warm-up steps, each step "
         f"timed until the slowest rank is done, with {allocator_caption(rows)}; spread = (max - min) / median. `sharded`: each of "

@@ -51,7 +51,7 @@ import faiss
 import numpy as np
 import torch
 from harness import (Context, Row, add_ratio, allocator_caption, machine_words, measure_interleaved,
-                     ratio_is_noisy, runs_counted, spread_cell)
+                     ratio_is_noisy, runs_counted, source_path, spread_cell)
 
 from rag_fast.retrieval import DenseIndex, exact_search, recall_at_k
 
@@ -454,7 +454,7 @@ def render(results: dict, source: str) -> str:
     real = next((d for d in sets if d.startswith("real text")), None)
     caption = (
         f"Measured by `{command}` on {machine_words(results['machine'])} "
-        f"(`benchmarks/results/{source}`; recall and throughput curves: "
+        f"(`{source_path(source)}`; recall and throughput curves: "
         f"`benchmarks/results/{plot}`). {timing}. "
         + (f"Real text: the documentation prose of {sources} (`benchmarks/prose.py`), cut into "
            "passages of up to 100 words and embedded with all-MiniLM-L6-v2; the evaluation "

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import (Context, Row, add_ratio, allocator_caption, machine_words,
-                     measure_interleaved, run_command, runs_counted, spread_cell)
+                     measure_interleaved, run_command, runs_counted, source_path, spread_cell)
 
 NAME = "lm_head"
 PAD = 1
@@ -172,7 +172,7 @@ def render(results: dict, source: str) -> str:
     command = run_command(results.get("args", {}))
     caption = (
         f"Measured by `{command}` on {machine_words(results['machine'])} "
-        f"(`benchmarks/results/{source}`): one forward + backward of the LM head and the RAG "
+        f"(`{source_path(source)}`): one forward + backward of the LM head and the RAG "
         f"loss ({shape.replace(' ', ', ')}; gradients for the states, the LM head and the "
         "passage scores), random weights. Fused: `rag_fast.linear_rag_nll`, the logits a "
         "vocabulary tile at a time. Materialized: the `[B*K, T, V]` logits in a reused buffer, "

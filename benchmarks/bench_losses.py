@@ -35,7 +35,7 @@ import torch
 
 from harness import (ALLOCATOR_WORDS, Context, Measurement, Row, add_ratio, allocator_caption,
                      machine_words, measure, measure_interleaved, run_command, runs_counted,
-                     spread_cell)
+                     source_path, spread_cell)
 
 NAME = "losses"
 PAD = 1
@@ -245,7 +245,7 @@ def render(results: dict, source: str) -> str:
     command = run_command(args)
     caption = (
         f"Measured by `{command}` on {machine_words(results['machine'])} "
-        f"(`benchmarks/results/{source}`), {shape.replace(' ', ', ')}, random logits. "
+        f"(`{source_path(source)}`), {shape.replace(' ', ', ')}, random logits. "
         "rag_fast: the fused loss (`impl=\"auto\"`). Baselines on the same input: "
         "`transformers`' `get_nll` (eager) and the same `get_nll` under `torch.compile` "
         "(default mode, compiled afresh per row; its compile time, the first calls beyond a "

@@ -73,7 +73,8 @@ import statistics
 import torch
 
 from harness import (ALLOCATOR_ENV, ALLOCATOR_WORDS, Context, Measurement, Row, add_ratio,
-                     allocator_setting, machine_words, run_command, runs_counted, spread_cell)
+                     allocator_setting, machine_words, run_command, runs_counted, source_path,
+                     spread_cell)
 
 NAME = "training"
 EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
@@ -653,7 +654,7 @@ def render(results: dict, source: str) -> str:
         if args.get("quick") else " The compiled baseline was not run.")
     caption = (
         f"Measured by `{command}` on {machine_words(results['machine'])} "
-        f"(`benchmarks/results/{source}`). One training step (forward, backward, fused AdamW "
+        f"(`{source_path(source)}`). One training step (forward, backward, fused AdamW "
         f"step), {case_words.replace(' ', ', ')}, V={VOCAB} (encoder-decoder generators): `transformers`' RAG model "
         "(eager, and its loss step under `torch.compile`, default mode, whose compile time is "
         "the last column and is not in its step time; inductor's on-disk cache as a user's "

@@ -40,6 +40,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -435,6 +436,12 @@ def run_command(args: dict) -> str:
     return " ".join(parts)
 
 
+def source_path(source: str) -> str:
+    """Where a caption says its results file is: a bare file name is a committed one (under
+    ``benchmarks/results/``), a path (``render.py FILE``, ``run.py``) is shown as given."""
+    return source if "/" in source or os.sep in source else f"benchmarks/results/{source}"
+
+
 def machine_words(m: dict) -> str:
     """A results file's machine as README captions name it: CPU, cores, SIMD level, torch."""
     simd = f", rag_fast {m['rag_fast_simd']}" if m.get("rag_fast_simd") else ""
@@ -464,10 +471,14 @@ def noisy_note(flags: list[str]) -> str:
     return f"noisy ({', '.join(flags)})" if flags else ""
 
 
-def write_json(path: str, rows: list[Row], machine: dict, args: dict) -> None:
-    """Write the results atomically (temp file + rename)."""
+def write_json(path: str, rows: list[Row], machine: dict, args: dict,
+               load: dict | None = None) -> None:
+    """Write the results atomically (temp file + rename); ``load``: the machine's load during
+    each bench (:class:`LoadMonitor`), under the file's ``"load"`` key."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     payload = {"machine": machine, "args": args, "rows": [asdict(r) for r in rows]}
+    if load is not None:
+        payload["load"] = load
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)
@@ -476,10 +487,70 @@ def write_json(path: str, rows: list[Row], machine: dict, args: dict) -> None:
     os.replace(tmp, path)
 
 
+def _cpu_busy_s() -> float | None:
+    """CPU seconds every process on the machine has used since boot (rag_fast's own reading of
+    /proc/stat, which its thread policy uses too); None without /proc/stat."""
+    from rag_fast._threads import machine_busy_s
+
+    return machine_busy_s()
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have ended (the benches' fresh
+    processes and ranks are waited for before a bench returns)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class LoadMonitor:
+    """The machine's load while a bench ran: ``with LoadMonitor() as m: ...`` then ``m.result``,
+    a JSON dict:
+
+    - ``"seconds"``: the bench's wall time;
+    - ``"other_cores"``: the CPU time every other process used over that time, in cores (the
+      machine's busy time from /proc/stat minus this process's and its ended children's;
+      None without /proc/stat): 0 on an idle machine, 1 when another process kept one core
+      busy throughout;
+    - ``"load_avg"``: the 1-minute load average at the end (it counts this run's own threads).
+    """
+
+    def __enter__(self) -> "LoadMonitor":
+        self._wall, self._busy, self._own = time.perf_counter(), _cpu_busy_s(), _own_cpu_s()
+        self.result: dict = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = max(time.perf_counter() - self._wall, 1e-9)
+        busy = _cpu_busy_s()
+        others = None
+        if busy is not None and self._busy is not None:
+            others = max(0.0, (busy - self._busy) - (_own_cpu_s() - self._own)) / wall
+        self.result = {"seconds": round(wall, 1),
+                       "other_cores": None if others is None else round(others, 2),
+                       "load_avg": round(os.getloadavg()[0], 2)}
+
+
+# what the number beside a curve's point is, by preset (a row may name it: extra["curve setting"])
+CURVE_SETTINGS = {"ivfpq": "nprobe", "hnsw": "ef_search", "ivf": "nprobe"}
+
+
+def curve_setting(row: Row) -> str:
+    """The search setting a row's curve points are labelled with (``nprobe``, ``ef_search``)."""
+    named = row.extra.get("curve setting")
+    if named:
+        return str(named)
+    for preset, setting in CURVE_SETTINGS.items():
+        if row.provider.endswith(preset):
+            return setting
+    return "setting"
+
+
 def plot_curves(rows: list[Row], path: str) -> bool:
     """One recall/throughput panel per data set of the rows whose ``extra`` has a ``curve``
     (``[setting, recall, queries/s]`` points), with exact search as a horizontal line; PNG at
-    ``path``. Returns False when no row has a curve."""
+    ``path``. Each point is labelled with its setting, in its curve's colour, and the legend
+    names the setting (:func:`curve_setting`); a label that would overlap the one placed before
+    it (within 14 pixels) is left out. Returns False when no row has a curve."""
     curves = [r for r in rows if r.extra.get("curve")]
     if not curves:
         return False
@@ -490,21 +561,32 @@ def plot_curves(rows: list[Row], path: str) -> bool:
 
     cases = list(dict.fromkeys(r.case for r in curves))
     providers = list(dict.fromkeys(r.provider for r in curves))  # one colour each, in every panel
-    fig, axes = plt.subplots(1, len(cases), figsize=(5.2 * len(cases), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.2 * len(cases), 4.4), squeeze=False)
     for ax, case in zip(axes[0], cases):
-        for r in (r for r in curves if r.case == case):
+        mine = [r for r in curves if r.case == case]
+        low = min(p[1] for r in mine for p in r.extra["curve"])
+        ax.set_xlim(max(0.0, low - 0.02), 1.002)
+        ax.set_yscale("log")
+        for r in mine:
             pts = r.extra["curve"]
-            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=r.provider,
-                    color=f"C{providers.index(r.provider)}")
-            for p in pts:
-                ax.annotate(str(p[0]), (p[1], p[2]), fontsize=6, xytext=(2, 2), textcoords="offset points")
+            color = f"C{providers.index(r.provider)}"
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", color=color,
+                    label=f"{r.provider} (point labels: {curve_setting(r)})")
         exact = [r.extra["QPS"] for r in rows if r.case == case and "exact" in r.provider
                  and "QPS" in r.extra and not r.extra.get("curve")]
         if exact:
             ax.axhline(max(exact), color="gray", linestyle="--", label="exact search (fastest)")
-        low = min(p[1] for r in curves if r.case == case for p in r.extra["curve"])
-        ax.set_xlim(max(0.0, low - 0.02), 1.002)
-        ax.set_yscale("log")
+        ax.set_ylim(*ax.get_ylim())  # fixed, so that display positions hold for the labels
+        placed = []
+        for r in mine:
+            color = f"C{providers.index(r.provider)}"
+            for i, p in enumerate(r.extra["curve"]):
+                x, y = ax.transData.transform((p[1], p[2]))
+                if any(abs(x - px) < 14 and abs(y - py) < 14 for px, py in placed):
+                    continue
+                placed.append((x, y))
+                ax.annotate(str(p[0]), (p[1], p[2]), fontsize=7, color=color,
+                            xytext=(-4, 6) if i % 2 else (4, -11), textcoords="offset points")
         ax.set_xlabel("recall@10 against exact search")
         ax.set_ylabel("queries/s (batches of 128)")
         ax.set_title(case, fontsize=9)

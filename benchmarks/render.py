@@ -1,6 +1,8 @@
-"""README sections from committed results: ``python benchmarks/render.py`` rewrites the README's
-generated sections from the JSON under ``benchmarks/results/``; ``--check`` only compares and
-exits 1, naming every section that differs from what its JSON renders to (or is missing).
+"""Markdown tables from benchmark results. ``python benchmarks/render.py FILE [FILE ...]`` prints
+any results file of ``run.py`` (a local run's, under ``benchmarks/results/local/``) as the README
+shows it, on stdout. Without files it rewrites the README's generated sections from the JSON
+committed under ``benchmarks/results/``; ``--check`` only compares and exits 1, naming every
+section that differs from what its JSON renders to (or is missing).
 
 A generated section sits between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``.
 :data:`SECTIONS` maps each NAME to its results file and the module whose
@@ -29,6 +31,7 @@ MODULE_DIRS = (HERE, ROOT / "examples")  # where a renderer's module is looked u
 SECTIONS: dict[str, tuple[str, str]] = {
     "losses": ("cpu-losses-full.json", "bench_losses"),
     "training": ("cpu-training-full.json", "bench_training"),
+    "contention": ("cpu-contention-full.json", "bench_contention"),
     "lm_head": ("cpu-lm-head-full.json", "bench_lm_head"),
     "decoding": ("cpu-decoding-full.json", "bench_decoding"),
     "index": ("cpu-index-full.json", "bench_index"),
@@ -130,14 +133,58 @@ def _update(path: str, sections: dict[str, tuple[str, str]], check: bool) -> boo
     return True
 
 
+def render_file(path: str) -> str:
+    """Every bench of a results file (``run.py``'s JSON), each as its ``render`` shows it (the
+    README's tables and captions), in the file's order.
+
+    Raises:
+        ValueError: the file is not a results file (no ``rows``, or rows without ``bench``),
+            naming the file.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            results = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    rows = results.get("rows") if isinstance(results, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "bench" in r for r in rows):
+        raise ValueError(f"{path}: not a benchmarks/run.py results file (expected an object "
+                         "with \"rows\", each naming its \"bench\")")
+    parts = []
+    for bench in dict.fromkeys(r["bench"] for r in rows):
+        mine = {**results, "rows": [r for r in rows if r["bench"] == bench]}
+        try:
+            module = _module(f"bench_{bench.replace('-', '_')}")
+        except ModuleNotFoundError:
+            raise ValueError(f"{path}: rows of a bench {bench!r} that has no "
+                             f"benchmarks/bench_{bench}.py to render them") from None
+        parts.append(f"## {bench}\n\n" + module.render(mine, path))
+    if not parts:
+        raise ValueError(f"{path}: the file holds no rows")
+    return "\n\n".join(parts) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("files", nargs="*", metavar="FILE",
+                        help="results files to print as Markdown (leaves the README alone)")
     parser.add_argument("--check", action="store_true",
                         help="only compare; exit 1 naming every section that differs")
     parser.add_argument("--readme", default=str(ROOT / "README.md"))
     parser.add_argument("--docs", default=str(ROOT / DOCS_FILE),
                         help=f"the file of DOCS_SECTIONS (default {DOCS_FILE})")
     args = parser.parse_args(argv)
+    if args.files:
+        if args.check:
+            parser.error("--check compares the README with the committed results; it takes no FILE")
+        for path in args.files:
+            try:
+                sys.stdout.write(render_file(path))
+            except (OSError, ValueError) as e:
+                print(f"render.py: {e}", file=sys.stderr)
+                return 1
+        return 0
     ok = _update(args.readme, SECTIONS, args.check)
     ok = _update(args.docs, DOCS_SECTIONS, args.check) and ok
     return 0 if ok else 1

@@ -20,8 +20,11 @@ under ``--device cuda``, Triton is not usable (:func:`refusal`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -29,8 +32,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 LOCAL_RESULTS = HERE / "results" / "local"  # in .gitignore
 sys.path.insert(0, str(HERE))
 
-from harness import (Context, machine_description, markdown_table, plot_curves,  # noqa: E402
-                     stamp_allocator, write_json)
+from harness import (Context, LoadMonitor, Row, machine_description, markdown_table,  # noqa: E402
+                     plot_curves, stamp_allocator, write_json)
 
 
 # The compiled kernels (attributes of rag_fast._C: csrc's RAG_FAST_KERNEL registrations, and the
@@ -43,13 +46,14 @@ CPP_KERNELS: dict[str, tuple[str, ...]] = {
     "losses": _LOSS + _SMOOTH,
     "lm_head": _LOSS + _SMOOTH + ("token_smooth_stats",),  # linear_rag_nll; materialized path
     "training": _LOSS + ("bits_mask", "bits_unmask"),  # RagModel (eps 0), lean activations
+    "contention": _LOSS + ("bits_mask", "bits_unmask"),  # the training bench's step
     "decoding": ("rag_token_beam_step", "row_stats"),  # the beam step; RAG-Sequence's scores
     "index": ("inner_products",),  # the exact preset
     "distributed": ("inner_products",),
 }
 # benches whose rag_fast rows run on the CPU whatever --device says; the others run Triton's
 # kernels under --device cuda
-CPU_ONLY = ("decoding", "index", "distributed")
+CPU_ONLY = ("decoding", "index", "distributed", "contention")
 
 
 def refusal(names: list[str], device: str) -> str | None:
@@ -98,6 +102,91 @@ def refusal(names: list[str], device: str) -> str | None:
             "rag_fast:\n- " + "\n- ".join(problems) + "\n")
 
 
+# Each bench's headline ratios for the closing summary: (provider, ratio key in its rows'
+# extra, what it compares). A ratio > 1 means the provider is faster than what it is against.
+HEADLINES: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "losses": (("rag_fast fused", "speedup vs eager", "fused loss vs transformers eager"),
+               ("rag_fast fused", "speedup vs compiled", "fused loss vs transformers compiled")),
+    "lm_head": (("rag_fast fused LM head", "speedup vs transformers",
+                 "fused LM head + loss vs transformers"),
+                ("rag_fast materialized", "speedup vs transformers",
+                 "materialized logits + fused loss vs transformers")),
+    "training": (("rag_fast", "speedup vs eager", "training step vs transformers eager"),
+                 ("rag_fast", "speedup vs compiled", "training step vs transformers compiled"),
+                 ("rag_fast materialized", "speedup vs eager",
+                  "training step (materialized logits) vs transformers eager"),
+                 ("rag_fast materialized", "speedup vs compiled",
+                  "training step (materialized logits) vs transformers compiled")),
+    "decoding": (("rag_fast", "x transformers", "decoding vs transformers"),
+                 ("rag_fast (cpp)", "speedup", "one beam step vs transformers'")),
+    "index": (("rag_fast exact", "x faiss", "exact search vs faiss IndexFlatIP"),
+              ("rag_fast exact", "x torch", "exact search vs torch matmul + topk"),
+              ("rag_fast ivfpq", "x exact", "ivfpq vs the fastest exact search"),
+              ("rag_fast hnsw", "x exact", "hnsw vs the fastest exact search")),
+    "distributed": (("sharded", "vs full, same W", "sharded vs a full index per rank"),),
+    "contention": (("rag_fast", "slowdown", "SLOWDOWN of rag_fast's training step beside a "
+                                            "busy process (lower is better)"),
+                   ("transformers", "slowdown", "SLOWDOWN of transformers' training step beside "
+                                                "a busy process (lower is better)")),
+}
+BUSY_CORES = 0.25  # other processes' use, in cores, above which the summary calls a bench busy
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
+
+
+def summary(rows: list[Row], loads: dict[str, dict], cores: int | None = None) -> str:
+    """The closing summary: per bench, its wall time, the other processes' load on the machine
+    while it ran (:class:`harness.LoadMonitor`), how many rows are flagged noisy, and each of
+    its :data:`HEADLINES` ratios as the range and median over the bench's cases."""
+    lines = ["## summary", ""]
+    for name, load in loads.items():
+        mine = [r for r in rows if r.bench == name]
+        noisy = sum(1 for r in mine if r.noisy)
+        others = load.get("other_cores")
+        if others is None:
+            busy = "the machine's load unknown"
+        else:
+            busy = f"other processes used {others:.2f}"
+            busy += f" of {cores} cores" if cores else " cores"
+            if others > BUSY_CORES:
+                busy += " (BUSY: its ratios may be off, rerun on a quiet machine)"
+        lines.append(f"- **{name}** ({load.get('seconds', 0):.0f} s; {busy}; "
+                     f"{noisy} of {len(mine)} rows noisy)")
+        for provider, key, words in HEADLINES.get(name, ()):
+            values = [(r.extra[key], key in r.noisy) for r in mine
+                      if r.provider == provider and isinstance(r.extra.get(key), (int, float))]
+            if not values:
+                continue
+            ratios = sorted(v for v, _ in values)
+            flagged = sum(1 for _, n in values if n)
+            span = _x(ratios[0]) if len(ratios) == 1 else f"{_x(ratios[0])} to {_x(ratios[-1])}"
+            median = "" if len(ratios) < 3 else f", median {_x(statistics.median(ratios))}"
+            cases = f"{len(ratios)} case{'s' if len(ratios) > 1 else ''}"
+            lines.append(f"  - {words}: {span}{median} ({cases}"
+                         + (f", {flagged} noisy" if flagged else "") + ")")
+    lines.append("")
+    lines.append("x > 1: rag_fast faster (except a SLOWDOWN). A ratio is noisy when a side's runs spread by more "
+                 "than 20% or overlap the other side's.")
+    return "\n".join(lines)
+
+
+def tables(module, rows: list[Row], machine: dict, args: dict, source: str) -> str:
+    """A bench's rows as the README shows them (its ``render``: the README's columns, with the
+    caption saying what was measured); a bench without ``render`` gets every field as a
+    table. A ``render`` that fails prints the raw table after one line naming the error."""
+    render = getattr(module, "render", None)
+    if render is None:
+        return markdown_table(rows)
+    results = {"machine": machine, "args": args, "rows": [dataclasses.asdict(r) for r in rows]}
+    try:
+        return render(results, source)
+    except Exception as e:  # a bug to report, not a reason to lose the run's output
+        return (f"(could not render the {module.NAME} tables: {type(e).__name__}: {e}; every "
+                f"field follows)\n\n" + markdown_table(rows))
+
+
 def available_benches() -> dict[str, str]:
     """bench NAME -> module name, for every benchmarks/bench_NAME.py. Nothing is imported
     here: a bench's dependencies (faiss for the index) are only needed when it runs."""
@@ -142,20 +231,26 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_description(args.device)
     print(f"# rag_fast benchmarks ({'quick' if args.quick else 'full'}, {args.device})\n")
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()) + "\n")
-    all_rows = []
-    for name in names:
-        start = time.perf_counter()
-        module = importlib.import_module(benches[name])
-        assert module.NAME == name, f"{benches[name]}.py must set NAME = {name!r}"
-        rows = stamp_allocator(module.run(ctx))  # the allocator of the times, on every row
-        all_rows += rows
-        print(f"## {name}  ({time.perf_counter() - start:.0f} s)\n")
-        print(markdown_table(rows) + "\n", flush=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or str(LOCAL_RESULTS / f"{args.device}-{stamp}.json")
-    write_json(out, all_rows, machine, vars(args))
+    shown = os.path.relpath(out)  # as the captions name the results file
+    shown = out if shown.startswith("..") else shown
+    all_rows, loads = [], {}
+    for name in names:
+        module = importlib.import_module(benches[name])
+        assert module.NAME == name, f"{benches[name]}.py must set NAME = {name!r}"
+        with LoadMonitor() as monitor:
+            rows = stamp_allocator(module.run(ctx))  # the allocator of the times, on every row
+        all_rows += rows
+        loads[name] = monitor.result
+        # after every bench, so that a later failure or Ctrl-C keeps the benches done
+        write_json(out, all_rows, machine, vars(args), load=loads)
+        print(f"## {name}  ({monitor.result['seconds']:.0f} s)\n")
+        print(tables(module, rows, machine, vars(args), shown) + "\n", flush=True)
+    print(summary(all_rows, loads, machine.get("cpu_count")))
     note = "" if args.out else " (not tracked by git; --out PATH to choose)"
-    print(f"results written to {out}{note}")
+    print(f"\nresults written to {out}{note}; `python benchmarks/render.py {out}` prints these "
+          "tables again, and the JSON holds every raw field")
     plot = str(pathlib.Path(out).with_suffix("")) + "-recall-qps.png"
     if plot_curves(all_rows, plot):
         print(f"recall/throughput plot written to {plot}")

@@ -171,6 +171,31 @@ def test_curves_are_plotted_not_tabled(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
 
 
+def test_curve_points_are_labelled_with_their_setting(monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ivf = harness.Row("index", "d", "rag_fast ivfpq", 1.0, None, {"curve": [[1, 0.5, 9e3]]})
+    hnsw = harness.Row("index", "d", "rag_fast hnsw", 1.0, None, {"curve": [[16, 0.5, 9e3]]})
+    named = harness.Row("index", "d", "mine", 1.0, None, {"curve": [], "curve setting": "k"})
+    assert [harness.curve_setting(r) for r in (ivf, hnsw, named)] == ["nprobe", "ef_search", "k"]
+    # a dense curve: the labels placed keep 14 pixels apart, and the legend names the setting
+    dense = harness.Row("index", "d", "rag_fast ivfpq", 1.0, None,
+                        {"curve": [[2**i, 0.9 + i * 1e-4, 1e4] for i in range(10)]
+                         + [[4096, 0.5, 10.0]]})
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        assert harness.plot_curves([dense], f"{tmp}/p.png")
+    ax = figures[0].axes[0]
+    labels = [t.get_text() for t in ax.texts]
+    assert labels[0] == "1" and "4096" in labels and len(labels) < 11
+    assert ax.get_legend().get_texts()[0].get_text() == "rag_fast ivfpq (point labels: nprobe)"
+
+
 def test_run_records_the_allocator_of_the_times_in_every_row(tmp_path, monkeypatch, capsys):
     """run.py stamps every row with the allocator its times were taken with (this process's:
     glibc's default unless RAG_FAST_BENCH_ALLOCATOR=fixed), and keeps a bench's own (the
@@ -582,3 +607,132 @@ def test_quick_real_text_corpus_is_large_enough_for_the_approximate_presets():
     corpus = prose.build(every=bench_index.QUICK_EVERY)
     assert len(corpus) > 624 and len(corpus.queries) >= bench_index.BATCH, (
         len(corpus), len(corpus.queries))
+
+
+def _fake_bench(monkeypatch, render=None):
+    fake = types.ModuleType("fake_bench")
+    fake.NAME = "losses"  # so that the summary gives the losses bench's headlines
+    quiet = harness.Measurement.of([1.0, 1.01, 0.99])
+    fast = harness.Measurement.of([0.1, 0.101, 0.099])
+
+    def run(ctx):
+        rows = []
+        for case in ("a", "b", "c"):
+            base = harness.Row.of("losses", case, "transformers", quiet)
+            ours = harness.Row.of("losses", case, "rag_fast fused", fast)
+            harness.add_ratio(ours, "speedup vs eager", quiet, fast)
+            rows += [base, ours]
+        rows[-1].noisy.append("speedup vs eager")
+        return rows
+
+    fake.run = run
+    if render is not None:
+        fake.render = render
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setattr(bench_run, "available_benches", lambda: {"losses": "fake_bench"})
+
+
+def test_run_prints_the_rendered_tables_and_a_summary(tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def render(results, source):
+        seen.update(results=results, source=source)
+        return "RENDERED TABLE"
+
+    _fake_bench(monkeypatch, render)
+    out = tmp_path / "r.json"
+    assert bench_run.main(["--only", "losses", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "RENDERED TABLE" in text and "| bench | case |" not in text  # raw fields: JSON only
+    assert seen["source"].endswith("r.json") and len(seen["results"]["rows"]) == 6
+    summary = text[text.index("## summary"):]
+    assert "fused loss vs transformers eager: 10.0x to 10.0x, median 10.0x (3 cases, 1 noisy)" \
+        in summary
+    assert "1 of 6 rows noisy" in summary and "other processes used" in summary
+    payload = json.loads(out.read_text())
+    load = payload["load"]["losses"]
+    assert set(load) == {"seconds", "other_cores", "load_avg"} and load["other_cores"] >= 0
+    assert f"render.py {out}" in text or "render.py" in text
+
+
+def test_a_render_that_fails_prints_every_field_and_says_why(tmp_path, monkeypatch, capsys):
+    def render(results, source):
+        raise KeyError("speedup")
+
+    _fake_bench(monkeypatch, render)
+    assert bench_run.main(["--only", "losses", "--out", str(tmp_path / "r.json")]) == 0
+    text = capsys.readouterr().out
+    assert "could not render the losses tables: KeyError" in text
+    assert "| bench | case | provider |" in text
+
+
+def test_the_summary_calls_a_busy_bench_busy():
+    rows = [harness.Row("index", "x, B=1", "rag_fast exact", 1.0, None,
+                        {"x faiss": 2.0, "x torch": 3.0}),
+            harness.Row("index", "x, B=16", "rag_fast exact", 1.0, None,
+                        {"x faiss": 0.5, "x torch": 1.5}, noisy=["x faiss"])]
+    text = bench_run.summary(rows, {"index": {"seconds": 12.0, "other_cores": 0.9,
+                                              "load_avg": 3.0}}, cores=2)
+    assert "other processes used 0.90 of 2 cores (BUSY" in text
+    assert "exact search vs faiss IndexFlatIP: 0.50x to 2.00x (2 cases, 1 noisy)" in text
+    assert "exact search vs torch matmul + topk: 1.50x to 3.00x (2 cases)" in text
+    assert "ivfpq" not in text  # no rows, no line
+    quiet = bench_run.summary(rows, {"index": {"seconds": 1.0, "other_cores": 0.0}}, cores=2)
+    assert "BUSY" not in quiet
+
+
+def test_the_load_monitor_counts_other_processes_not_its_own(monkeypatch):
+    """other_cores = (the machine's busy CPU s - this process's and its children's) / wall s;
+    the clocks are replaced so that the arithmetic is checked whatever else runs here."""
+    clock = {"wall": 100.0, "busy": 5000.0, "own": 20.0}
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(harness, "_cpu_busy_s", lambda: clock["busy"])
+    monkeypatch.setattr(harness, "_own_cpu_s", lambda: clock["own"])
+    with harness.LoadMonitor() as m:
+        # 10 s: this run used 18 CPU s (2 cores), the machine 23: others 0.5 of a core
+        clock.update(wall=110.0, busy=5023.0, own=38.0)
+    assert m.result["seconds"] == 10.0 and m.result["other_cores"] == 0.5
+    with harness.LoadMonitor() as m:
+        clock.update(wall=120.0, busy=5030.0, own=60.0)  # counters that disagree: never < 0
+    assert m.result["other_cores"] == 0.0
+    monkeypatch.setattr(harness, "_cpu_busy_s", lambda: None)  # no /proc/stat
+    with harness.LoadMonitor() as m:
+        pass
+    assert m.result["other_cores"] is None
+    monkeypatch.undo()
+    assert harness._cpu_busy_s() > 0 and harness._own_cpu_s() > 0  # this machine has them
+
+
+def test_render_prints_any_results_file(tmp_path, capsys):
+    import render
+
+    path = tmp_path / "mine.json"
+    committed = json.loads((BENCH_DIR / "results" / "cpu-lm-head-full.json").read_text())
+    committed["rows"] += json.loads(
+        (BENCH_DIR / "results" / "cpu-decoding-full.json").read_text())["rows"]
+    path.write_text(json.dumps(committed))
+    readme = (BENCH_DIR.parent / "README.md").read_text()
+    assert render.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## lm_head\n") and "\n## decoding\n" in out
+    assert f"(`{path}`)" in out  # the caption names the file given
+    table = render.rendered("lm_head").split("\n\n", 1)[1]  # the README's table, not its caption
+    assert table in out
+    assert (BENCH_DIR.parent / "README.md").read_text() == readme  # README untouched
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{", "not JSON"), ("[1, 2]", "not a benchmarks/run.py results file"),
+    ('{"rows": [{"case": "x"}]}', "not a benchmarks/run.py results file"),
+    ('{"rows": []}', "holds no rows"),
+    ('{"rows": [{"bench": "nope"}]}', "has no benchmarks/bench_nope.py")])
+def test_render_names_a_file_it_cannot_render(tmp_path, capsys, content, words):
+    import render
+
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert render.main([str(path)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and words in err
+    assert render.main([str(tmp_path / "missing.json")]) == 1
+    assert "missing.json" in capsys.readouterr().err

@@ -286,12 +286,12 @@ def test_plot_is_a_png_with_an_eval_panel(tmp_path):
     trainer.train()
     png = tmp_path / "plots" / "run.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE
-    assert imread(str(png)).shape[:2] == (600, 700)  # two panels
+    assert imread(str(png)).shape[:2] == (650, 700)  # two panels: loss, the [0, 1] metrics
     assert not [p for p in os.listdir(png.parent) if ".tmp-" in p]
     trained(tmp_path / "no_evals")
     single = tmp_path / "no_evals" / "training.png"
     assert single.read_bytes()[:8] == PNG_SIGNATURE
-    assert imread(str(single)).shape[:2] == (350, 700)  # loss only
+    assert imread(str(single)).shape[:2] == (400, 700)  # loss only
 
 
 def test_no_matplotlib_warns_once_and_skips_the_plot(tmp_path, monkeypatch):

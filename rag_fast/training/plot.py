@@ -26,9 +26,40 @@ def _number(value: Any) -> float | None:
 _warned_no_matplotlib = False
 
 
+# metrics told apart on a shared panel: a marker and a line style each
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINES = ("-", "--", ":", "-.")
+
+
+def metric_panels(series: dict[str, list]) -> list[tuple[str, list[str]]]:
+    """Eval metrics grouped by scale, one plot panel each: ``[(y label, [names])]``.
+
+    A metric named like a loss (``loss``, ``nll``, ``perplexity`` in its name) goes with the
+    training loss (the first panel, labelled ``"loss"``, present even without one); metrics
+    whose every value lies in [0, 1] (exact match, F1, recall@k, BLEU, ROUGE) share a
+    ``"fraction (0-1)"`` panel; any other metric gets a panel of its own, so that no metric is
+    drawn flat against another's scale."""
+    loss, fractions, own = [], [], []
+    for name, points in series.items():
+        values = [v for _, v in points]
+        if any(word in name.lower() for word in ("loss", "nll", "perplexity")):
+            loss.append(name)
+        elif all(0.0 <= v <= 1.0 for v in values):
+            fractions.append(name)
+        else:
+            own.append(name)
+    panels = [("loss", loss)]
+    if fractions:
+        panels.append(("fraction (0-1)", fractions))
+    panels += [(name, [name]) for name in own]
+    return panels
+
+
 def plot_training(state: TrainState, path: str) -> bool:
-    """A PNG (written atomically) of the logged loss vs step, and of each eval metric vs step
-    in a second panel when there are evals; matplotlib's Agg canvas, no pyplot.
+    """A PNG (written atomically) of the logged training loss vs step, with the eval metrics in
+    panels by scale (:func:`metric_panels`): eval losses beside the training loss, metrics in
+    [0, 1] together (each with its own marker and line style, so that equal values stay
+    visible), any other metric alone; matplotlib's Agg canvas, no pyplot.
 
     Returns:
         Whether it was written: False, with one warning per process, without matplotlib.
@@ -48,20 +79,24 @@ def plot_training(state: TrainState, path: str) -> bool:
         for name, value in metrics.items():
             if (value := _number(value)) is not None:
                 series.setdefault(name, []).append((step, value))
-    fig = Figure(figsize=(7, 6 if series else 3.5), layout="constrained")
+    panels = metric_panels(series)
+    fig = Figure(figsize=(7, 1.5 + 2.5 * len(panels)), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2 if series else 1, 1, sharex=True, squeeze=False)[:, 0]
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     if state.history:
         steps, losses = zip(*state.history)
-        axes[0].plot(steps, [math.nan if v is None else v for v in losses], marker=".")
-    axes[0].set_ylabel("training loss")
-    for name, points in series.items():
-        axes[1].plot(*zip(*points), marker="o", label=name)
-    if series:
-        axes[1].set_ylabel("eval")
-        axes[1].legend()
-    for ax in axes:
+        axes[0].plot(steps, [math.nan if v is None else v for v in losses], marker=".",
+                     label="training loss")
+    for ax, (label, names) in zip(axes, panels):
+        for i, name in enumerate(names):
+            ax.plot(*zip(*series[name]), marker=_MARKERS[i % len(_MARKERS)],
+                    linestyle=_LINES[i % len(_LINES)], label=f"eval {name}", alpha=0.85)
+        if label == "fraction (0-1)":
+            ax.set_ylim(-0.03, 1.03)
+        ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     axes[-1].set_xlabel("step")
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
     return True
