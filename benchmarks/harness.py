@@ -502,29 +502,97 @@ def _own_cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _process_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds used) of every process /proc lists ({} without it)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table = {}
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # after the command's ")": state, ppid, ..., utime (12th), stime (13th)
+        table[pid] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return table
+
+
+def _descendants(table: dict[int, tuple[int, float]], root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 class LoadMonitor:
     """The machine's load while a bench ran: ``with LoadMonitor() as m: ...`` then ``m.result``,
     a JSON dict:
 
     - ``"seconds"``: the bench's wall time;
     - ``"other_cores"``: the CPU time every other process used over that time, in cores (the
-      machine's busy time from /proc/stat minus this process's and its ended children's;
-      None without /proc/stat): 0 on an idle machine, 1 when another process kept one core
-      busy throughout;
+      machine's busy time from /proc/stat less the run's own: this process's, its ended
+      children's, and that of the processes below it still running or not waited for by this
+      process, such as ranks a forkserver started, seen by polling /proc every ``poll_s``
+      seconds; None without /proc/stat): 0 on an idle machine, 1 when another process kept
+      one core busy throughout. A descendant that lived less than ``poll_s`` between two polls
+      and was not this process's child counts as another process's;
     - ``"load_avg"``: the 1-minute load average at the end (it counts this run's own threads).
     """
 
+    def __init__(self, poll_s: float = 0.25) -> None:
+        self.poll_s = poll_s
+
+    def _poll(self) -> None:
+        me = os.getpid()
+        while True:
+            table = _process_table()
+            for pid in _descendants(table, me):
+                ppid, cpu = table[pid]
+                if ppid == me:
+                    continue  # this process's children: counted when it waits for them
+                first, _ = self._tree.get(pid, (None, None))
+                self._tree[pid] = (cpu if first is None else first, cpu)
+            if self._stop.wait(self.poll_s):
+                return
+
     def __enter__(self) -> "LoadMonitor":
+        import threading
+
         self._wall, self._busy, self._own = time.perf_counter(), _cpu_busy_s(), _own_cpu_s()
         self.result: dict = {}
+        # descendant pid -> (CPU s when first seen, when last seen); a pid new since the start
+        # counts from 0 (its first sighting may be late)
+        self._tree: dict[int, tuple[float, float]] = {}
+        before = _process_table()
+        self._existing = {pid: before[pid][1] for pid in _descendants(before, os.getpid())}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
         return self
 
+    def _tree_cpu_s(self) -> float:
+        """CPU seconds the descendants that are not this process's children used meanwhile."""
+        return sum(last - self._existing.get(pid, 0.0) for pid, (_, last) in self._tree.items())
+
     def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
         wall = max(time.perf_counter() - self._wall, 1e-9)
         busy = _cpu_busy_s()
         others = None
         if busy is not None and self._busy is not None:
-            others = max(0.0, (busy - self._busy) - (_own_cpu_s() - self._own)) / wall
+            own = _own_cpu_s() - self._own + self._tree_cpu_s()
+            others = max(0.0, (busy - self._busy) - own) / wall
         self.result = {"seconds": round(wall, 1),
                        "other_cores": None if others is None else round(others, 2),
                        "load_avg": round(os.getloadavg()[0], 2)}

@@ -736,3 +736,24 @@ def test_render_names_a_file_it_cannot_render(tmp_path, capsys, content, words):
     assert str(path) in err and words in err
     assert render.main([str(tmp_path / "missing.json")]) == 1
     assert "missing.json" in capsys.readouterr().err
+
+
+def _spin_for_one_cpu_second():
+    import time
+
+    while time.process_time() < 1.0:
+        pass
+
+
+def test_the_load_monitor_counts_processes_below_it_that_it_does_not_wait_for():
+    """Ranks a forkserver starts are not this process's children: the monitor sees their CPU
+    time by polling /proc, so that a bench's own ranks are not "other processes"."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    with harness.LoadMonitor() as m:
+        rank = ctx.Process(target=_spin_for_one_cpu_second)
+        rank.start()
+        rank.join()
+    assert m._tree_cpu_s() >= 0.5  # seen at least halfway through its one CPU second
+    assert m.result["other_cores"] is not None
