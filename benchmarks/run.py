@@ -4,9 +4,9 @@ Runs every ``benchmarks/bench_*.py`` (each defines ``NAME`` and ``run(ctx) -> li
 prints one Markdown table per bench and writes all rows, with the machine's description, to
 ``benchmarks/results/local/<device>-<time>.json`` (ignored by git, so running the benchmarks
 leaves the checkout clean; ``--out PATH`` writes elsewhere, e.g. a results file to commit next to
-``benchmarks/results/*.json``). ``--quick`` (the default) keeps the whole run within about 3
-minutes on 2 CPU cores, plus about 2 minutes the first time, when the index bench embeds its
-real-text corpus (cached under the git-ignored ``benchmarks/results/local/cache``).
+``benchmarks/results/*.json``). ``--quick`` (the default) took 306 s on 2 idle CPU cores the
+first time, when the index bench embeds its real-text corpus (cached under the git-ignored
+``benchmarks/results/local/cache``), and about 4.5 minutes after (docs/benchmarks.md).
 
 Every row records the allocator its times were taken with (``extra["allocator"]``): glibc's as it
 is by default, unless the bench set its own (the training bench times in fresh processes) or
@@ -197,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="quick", action="store_true", default=True,
-                      help="small sizes, about 3 minutes on 2 CPU cores (default; +2 the first time)")
+                      help="small sizes (default): about 5 minutes on 2 idle CPU cores the "
+                           "first time, 4.5 once the index bench's corpus is embedded")
     size.add_argument("--full", dest="quick", action="store_false",
-                      help="the sizes named in the issues' acceptance lists")
+                      help="the sizes of the README's tables: far longer (the training "
+                           "bench alone 36 minutes on 2 cores); use --only NAME")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", action="append", default=None, metavar="NAME",
                         help="run only this bench (repeatable)")
