@@ -493,3 +493,28 @@ def test_set_syntax_errors_are_usage_errors(tmp_path, capsys, argv, message):
         cli.main(["train", "--config", str(_train_config(tmp_path, "no-model")), *argv])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().endswith(f"rag-fast train: error: {message}")
+
+
+def test_no_parser_accepts_a_prefix_of_an_option(capsys):
+    """argparse's prefix matching is off everywhere: `--n-doc` and `--passage` are typos to
+    name, not silent `--n-docs` and `--passages`."""
+    import argparse
+
+    from rag_fast.cli import build_parser, main
+
+    parsers, todo = [], [build_parser()]
+    while todo:
+        p = todo.pop()
+        parsers.append(p)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += list(action.choices.values())
+    assert len(parsers) > 10 and all(p.allow_abbrev is False for p in parsers)
+    for argv, words in (
+            (["eval", "--data", "d.jsonl", "--model", "m", "--n-doc", "3"],
+             "unrecognized arguments: --n-doc 3 (--n-doc: did you mean --n-docs?)"),
+            (["index", "build", "--passage", "p.jsonl", "--encoder", "e", "--out", "o"],
+             "--passage: did you mean --passages?")):
+        with pytest.raises(SystemExit) as exit_:  # argparse's usage error
+            main(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
