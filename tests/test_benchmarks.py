@@ -757,3 +757,27 @@ def test_the_load_monitor_counts_processes_below_it_that_it_does_not_wait_for():
         rank.join()
     assert m._tree_cpu_s() >= 0.5  # seen at least halfway through its one CPU second
     assert m.result["other_cores"] is not None
+
+
+def test_a_bench_that_fails_leaves_the_benches_before_it_on_disk(tmp_path, monkeypatch):
+    """The results file is rewritten after every bench: a later failure (or Ctrl-C) keeps
+    what was measured."""
+    first, second = types.ModuleType("first_bench"), types.ModuleType("second_bench")
+    first.NAME, second.NAME = "first", "second"
+    m = harness.Measurement.of([1.0, 1.0, 1.0])
+    first.run = lambda ctx: [harness.Row.of("first", "c", "p", m)]
+
+    def fail(ctx):
+        raise KeyboardInterrupt
+
+    second.run = fail
+    monkeypatch.setitem(sys.modules, "first_bench", first)
+    monkeypatch.setitem(sys.modules, "second_bench", second)
+    monkeypatch.setattr(bench_run, "available_benches",
+                        lambda: {"first": "first_bench", "second": "second_bench"})
+    out = tmp_path / "r.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench_run.main(["--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert [r["bench"] for r in payload["rows"]] == ["first"] and list(payload["load"]) == ["first"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary file left
