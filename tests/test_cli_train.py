@@ -112,6 +112,8 @@ def test_train_then_eval_commands(setup, capsys):
     printed = capsys.readouterr().out
     metrics = json.loads((root / "eval" / "metrics.json").read_text())["metrics"]
     assert f"{metrics['em']:.4f}" in printed
+    assert "(recall@2: the share of questions with an answer string among their 2 passages" \
+        in printed  # not to be taken for recall against gold passage ids
     assert {"em", "f1", "bleu1", "rougeL", "recall@2"} <= set(metrics)
     assert all(0.0 <= metrics[k] <= 1.0 for k in ("em", "recall@2"))
 

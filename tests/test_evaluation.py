@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from rag_fast.evaluation import (DatasetError, bleu1, evaluate, exact_match, f1, label_accuracy,
-                                 load_qa, normalize_answer, retrieval_recall, rouge_l)
+                                 load_qa, match_tokens, normalize_answer, retrieval_recall,
+                                 rouge_l)
+from rag_fast.evaluation.metrics import answer_in_passage
 
 
 def test_squad_normalisation_em_and_f1():
@@ -87,6 +89,32 @@ def test_label_accuracy_and_retrieval_recall():
     assert retrieval_recall(passages, [["France"], ["Lyon"]]) == 1.0
     assert retrieval_recall(passages, [["France"], ["Lyon"]], k=1) == 0.5
     assert retrieval_recall([["francesca"]], [["France"]]) == 0.0  # whole tokens only
+
+
+@pytest.mark.parametrize("passage, answer, found", [
+    # punctuation separates words: names in code, paths, hyphens (SQuAD's normalisation glued
+    # them to their neighbours: ">>> R.dup_inner_gcd(x" became "rdupinnergcdx")
+    (">>> R.dup_inner_gcd(x**2 - 1, x)", "dup_inner_gcd", True),
+    (":func:`rational_algorithm`", "rational_algorithm", True),
+    ("``CGate.control_value``", "CGate.control_value", True),
+    ("It lies 2.5 million light-years away.", "2.5 million light-years", True),
+    ("Saint-Étienne is a city.", "saint-étienne", True),
+    ("Saint-E\u0301tienne is a city.", "Saint-Étienne", True),  # NFD text, NFC answer
+    ("x=5.", "5", True),
+    ("in 15 days", "5", False),  # whole tokens: "5" is not in "15"
+    ("Francesca", "France", False),
+    ("the dup_gcd function", "dup", True),  # a whole token before "_"
+    ("The Beatles played", "the beatles", True),
+    ("Beatles played", "the Beatles", False),  # articles are tokens too, as in DPR
+    ("anything", "...", False),  # punctuation-only answers still need their tokens
+    ("anything", "", False)])
+def test_answers_are_found_as_consecutive_whole_tokens(passage, answer, found):
+    assert answer_in_passage({"title": "", "text": passage}, [answer]) is found
+
+
+def test_match_tokens_splits_punctuation_off():
+    assert match_tokens(">>> R.dup_gcd(x)") == "> > > r . dup _ gcd ( x )"
+    assert match_tokens("  Light-Years ") == "light - years"
 
 
 def test_metric_errors():

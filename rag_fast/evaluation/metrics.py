@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from collections import Counter
 from typing import Any, Sequence
 
@@ -16,6 +17,8 @@ from typing import Any, Sequence
 # its articles the whole words a, an, the (\b as Python's re reads it on str: Unicode words)
 _DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)
 _ARTICLE_WORDS = re.compile(r"\b(?:a|an|the)\b")
+# answer matching's tokens: runs of letters and digits, and every other visible character alone
+_MATCH_TOKEN = re.compile(r"[^\W_]+|[^\w\s]|_")
 
 
 def normalize_answer(text: str) -> str:
@@ -123,10 +126,21 @@ def _passage_text(passage: Any) -> str:
     return f"{getattr(passage, 'title', '')} {passage.text}"
 
 
+def match_tokens(text: str) -> str:
+    """Text as answer matching reads it, the tokens joined by single spaces: Unicode NFC, lower
+    case, then runs of letters and digits, and every other character that is not a space on
+    its own (the way DPR's ``has_answer`` tokenizes). Punctuation so separates words instead
+    of gluing them: ``">>> R.dup_gcd(x)"`` is ``"> > > r . dup _ gcd ( x )"``, where
+    SQuAD's normalisation (:func:`normalize_answer`) would give ``"rdupgcdx"``."""
+    return " ".join(_MATCH_TOKEN.findall(unicodedata.normalize("NFC", text).lower()))
+
+
 def answer_in_passage(passage: Any, answers: Sequence[str]) -> bool:
-    """Does a normalised answer occur (as whole tokens) in the normalised passage text?"""
-    text = f" {normalize_answer(_passage_text(passage))} "
-    return any(f" {normalize_answer(a)} " in text for a in answers if normalize_answer(a))
+    """Does an answer's token sequence (:func:`match_tokens`) occur in the passage's (title and
+    text), as consecutive whole tokens? "5" is not found in "15" nor "France" in
+    "Francesca", but "dup_gcd" is in "R.dup_gcd(x)" and "2.5 million" in "2.5 million km"."""
+    text = f" {match_tokens(_passage_text(passage))} "
+    return any(f" {tokens} " in text for tokens in map(match_tokens, answers) if tokens)
 
 
 def retrieval_recall(

@@ -8,9 +8,10 @@ Two measures, each over the questions that can have it:
   names its passages; or DPR's ``"positive_ctxs"``, objects with ``"passage_id"`` or ``"id"``)
   that have at least one of them among the top k passages retrieved.
 - **answer recall@k**: the fraction of questions with answers that have an answer string in
-  one of the top k passages (title and text, SQuAD-normalised as the answer metrics normalise
-  answers, matched as whole words: :func:`~rag_fast.evaluation.metrics.answer_in_passage`,
-  what ``evaluate``'s ``recall@K`` counts).
+  one of the top k passages (title and text, the answer's tokens found there as consecutive
+  whole tokens, punctuation being tokens of its own as in DPR's ``has_answer``:
+  :func:`~rag_fast.evaluation.metrics.answer_in_passage`, what ``evaluate``'s ``recall@K``
+  counts).
 
 Answer recall is lenient: a short answer ("5", "blue") is found in passages that say nothing
 about the question. So the report counts, for every answer, the passages of the corpus that
@@ -31,7 +32,7 @@ import numpy as np
 
 from rag_fast._jsonl import json_type, read_objects
 from rag_fast.evaluation.data import DatasetError, _answers, load_qa
-from rag_fast.evaluation.metrics import _passage_text, answer_in_passage, normalize_answer
+from rag_fast.evaluation.metrics import _passage_text, answer_in_passage, match_tokens
 from rag_fast.storage import RETRIEVAL_EVAL_KIND, atomic_write_bytes, write_marker
 
 GOLD_FIELDS = ("positive_ids", "gold", "passage_id", "positive_ctxs")
@@ -148,7 +149,7 @@ def _count_answers(corpus: Any, answers: dict[str, set[int]], sample: int,
     per_answer = dict.fromkeys(answers, 0)
     per_question: dict[int, int] = {}
     for row in rows:
-        text = normalize_answer(_passage_text(corpus[row]))
+        text = match_tokens(_passage_text(corpus[row]))
         padded = f" {text} "
         found = [a for token in set(text.split()) & by_first.keys() for a in by_first[token]
                  if f" {a} " in padded]
@@ -222,12 +223,12 @@ def retrieval_report(examples: Sequence[RetrievalExample], passages: Sequence[Se
                 f"are not passage ids of the index, e.g. {sorted(unknown)[0]!r}: those "
                 "questions can be found only through their other gold ids")
 
-    # answers: each normalised answer's passages in the corpus (a sample beyond `sample`)
+    # answers: each answer's passages in the corpus (a sample beyond `sample`), as token strings
     norm_answers: dict[str, set[int]] = {}
     for i in answer_q:
         for a in examples[i].answers:
-            if normalize_answer(a):
-                norm_answers.setdefault(normalize_answer(a), set()).add(i)
+            if match_tokens(a):
+                norm_answers.setdefault(match_tokens(a), set()).add(i)
     per_answer, per_question, counted = (_count_answers(corpus, norm_answers, sample, seed)
                                          if answer_q else ({}, {}, 0))
 
@@ -245,7 +246,7 @@ def retrieval_report(examples: Sequence[RetrievalExample], passages: Sequence[Se
                              for r, (p, s) in enumerate(zip(found, sc), 1)],
                "hits": {"gold": gold_hits, "answer": answer_hits}}
         if e.answers:
-            row["answer_passages"] = {a: per_answer.get(normalize_answer(a), 0) for a in e.answers}
+            row["answer_passages"] = {a: per_answer.get(match_tokens(a), 0) for a in e.answers}
             row["answer_passages_any"] = per_question.get(i, 0)
         rows.append(row)
 
@@ -291,7 +292,8 @@ def retrieval_report(examples: Sequence[RetrievalExample], passages: Sequence[Se
         }
         notes.append(
             f"answer recall@k: the fraction of the {len(answer_q)} questions with answers that "
-            "have an answer string (SQuAD-normalised, whole words, title or text) in one of the "
+            "have an answer string (lower case, as consecutive whole tokens, punctuation a token "
+            "of its own; title or text) in one of the "
             "top k passages. It is lenient: over " + where + ", a question's answers are in "
             f"{leniency['mean_fraction']:.1%} of the passages on average (at most "
             f"{fractions[top]:.1%}: {', '.join(repr(a) for a in examples[top].answers[:3])}), "
