@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rag_fast.retrieval import DenseIndex, Passage, PassageStore, Retriever
+from rag_fast.retrieval.retriever import QuestionCutWarning
 
 D, N = 32, 40
 
@@ -62,9 +63,20 @@ def test_outputs_shapes_and_values(tmp_path, tokenizer):
 def test_truncation_keeps_special_tokens(tmp_path, tokenizer):
     index, store, emb = knowledge(tmp_path, "alpha", 0)
     retriever = Retriever(index, store, tokenizer, n_docs=2, max_length=8, progress=False)
-    out = retriever(torch.from_numpy(emb[:1]), ["a long question " * 5])
+    with pytest.warns(QuestionCutWarning, match="2 of 2 generator contexts in a batch lost their "
+                      "question, or part of it, to max_length 8"):
+        out = retriever(torch.from_numpy(emb[:1]), ["a long question " * 5])
     assert out.input_ids.shape == (2, 8)
     assert (out.input_ids[:, 0] == tokenizer.cls_token_id).all() and (out.input_ids[:, -1] == tokenizer.sep_token_id).all()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per retriever
+        retriever(torch.from_numpy(emb[:1]), ["a long question " * 5])
+    roomy = Retriever(index, store, tokenizer, n_docs=2, max_length=512, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # contexts that fit: nothing to say
+        roomy(torch.from_numpy(emb[:1]), ["a long question " * 5])
 
 
 def test_bad_input_names_the_argument(tmp_path, tokenizer):

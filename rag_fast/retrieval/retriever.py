@@ -14,6 +14,7 @@ new one, never a mix, and never waits for a swap.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -61,6 +62,10 @@ class RetrievedPassages:
     version: int
 
 
+class QuestionCutWarning(UserWarning):
+    """Generator contexts too long for ``max_length`` lost the question at their end."""
+
+
 class Retriever:
     """Retrieve K passages per question from a :class:`DenseIndex` and :class:`PassageStore`.
 
@@ -95,6 +100,7 @@ class Retriever:
             self._title_sep = self._encode(title_sep.rstrip())
             self._doc_sep = self._encode(doc_sep.rstrip())
         self.max_length = max_length
+        self._warned_cut = False  # QuestionCutWarning said (once per retriever)
         self._state = self._snapshot(index, store, version=0)
 
     def _encode(self, text: str) -> np.ndarray:
@@ -201,14 +207,24 @@ class Retriever:
         """``[B*K, L]`` input ids and attention mask, row ``b*K + k`` = passage k of question b."""
         budget = self.max_length - len(self._prefix) - len(self._suffix)
         encoded = self.tokenizer([" " + q for q in questions], add_special_tokens=False)["input_ids"]
-        rows = []
+        rows, cut = [], 0
         for b, question in enumerate(encoded):
             question = np.asarray(question, np.int64)
             for row in ids[b]:
                 title = tokens.titles[row] if row >= 0 else np.zeros(0, np.int32)
                 text = tokens.texts[row] if row >= 0 else np.zeros(0, np.int32)
-                content = np.concatenate([title, self._title_sep, text, self._doc_sep, question])[:budget]
-                rows.append(np.concatenate([self._prefix, content.astype(np.int64), self._suffix]))
+                content = np.concatenate([title, self._title_sep, text, self._doc_sep, question])
+                cut += len(content) > budget  # the end goes: the question, first
+                rows.append(np.concatenate([self._prefix, content[:budget].astype(np.int64),
+                                            self._suffix]))
+        if cut and not self._warned_cut:
+            self._warned_cut = True
+            warnings.warn(
+                f"{cut} of {len(rows)} generator contexts in a batch lost their question, or part "
+                f"of it, to max_length {self.max_length}: a context is title, passage, then "
+                "question, cut from its end as transformers' RagRetriever cuts it. Give the "
+                "generator more room (rag-fast init --max-context-length) or index shorter "
+                "passages (said once per retriever)", QuestionCutWarning, stacklevel=3)
         length = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), length), self.tokenizer.pad_token_id, dtype=torch.int64)
         mask = torch.zeros((len(rows), length), dtype=torch.int64)
