@@ -15,6 +15,15 @@ if not torch.cuda.is_available():
 from utils import IN_CI, ext_available, triton_cpu_available  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def fixed_threads(monkeypatch):
+    """Every test runs with its thread count fixed (RAG_FAST_THREADS, inherited by the commands
+    tests start): the trainer's adaptive policy reacts to other processes on the machine, and
+    a test's output must not depend on how busy the machine is. tests/test_threads.py unsets
+    it where it tests the policy."""
+    monkeypatch.setenv("RAG_FAST_THREADS", str(torch.get_num_threads()))
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test (``pytestmark = pytest.mark.usefixtures("one_thread")``):
