@@ -502,26 +502,58 @@ def _own_cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _process_table() -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, CPU seconds used) of every process /proc lists ({} without it)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    table = {}
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds used) of a process from /proc/PID/stat; None once it is gone."""
     try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # after the command's ")": state, ppid, ..., utime (12th), stime (13th)
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int] | None:
+    """The child pids of ``pid`` from /proc/PID/task/*/children (a few small files: the
+    polling stays cheap however many processes the machine runs); None where the kernel has
+    no such files."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return {}
-    for pid in pids:
+        return []
+    found = []
+    for tid in tasks:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        # after the command's ")": state, ppid, ..., utime (12th), stime (13th)
-        table[pid] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            return None
+        except OSError:
+            continue
+    return found
+
+
+def _tree(root: int) -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds) of every process below ``root``: walked through the
+    children files, or from a scan of all of /proc where those are missing."""
+    table, todo = {}, [root]
+    while todo:
+        children = _children(todo.pop())
+        if children is None:  # no children files: every process, then keep root's subtree
+            every = {}
+            for name in os.listdir("/proc"):
+                if name.isdigit() and (st := _stat(int(name))) is not None:
+                    every[int(name)] = st
+            return {pid: every[pid] for pid in _descendants(every, root)}
+        for child in children:
+            if child not in table and (st := _stat(child)) is not None:
+                table[child] = st
+                todo.append(child)
     return table
 
 
 def _descendants(table: dict[int, tuple[int, float]], root: int) -> set[int]:
+    """The pids below ``root`` in a pid -> (parent pid, ...) table."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
@@ -555,9 +587,7 @@ class LoadMonitor:
     def _poll(self) -> None:
         me = os.getpid()
         while True:
-            table = _process_table()
-            for pid in _descendants(table, me):
-                ppid, cpu = table[pid]
+            for pid, (ppid, cpu) in _tree(me).items():
                 if ppid == me:
                     continue  # this process's children: counted when it waits for them
                 first, _ = self._tree.get(pid, (None, None))
@@ -573,8 +603,7 @@ class LoadMonitor:
         # descendant pid -> (CPU s when first seen, when last seen); a pid new since the start
         # counts from 0 (its first sighting may be late)
         self._tree: dict[int, tuple[float, float]] = {}
-        before = _process_table()
-        self._existing = {pid: before[pid][1] for pid in _descendants(before, os.getpid())}
+        self._existing = {pid: cpu for pid, (_, cpu) in _tree(os.getpid()).items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()

@@ -76,14 +76,6 @@ def apply_env() -> int | None:
     return n
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity; all of them where unknown)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def machine_busy_s() -> float | None:
     """CPU seconds every process on the machine has used since boot (/proc/stat's first line:
     user, nice, system, irq, softirq, steal), or None without /proc/stat."""
@@ -149,8 +141,8 @@ def command_wait_policy() -> str | None:
     import order decides whether OpenMP has loaded already, and the wait policy is theirs to
     set (docs/tuning.md)."""
     global COMMAND_POLICY
-    if "torch" in sys.modules or not is_command():
-        return None
+    if "torch" in sys.modules or not is_command() or {"-h", "--help"} & set(sys.argv[1:]):
+        return None  # (a help text computes nothing: no 0.1 s of measuring for it)
     settings = wait_policy_for_load()
     os.environ.update(settings)
     COMMAND_POLICY = settings.get("OMP_WAIT_POLICY")

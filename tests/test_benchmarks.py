@@ -781,3 +781,19 @@ def test_a_bench_that_fails_leaves_the_benches_before_it_on_disk(tmp_path, monke
     payload = json.loads(out.read_text())
     assert [r["bench"] for r in payload["rows"]] == ["first"] and list(payload["load"]) == ["first"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary file left
+
+
+def test_the_process_tree_is_found_with_and_without_children_files(monkeypatch):
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        walked = harness._tree(os.getpid())
+        monkeypatch.setattr(harness, "_children", lambda pid: None)  # a kernel without them
+        scanned = harness._tree(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    for tree in (walked, scanned):
+        assert tree[child.pid][0] == os.getpid() and tree[child.pid][1] >= 0
+    assert harness._stat(child.pid) is None  # gone: no row, no error

@@ -174,6 +174,9 @@ def test_the_trainer_warns_once_when_its_steps_slow_down(monkeypatch):
     slow = [w for w in caught if issubclass(w.category, trainer_module.SlowStepsWarning)]
     assert len(slow) == 1
     assert "5.00 s, 5.0x the 1.00 s of the first ones" in str(slow[0].message)
+    # tests fix RAG_FAST_THREADS (conftest): the warning says the count is fixed
+    assert str(slow[0].message).endswith("the count is fixed (--threads, RAG_FAST_THREADS or "
+                                         "threads in the config): unset it to adapt")
 
 
 def test_auto_threads_leaves_the_cores_other_processes_use(monkeypatch):
@@ -281,6 +284,9 @@ def test_only_the_command_sets_it_and_only_before_torch_loads(monkeypatch):
     assert _threads.is_command()
     assert _threads.command_wait_policy() is None  # torch is loaded in this process already
     monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/rag-fast", "train", "--help"])
+    assert _threads.command_wait_policy() is None  # a help text: nothing to measure for
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/rag-fast", "train"])
     assert _threads.command_wait_policy() == "PASSIVE" == _threads.COMMAND_POLICY
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and _threads.passive_waits()
     monkeypatch.delenv("OMP_WAIT_POLICY")

@@ -371,6 +371,7 @@ class Trainer:
             self._say("other processes were keeping the cores busy as this command started: "
                       "OpenMP threads sleep at barriers instead of spinning in this run "
                       "(OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose)", bar, None)
+        self._threads_fixed = fixed is not None  # what the slow-step warning suggests
         try:
             return self._train_loop(bar, watch, auto, start, seen, before_session)
         finally:
@@ -396,7 +397,7 @@ class Trainer:
                               "RAG_FAST_THREADS fix the count)", bar, None)
             slow = watch.observe(step_s)
             if slow is not None and self.rank == 0:
-                if auto is None:
+                if self._threads_fixed:
                     slow += "; the count is fixed (--threads, RAG_FAST_THREADS or threads in " \
                             "the config): unset it to adapt"
                 self._say(slow, bar, SlowStepsWarning)
