@@ -79,7 +79,9 @@ from harness import (ALLOCATOR_ENV, ALLOCATOR_WORDS, Context, Measurement, Row, 
 NAME = "training"
 EAGER, COMPILED, OURS = "transformers", "transformers compiled", "rag_fast"
 OURS_MATERIALIZED = "rag_fast materialized"
-PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALIZED)
+OURS_COMPILED = "rag_fast compiled"
+PROVIDERS = (EAGER, COMPILED, OURS, OURS_MATERIALIZED, OURS_COMPILED)
+COMPILED_PROVIDERS = (COMPILED, OURS_COMPILED)  # compile time measured, no FLOP count
 # timed steps per provider: ROUNDS fresh processes each, STEPS_PER_PROCESS after WARMUP_STEPS
 ROUNDS, STEPS_PER_PROCESS, WARMUP_STEPS = 2, 3, 3
 QUICK_ROUNDS, QUICK_STEPS = 1, 5  # --quick: one process per provider (each pays the imports)
@@ -144,11 +146,13 @@ def _losses(hf, providers, target: int, device: str) -> dict:
         return hf(context_input_ids=contexts, context_attention_mask=mask, doc_scores=s,
                   labels=labels).loss.mean()
 
-    def ours(lm_head_loss: str):
+    def ours(lm_head_loss: str, compiled: bool = False):
         from rag_fast.models import RagModel
 
         # the same generator module: identical weights
         m = RagModel.from_transformers(hf, lm_head_loss=lm_head_loss)
+        if compiled:
+            m.compile()
         return lambda s: m(labels, context_input_ids=contexts, context_attention_mask=mask,
                            doc_scores=s).loss
 
@@ -157,7 +161,8 @@ def _losses(hf, providers, target: int, device: str) -> dict:
 
 def _provider_losses(providers, eager, ours) -> dict:
     """provider -> loss function: ``eager`` (the baseline), ``torch.compile(eager)``, or
-    ``ours(lm_head_loss)`` for rag_fast's fused and materialized LM-head paths."""
+    ``ours(lm_head_loss, compiled)`` for rag_fast's fused and materialized LM-head paths and
+    for ``RagModel.compile()`` (its default path, ``"auto"``)."""
     out = {}
     for p in providers:
         if p == EAGER:
@@ -166,6 +171,8 @@ def _provider_losses(providers, eager, ours) -> dict:
             out[p] = torch.compile(eager)
         elif p in (OURS, OURS_MATERIALIZED):
             out[p] = ours("fused" if p == OURS else "materialized")
+        elif p == OURS_COMPILED:
+            out[p] = ours("auto", compiled=True)
         else:
             raise ValueError(f"provider must be one of {PROVIDERS}, got {p!r}")
     return out
@@ -232,10 +239,12 @@ def _causal_losses(gen, mode: str, providers, target: int, device: str) -> dict:
                      use_cache=False, logits_to_keep=T).logits
         return materialized_rag_loss(logits, s, answers, mode, pad=1)
 
-    def ours(lm_head_loss: str):
+    def ours(lm_head_loss: str, compiled: bool = False):
         from rag_fast.models import RagModel
 
         m = RagModel(gen, mode=mode, n_docs=K, lm_head_loss=lm_head_loss)
+        if compiled:
+            m.compile()
         return lambda s: m(answers, context_input_ids=prompts, context_attention_mask=mask,
                            doc_scores=s).loss
 
@@ -246,7 +255,8 @@ def _check_same_loss(losses: dict, params, size_name: str, mode: str, device: st
     """Every provider's loss equals the baseline's (one forward each, dropout off)."""
     scores = _inputs(1)[3][:CAUSAL_B].to(device)
     with torch.no_grad():
-        values = {p: float(f(scores)) for p, f in losses.items() if p != COMPILED}
+        values = {p: float(f(scores)) for p, f in losses.items()
+                  if p not in COMPILED_PROVIDERS}
     want = values[EAGER]
     for p, v in values.items():
         if abs(v - want) > 1e-3 * max(1.0, abs(want)):
@@ -345,9 +355,9 @@ def time_provider(mode: str, size_name: str, target: int, provider: str, device:
     # to zero in every timing process alike
     torch.set_flush_denormal(True)
     step = _provider_step(mode, size_name, target, provider, device, keep_grads=False)
-    gflop = step_gflop(step) if count_flops and provider != COMPILED else None
+    gflop = step_gflop(step) if count_flops and provider not in COMPILED_PROVIDERS else None
     compile_s = None
-    if provider == COMPILED:
+    if provider in COMPILED_PROVIDERS:
         from bench_losses import compile_seconds
 
         torch._dynamo.reset()
@@ -366,7 +376,8 @@ def check_case(mode: str, size_name: str, target: int, providers: list[str], dev
     """Every (uncompiled) provider's loss of a decoder-only case equals the baseline's
     (:func:`_check_same_loss`, raising if not); run in a fresh process of its own."""
     gen = _causal_model(SIZES[size_name]).to(device)
-    losses = _causal_losses(gen, mode, [p for p in providers if p != COMPILED], target, device)
+    eager = [p for p in providers if p not in COMPILED_PROVIDERS]
+    losses = _causal_losses(gen, mode, eager, target, device)
     _check_same_loss(losses, list(gen.parameters()), size_name, mode, device)
     return True
 
@@ -388,15 +399,15 @@ def time_case(mode: str, size_name: str, target: int, providers: list[str], devi
     """Each provider timed in fresh processes (:func:`time_provider`), ``rounds`` rounds in
     which the providers take turns, ``steps`` timed steps after ``warmup`` untimed ones per
     process.
-    Returns ``{"times_ms": {provider: [...]}, "gflop": {provider: GFLOP}, "compile_s": the
-    first round's, "allocator": the processes' setting, "faults": {provider: median per timed
-    step}, "system_s": {provider: median}}``."""
+    Returns ``{"times_ms": {provider: [...]}, "gflop": {provider: GFLOP}, "compile_s":
+    {compiled provider: its first round's}, "allocator": the processes' setting, "faults":
+    {provider: median per timed step}, "system_s": {provider: median}}``."""
     import memory
 
     times = {p: [] for p in providers}
     faults = {p: [] for p in providers}
     system = {p: [] for p in providers}
-    gflop, compile_s, seen = {}, None, set()
+    gflop, compile_s, seen = {}, {}, set()
     for r in range(rounds):
         for p in providers:
             got = memory.call_fresh(
@@ -411,7 +422,7 @@ def time_case(mode: str, size_name: str, target: int, providers: list[str], devi
             if got["gflop"] is not None:
                 gflop[p] = got["gflop"]
             if r == 0 and got["compile_s"] is not None:
-                compile_s = got["compile_s"]
+                compile_s[p] = got["compile_s"]
     if len(seen) != 1:
         raise RuntimeError(f"the timing processes ran with different allocators: {sorted(seen)}")
     return {"times_ms": times, "gflop": gflop, "compile_s": compile_s, "allocator": seen.pop(),
@@ -460,6 +471,7 @@ def run(ctx: Context) -> list[Row]:
 
 # the LM-head path each rag_fast provider runs (its ``lm_head_loss``)
 PATHS = {OURS: "fused", OURS_MATERIALIZED: "materialized"}
+# rag_fast's compiled provider runs RagModel's default ("auto") path
 
 
 def quick_providers(case: str) -> list[str]:
@@ -473,6 +485,8 @@ def quick_providers(case: str) -> list[str]:
 def path_label(case: str, provider: str) -> str | None:
     """The ``LM-head path`` cell of a rag_fast row: the ``lm_head_loss`` it ran, marked when
     it is the one ``RagModel``'s default (``"auto"``) takes at ``case``; None for a baseline."""
+    if provider == OURS_COMPILED:
+        return default_path(case) + " (RagModel default, compiled)"
     path = PATHS.get(provider)
     if path is None:
         return None
@@ -492,9 +506,9 @@ class GemmFloor:
         return min(self.gflop.values()) / self.rate * 1e3
 
 
-def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: float | None,
+def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: dict | None,
           batch: int = B, floor: GemmFloor | None = None) -> list[Row]:
-    rows = []
+    rows, compile_s = [], compile_s or {}
     base = measured[EAGER]
     for provider, m in measured.items():
         row = Row.of(NAME, case, provider, m, {"examples/s": batch / (m.median_ms / 1e3)})
@@ -510,8 +524,8 @@ def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: flo
             row.extra["memory vs eager"] = row.peak_mb / mem[EAGER].whole_step_peak_mb
             if COMPILED in mem:
                 row.extra["memory vs compiled"] = row.peak_mb / mem[COMPILED].whole_step_peak_mb
-        if provider == COMPILED and compile_s is not None:
-            row.extra["compile s"] = round(compile_s, 1)
+        if compile_s.get(provider) is not None:
+            row.extra["compile s"] = round(compile_s[provider], 1)
         if floor is not None and floor.gflop:
             if provider in floor.gflop:
                 row.extra["GFLOP"] = round(floor.gflop[provider], 2)

@@ -38,8 +38,12 @@ def _training_rows(with_compiled=True):
     if with_compiled:
         measured["transformers compiled"] = _m([800, 810, 790, 805, 795])
         mem["transformers compiled"] = StepMemory(900.0, 300.0, 600.0, 300.0)
+        measured["rag_fast compiled"] = _m([420, 425, 415, 422, 418])
+        mem["rag_fast compiled"] = StepMemory(800.0, 200.0, 600.0, 300.0)
     case = "bart-base sequence B=4 K=5 L=64 T=32"
-    return bench_training._rows(case, measured, mem, 42.0 if with_compiled else None)
+    compile_s = {"transformers compiled": 42.0, "rag_fast compiled": 30.0} if with_compiled \
+        else None
+    return bench_training._rows(case, measured, mem, compile_s)
 
 
 def test_training_rows_carry_both_ratios_and_whole_step_memory():
@@ -197,23 +201,25 @@ def test_a_case_is_timed_provider_by_provider_in_fresh_processes(monkeypatch):
         calls.append((provider, first, env, warmup))
         n = len(calls)
         return {"times_ms": [float(n)] * steps, "gflop": 7.0 if first else None,
-                "compile_s": (3.0 if first else 1.0) if provider == "transformers compiled"
+                "compile_s": (3.0 if first else 1.0) if provider.endswith(" compiled")
                 else None, "allocator": env[harness.ALLOCATOR_ENV],
                 "faults": [n] * steps, "system_s": [0.5] * steps}
 
     monkeypatch.setattr(memory, "call_fresh", fake)
-    providers = ["transformers", "transformers compiled", "rag_fast"]
+    providers = ["transformers", "transformers compiled", "rag_fast", "rag_fast compiled"]
     got = bench_training.time_case("token", "small", 16, providers, "cpu", "default", rounds=2,
                                    steps=3)
     assert [c[0] for c in calls] == providers * 2
-    assert [c[1] for c in calls] == [True] * 3 + [False] * 3
+    assert [c[1] for c in calls] == [True] * 4 + [False] * 4
     # every process settles for WARMUP_STEPS untimed steps (3: a fresh process's allocations
     # took that long to settle)
-    assert [c[3] for c in calls] == [bench_training.WARMUP_STEPS] * 6
+    assert [c[3] for c in calls] == [bench_training.WARMUP_STEPS] * 8
     assert bench_training.WARMUP_STEPS == 3
-    assert got["times_ms"]["rag_fast"] == [3.0] * 3 + [6.0] * 3
-    assert got["faults"]["transformers"] == 2.5 and got["system_s"]["rag_fast"] == 0.5
-    assert got["compile_s"] == 3.0 and got["gflop"] == {p: 7.0 for p in providers}
+    assert got["times_ms"]["rag_fast"] == [3.0] * 3 + [7.0] * 3
+    assert got["faults"]["transformers"] == 3.0 and got["system_s"]["rag_fast"] == 0.5
+    # each compiled provider's compile time of its first round
+    assert got["compile_s"] == {"transformers compiled": 3.0, "rag_fast compiled": 3.0}
+    assert got["gflop"] == {p: 7.0 for p in providers}
     assert got["allocator"] == "default"
 
 

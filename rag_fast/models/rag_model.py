@@ -220,7 +220,7 @@ class RagModel(nn.Module):
             ``"materialized"``: the ``[B*K, T, V]`` logits in a reused buffer, then the fused
             loss over them (faster while they fit); ``"auto"`` (default): fused once a step's
             logits would take at least :data:`FUSED_LOGITS_BYTES` (1 GiB), else materialized.
-            Under ``torch.compile`` the materialized path runs (traced without a graph break).
+            Both paths trace under ``torch.compile`` (see :meth:`compile`).
         lean_activations: store the generator's activation outputs, gated products (SwiGLU),
             normalisation outputs, cross-attention keys and values and (on the CPU) dropout
             masks for the backward by recipe (recomputed from tensors the backward keeps
@@ -315,6 +315,57 @@ class RagModel(nn.Module):
         self.index_path: str | None = None
         # generation defaults (a transformers GenerationConfig) of a loaded model directory
         self.generation_config: Any = None
+        # torch.compile options of compile(), and the compiled callables (never saved)
+        self._compile_options: dict | None = None
+        self._compiled: dict = {}
+
+    def compile(self, *, dynamic: bool | None = None, mode: str | None = None,
+                backend: str = "inductor", options: dict | None = None,
+                fullgraph: bool = False) -> "RagModel":
+        """Run this model's training computation under ``torch.compile`` from now on, and
+        return the model.
+
+        Two regions are compiled, each into one graph (when the generator's own code allows):
+        the question encoder with its pooling (:meth:`encode_questions`) and the generator with
+        the RAG loss (:meth:`loss_from_contexts`, which :meth:`forward` calls). rag_fast's ops
+        are inside the graphs as custom ops (the fused RAG losses, the fused LM-head loss and
+        its gradient pass) that the compiler does not break on; retrieval, tokenisation and
+        :meth:`generate` stay eager. Compiled, the materialized path's logits buffer is not
+        reused and a tied LM head's gradient is not deferred (the compiler plans memory
+        itself), and ``lean_activations`` keeps tensors as eager autograd would.
+
+        Args (passed to ``torch.compile``): ``dynamic`` (None: a length seen a second time
+        with another value is compiled once more as a dynamic dimension, then no more; see
+        docs/tuning.md, "Compiled training"), ``mode``, ``backend``, ``options``,
+        ``fullgraph``.
+        Compiling happens at the first call of each region (about a minute on two cores for a
+        BART-base-sized generator); later calls with new lengths reuse the dynamic graph.
+        """
+        self._compile_options = dict(dynamic=dynamic, mode=mode, backend=backend,
+                                     options=options, fullgraph=fullgraph)
+        self._compiled = {}
+        return self
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`compile` was called."""
+        return self._compile_options is not None
+
+    def _compiled_region(self, name: str):
+        """The compiled version of region ``name`` (``"encode"`` or ``"loss"``), or None when
+        the model is not compiled or the caller is already being traced."""
+        if self._compile_options is None or torch.compiler.is_compiling():
+            return None
+        fn = self._compiled.get(name)
+        if fn is None:
+            eager = {"encode": self._encode_questions, "loss": self._loss_with_activations}[name]
+            fn = self._compiled[name] = torch.compile(eager, **self._compile_options)
+        return fn
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_compiled"] = {}  # compiled code belongs to one instance; rebuilt on first use
+        return state
 
     def release_buffers(self) -> None:
         """Free the logits buffer that training steps reuse (it is rebuilt by the next step)."""
@@ -383,6 +434,12 @@ class RagModel(nn.Module):
             raise ValueError("this RagModel has no question_encoder")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        compiled = self._compiled_region("encode")
+        if compiled is not None:
+            return compiled(input_ids, attention_mask)
+        return self._encode_questions(input_ids, attention_mask)
+
+    def _encode_questions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         out = self.question_encoder(input_ids=input_ids, attention_mask=attention_mask)
         hidden = out if isinstance(out, torch.Tensor) else out[0]
         if hidden.dim() == 3:  # [B, L, d] hidden states: pool
@@ -587,9 +644,18 @@ class RagModel(nn.Module):
         reduction: str = "mean",
     ) -> torch.Tensor:
         """The RAG loss given contexts ``[B*K, L]``, scores ``[B, K]`` and labels ``[B, T]``."""
-        B, K = self._check_batch(context_input_ids, doc_scores, labels)
         if self.lean_activations:
             _lean.prepare(self.generator)  # modules added since (a no-op for the others)
+        compiled = self._compiled_region("loss")
+        if compiled is not None:
+            return compiled(context_input_ids, context_attention_mask, doc_scores, labels,
+                            reduction)
+        return self._loss_with_activations(context_input_ids, context_attention_mask,
+                                           doc_scores, labels, reduction)
+
+    def _loss_with_activations(self, context_input_ids, context_attention_mask, doc_scores,
+                               labels, reduction) -> torch.Tensor:
+        B, K = self._check_batch(context_input_ids, doc_scores, labels)
         with _lean.lean_activations(self.lean_activations):
             return self._loss_from_contexts(context_input_ids, context_attention_mask,
                                             doc_scores, labels, reduction, B, K)
@@ -634,20 +700,24 @@ class RagModel(nn.Module):
                 and not self.is_causal):  # a decoder-only answer has no start token
             # transformers' rule: drop BOS only if every target starts with it
             exclude_bos = bool(targets[:, 0].eq(self.bos_token_id).all())
-        # Under torch.compile the materialized path runs: its ops are custom ops the compiler
-        # traces (no graph break), and the compiler plans the logits' memory itself.
+        # Under torch.compile both paths trace without a graph break: they are the custom ops
+        # of rag_fast.linear_rag_nll (its statistics and gradient passes).
         device = states.device.type
         dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else head.weight.dtype)
         logits_bytes = states.shape[:-1].numel() * head.weight.shape[0] * dtype.itemsize
         path = lm_head_path(self.lm_head_loss, logits_bytes)
-        if path == "fused" and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if path == "fused" or compiling:
+            # compiled, the materialized path is the same op keeping its logits (one graph
+            # node for the LM head, the loss and their backward; no logits-sized copies)
             h = states * head.scale if head.scale != 1.0 else states
             return linear_rag_nll(
                 h, head.weight, doc_scores, targets, bias=head.bias, mode=self.mode, n_docs=K,
                 epsilon=self.epsilon, ignore_index=ignore_index, exclude_bos=exclude_bos,
                 reduction=reduction, impl=self.loss_impl,
-                deferred_weight_grad=None if tied is None else tied.deferred)
+                deferred_weight_grad=None if tied is None else tied.deferred,
+                keep_logits=compiling and path == "materialized")
         logits = _seq2seq.lm_logits(head, states, self._logits_workspace,
                                     None if tied is None else tied.deferred)  # [B*K, T-1, V]
         loss_fn = rag_token_nll if self.mode == "token" else rag_sequence_nll
@@ -829,6 +899,8 @@ class RagModel(nn.Module):
                          generator_tokenizer=self.generator_tokenizer,
                          question_tokenizer=self.question_tokenizer, **opts)
         model.index_path, model.generation_config = self.index_path, self.generation_config
+        if self._compile_options is not None:
+            model.compile(**self._compile_options)
         return model
 
 

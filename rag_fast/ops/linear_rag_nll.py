@@ -78,16 +78,23 @@ def tile_width(rows: int, V: int, element_size: int, tile_bytes: int | None = No
 
 
 class _Tiles:
-    """The vocabulary tiles of ``h W^T + b`` into one reused buffer."""
+    """The vocabulary tiles of ``h W^T + b`` into one reused buffer; with ``logits`` (the whole
+    ``[N, V]`` logits, computed once by :func:`_kept_logits`), one tile: those logits, not
+    recomputed."""
 
     def __init__(self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 width: int) -> None:
-        self.h2, self.weight, self.bias, self.width = h2, weight, bias, width
+                 width: int, logits: torch.Tensor | None = None) -> None:
+        self.h2, self.weight, self.bias = h2, weight, bias
         self.V = weight.shape[0]
-        self._buf = torch.empty(h2.shape[0] * min(width, self.V), dtype=h2.dtype,
-                                device=h2.device)
+        self.logits = logits
+        self.width = self.V if logits is not None else width
+        self._buf = None if logits is not None else torch.empty(
+            h2.shape[0] * min(width, self.V), dtype=h2.dtype, device=h2.device)
 
     def __iter__(self):
+        if self.logits is not None:
+            yield 0, self.V, self.logits
+            return
         N = self.h2.shape[0]
         for v0 in range(0, self.V, self.width):
             v1 = min(v0 + self.width, self.V)
@@ -96,6 +103,26 @@ class _Tiles:
             if self.bias is not None:
                 x += self.bias[v0:v1]
             yield v0, v1, x
+
+
+# Vocabulary columns per GEMM of the kept logits on the CPU: a slice of the LM head that stays in
+# L2 while it meets every row (as rag_fast/models/_seq2seq.py's LM_HEAD_CHUNK, measured in
+# docs/tuning.md, "Training: LM_HEAD_CHUNK").
+KEPT_CHUNK = 512
+
+
+def _kept_logits(h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The whole ``[N, V]`` logits, once, in memory from rag_fast's CPU buffer pool (reused
+    from step to step, see rag_fast/_pool.py), ``KEPT_CHUNK`` columns per GEMM on the CPU."""
+    N, V = h2.shape[0], weight.shape[0]
+    out = _pool.empty((N, V), h2.dtype, like=h2)
+    chunk = KEPT_CHUNK if h2.device.type == "cpu" else V
+    for v0 in range(0, V, chunk):
+        v1 = min(v0 + chunk, V)
+        torch.mm(h2, weight[v0:v1].t(), out=out[:, v0:v1])
+    if bias is not None:
+        out += bias
+    return out
 
 
 def _local_targets(targets: torch.Tensor, ignore_index: int, v0: int, v1: int) -> torch.Tensor:
@@ -110,8 +137,8 @@ class _GradTiles(_Tiles):
     with their gradient from the per-row coefficients (see the module docstring)."""
 
     def __init__(self, h2, weight, bias, width, shape, targets, ignore_index, a, lse, c_p, c_y,
-                 c_1, c_r, smooth_token: bool, impl: str) -> None:
-        super().__init__(h2, weight, bias, width)
+                 c_1, c_r, smooth_token: bool, impl: str, logits=None) -> None:
+        super().__init__(h2, weight, bias, width, logits)
         self.shape, self.targets, self.ignore_index, self.a = shape, targets, ignore_index, a
         self.lse, self.c_p, self.c_y, self.c_1, self.c_r = lse, c_p, c_y, c_1, c_r
         self.smooth_token, self.impl = smooth_token, impl
@@ -145,7 +172,83 @@ class _GradTiles(_Tiles):
         return dW
 
 
+def _statistics(h2, weight, bias, a, targets, shape, ignore_index, impl, width, smooth_token,
+                need_sum, fold=None, logits=None):
+    """The per-row statistics of the logits ``h2 W^T + b``, a vocabulary tile at a time (pass 1,
+    and pass 2 for RAG-Token with label smoothing): ``(lse [B, K, T] float64, x_tgt [B, K, T],
+    x_sum [B, K, T] or None, sum_m [B, T] or None, rho [B, K, T] or None)``. ``fold(x, w_tile,
+    lse_before, lse_after, local)`` is called on each pass-1 tile (the online ``P W``).
+    ``logits``: see :class:`_Tiles`."""
+    B, K, T = shape
+    N = h2.shape[0]
+    y_rows = targets[:, None, :].expand(B, K, T).reshape(N)
+    # float64, as row_stats gives each tile's (see rag_fast/ops/rag_losses.py)
+    lse = torch.full((N,), float("-inf"), dtype=torch.float64, device=h2.device)
+    x_tgt = torch.zeros(N, dtype=torch.float32, device=h2.device)
+    x_sum = torch.zeros(N, dtype=torch.float32, device=h2.device) if need_sum else None
+    tiles = _Tiles(h2, weight, bias, width, logits)
+    for v0, v1, x in tiles:
+        part, _, part_sum = torch.ops.rag_fast.row_stats(x.view(B, K, T, v1 - v0), None,
+                                                         ignore_index, impl)
+        new_lse = torch.logaddexp(lse, part.view(N))
+        if need_sum:
+            x_sum += part_sum.view(N)
+        local = _local_targets(y_rows, ignore_index, v0, v1)
+        picked = x.gather(1, local.clamp_min(0)[:, None]).squeeze(1).float()
+        x_tgt = torch.where(local >= 0, picked, x_tgt)
+        if fold is not None:
+            fold(x, weight[v0:v1], lse, new_lse, local)
+        lse = new_lse
+    lse3 = lse.view(B, K, T)
+    sum_m = rho = None
+    if smooth_token:
+        sum_m = torch.zeros((B, T), dtype=torch.float32, device=h2.device)
+        rho = torch.zeros((B, K, T), dtype=torch.float32, device=h2.device)
+        for v0, v1, x in tiles:
+            part_m, part_rho = torch.ops.rag_fast.token_smooth_stats(
+                x.view(B, K, T, v1 - v0), a, lse3, impl)
+            sum_m += part_m
+            rho += part_rho
+    return lse3, x_tgt.view(B, K, T), None if x_sum is None else x_sum.view(B, K, T), sum_m, rho
+
+
+def _tile_grads(grad_tiles: "_GradTiles", h2, weight, need_h: bool, need_w: bool,
+                need_b: bool):
+    """``(dh float32 [N, d], dW [V, d], db [V])`` (None where not needed) from the logits'
+    gradient, a tile at a time."""
+    N = h2.shape[0]
+    dh = torch.zeros((N, h2.shape[1]), dtype=torch.float32, device=h2.device) if need_h \
+        else None
+    dW = torch.empty_like(weight) if need_w else None
+    db = torch.empty_like(grad_tiles.bias) if need_b else None
+    if need_h or need_w or need_b:
+        for v0, v1, G in grad_tiles:
+            if need_h:
+                if dh.dtype == G.dtype:
+                    dh.addmm_(G, weight[v0:v1])
+                else:
+                    dh += G @ weight[v0:v1]
+            if need_w:
+                torch.mm(G.t(), h2, out=dW[v0:v1])
+            if need_b:
+                db[v0:v1] = G.sum(0)
+    return dh, dW, db
+
+
+def _smooth_coefficients(g_lse, g_sum_m, rho, smooth_token: bool):
+    """``(c_p, extra g_a)``: RAG-Token with label smoothing moves part of ``sum_m``'s gradient
+    onto the logits' softmax term and the log-prior (``d sum_m / d a = rho``)."""
+    if not smooth_token:
+        return g_lse, None
+    weighted = g_sum_m[:, None, :] * rho
+    return g_lse - weighted, weighted.sum(-1)
+
+
 class _LinearRagLoss(torch.autograd.Function):
+    """The op with a deferred weight gradient (a tied head in eager ``RagModel``): the hidden
+    states' gradient may be gathered in the forward pass (the online ``P W``), and the weight's
+    is left to ``deferred``. Every other call runs the custom ops of :func:`_custom_op_loss`."""
+
     @staticmethod
     def forward(ctx, h2, weight, bias, a, targets, mask, nll_mask, shape, mode, epsilon,
                 ignore_index, reduction, impl, width, deferred):
@@ -153,12 +256,6 @@ class _LinearRagLoss(torch.autograd.Function):
         N, V = h2.shape[0], weight.shape[0]
         smooth_token = mode == "token" and epsilon > 0
         need_sum = mode == "sequence" and epsilon > 0
-        y_rows = targets[:, None, :].expand(B, K, T).reshape(N)
-        # float64, as row_stats gives each tile's (see rag_fast/ops/rag_losses.py)
-        lse = torch.full((N,), float("-inf"), dtype=torch.float64, device=h2.device)
-        x_tgt = torch.zeros(N, dtype=torch.float32, device=h2.device)
-        x_sum = torch.zeros(N, dtype=torch.float32, device=h2.device) if need_sum else None
-        tiles = _Tiles(h2, weight, bias, width)
         needs_grad = any(ctx.needs_input_grad[:4])
         # With the weight's gradient deferred (a tied head in RagModel), the hidden states'
         # gradient is gathered here, in this one pass, instead of by a pass of its own in the
@@ -166,46 +263,28 @@ class _LinearRagLoss(torch.autograd.Function):
         # gradient needs statistics of a second pass, nor with a bias that needs a gradient.
         online = (deferred is not None and ctx.needs_input_grad[0] and not smooth_token
                   and not (bias is not None and ctx.needs_input_grad[2]))
-        pw = torch.zeros((N, h2.shape[1]), dtype=torch.float32, device=h2.device) if online \
-            else None
-        colsum = torch.zeros(h2.shape[1], dtype=torch.float32, device=h2.device) \
-            if online and need_sum else None
-        unit = (torch.ones((B, K, T), dtype=torch.float32, device=h2.device),
-                torch.zeros((B, K, T), dtype=torch.float32, device=h2.device)) if online else None
-        for v0, v1, x in tiles:
-            part, _, part_sum = torch.ops.rag_fast.row_stats(x.view(B, K, T, v1 - v0), None,
-                                                             ignore_index, impl)
-            new_lse = torch.logaddexp(lse, part.view(N))
-            if need_sum:
-                x_sum += part_sum.view(N)
-            local = _local_targets(y_rows, ignore_index, v0, v1)
-            here = local >= 0
-            picked = x.gather(1, local.clamp_min(0)[:, None]).squeeze(1).float()
-            x_tgt = torch.where(here, picked, x_tgt)
-            if online:
-                _online_softmax_product(pw, x, weight[v0:v1], lse, new_lse, (B, K, T), local,
+        pw = colsum = fold = None
+        if online:
+            pw = torch.zeros((N, h2.shape[1]), dtype=torch.float32, device=h2.device)
+            colsum = torch.zeros(h2.shape[1], dtype=torch.float32, device=h2.device) \
+                if need_sum else None
+            unit = (torch.ones((B, K, T), dtype=torch.float32, device=h2.device),
+                    torch.zeros((B, K, T), dtype=torch.float32, device=h2.device))
+
+            def fold(x, w_tile, lse_before, lse_after, local):
+                _online_softmax_product(pw, x, w_tile, lse_before, lse_after, shape, local,
                                         unit, impl)
                 if colsum is not None:
-                    colsum += weight[v0:v1].sum(0, dtype=torch.float32)
-            lse = new_lse
-        lse3 = lse.view(B, K, T)
-        sum_m = rho = None
-        if smooth_token:
-            sum_m = torch.zeros((B, T), dtype=torch.float32, device=h2.device)
-            rho = torch.zeros((B, K, T), dtype=torch.float32, device=h2.device)
-            for v0, v1, x in tiles:
-                part_m, part_rho = torch.ops.rag_fast.token_smooth_stats(
-                    x.view(B, K, T, v1 - v0), a, lse3, impl)
-                sum_m += part_m
-                rho += part_rho
+                    colsum.add_(w_tile.sum(0, dtype=torch.float32))
+
+        lse3, x_tgt, x_sum, sum_m, rho = _statistics(
+            h2, weight, bias, a, targets, shape, ignore_index, impl, width, smooth_token,
+            need_sum, fold)
         graph = _small_graph(mode, mask, nll_mask, epsilon, V, reduction)
-        loss = graph(lse3, x_tgt.view(B, K, T), None if x_sum is None else x_sum.view(B, K, T),
-                     sum_m, a).to(torch.float32)
+        loss = graph(lse3, x_tgt, x_sum, sum_m, a).to(torch.float32)
         if needs_grad:
-            ctx.save_for_backward(h2, weight, bias, a, targets, mask, nll_mask, lse3,
-                                  x_tgt.view(B, K, T),
-                                  None if x_sum is None else x_sum.view(B, K, T), sum_m, rho,
-                                  pw, colsum)
+            ctx.save_for_backward(h2, weight, bias, a, targets, mask, nll_mask, lse3, x_tgt,
+                                  x_sum, sum_m, rho, pw, colsum)
         ctx.meta = (shape, mode, epsilon, ignore_index, reduction, impl, width)
         ctx.deferred = deferred
         return loss
@@ -216,8 +295,7 @@ class _LinearRagLoss(torch.autograd.Function):
         (h2, weight, bias, a, targets, mask, nll_mask, lse, x_tgt, x_sum, sum_m, rho, pw,
          colsum) = ctx.saved_tensors
         shape, mode, epsilon, ignore_index, reduction, impl, width = ctx.meta
-        B, K, T = shape
-        N, V = h2.shape[0], weight.shape[0]
+        V = weight.shape[0]
         smooth_token = mode == "token" and epsilon > 0
         # the small graph's gradients with respect to the statistics and the log-prior
         stats = [t.detach().requires_grad_() if t is not None else None
@@ -232,42 +310,165 @@ class _LinearRagLoss(torch.autograd.Function):
         g_lse, g_tgt, g_sum, g_sum_m, g_a = (None if t is None else next(found) for t in stats)
         if g_sum is None:  # no row sums in this loss
             g_sum = torch.zeros_like(lse)
-        c_p = g_lse
-        if smooth_token:
-            weighted = g_sum_m[:, None, :] * rho  # d sum_m / d a = rho; the P term of R - rho P
-            g_a = g_a + weighted.sum(-1)
-            c_p = g_lse - weighted
+        c_p, g_a_smooth = _smooth_coefficients(g_lse, g_sum_m, rho, smooth_token)
+        if g_a_smooth is not None:
+            g_a = g_a + g_a_smooth
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
             bias is not None and ctx.needs_input_grad[2])
-        dh = torch.zeros((N, h2.shape[1]), dtype=torch.float32, device=h2.device) if need_h \
-            else None
-        dW = torch.empty_like(weight) if need_w else None
-        db = torch.empty_like(bias) if need_b else None
         deferred = ctx.deferred if need_w else None
         if deferred is not None:  # the weight's gradient is computed later (see below)
-            dW, need_w = None, False
-        grad_tiles = _GradTiles(h2, weight, bias, width, (B, K, T), targets, ignore_index, a,
+            need_w = False
+        grad_tiles = _GradTiles(h2, weight, bias, width, shape, targets, ignore_index, a,
                                 lse, c_p, g_tgt, g_sum, g_sum_m, smooth_token, impl)
+        dh = None
         if pw is not None and need_h and not need_w and not need_b:
-            dh = _hidden_grad_from_pw(pw, weight, targets, ignore_index, (B, K, T), lse, x_tgt,
+            dh = _hidden_grad_from_pw(pw, weight, targets, ignore_index, shape, lse, x_tgt,
                                       c_p, g_tgt, g_sum, colsum)
             need_h = False
-        if need_h or need_w or need_b:
-            for v0, v1, G in grad_tiles:
-                if need_h:
-                    if dh.dtype == G.dtype:
-                        dh.addmm_(G, weight[v0:v1])
-                    else:
-                        dh += G @ weight[v0:v1]
-                if need_w:
-                    torch.mm(G.t(), h2, out=dW[v0:v1])
-                if need_b:
-                    db[v0:v1] = G.sum(0)
+        dh_tiles, dW, db = _tile_grads(grad_tiles, h2, weight, need_h, need_w, need_b)
+        dh = dh if dh is not None else dh_tiles
         if deferred is not None:
             deferred.add_late(grad_tiles.weight_grad)
         g_h = None if dh is None else dh.to(h2.dtype)
         return (g_h, dW, db, g_a if ctx.needs_input_grad[3] else None,
                 None, None, None, None, None, None, None, None, None, None, None)
+
+
+# ---- the op as custom ops: what torch.compile traces (and every call without a deferred
+# weight gradient). The statistics pass and the gradient pass are opaque to the compiler; the
+# small graph between them is ordinary torch code it fuses.
+
+def _width(h2: torch.Tensor, V: int, tile: int) -> int:
+    return min(V, tile) if tile > 0 else tile_width(h2.shape[0], V, h2.element_size(),
+                                                     device_type=h2.device.type)
+
+
+def _none_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Custom ops return tensors only: an absent one is an empty float32 tensor."""
+    return like.new_empty(0, dtype=torch.float32) if t is None else t
+
+
+def _present(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None or t.numel() == 0 else t
+
+
+@torch.library.custom_op(
+    "rag_fast::linear_rag_stats", mutates_args=(), device_types=("cpu", "cuda"),
+    schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor log_prior, Tensor targets, "
+           "int ignore_index, bool smooth_token, bool need_sum, int tile, bool keep_logits, "
+           "str impl) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def linear_rag_stats(hidden, weight, bias, log_prior, targets, ignore_index, smooth_token,
+                     need_sum, tile, keep_logits, impl):
+    """The per-row statistics of ``hidden [B*K*T, d] @ weight^T (+ bias)`` (see
+    :func:`_statistics`): ``lse [B, K, T]`` float64, ``x_tgt``, ``x_sum`` (empty unless
+    ``need_sum``), ``sum_m [B, T]`` and ``rho [B, K, T]`` (empty unless ``smooth_token``),
+    and with ``keep_logits`` the ``[B*K*T, V]`` logits, computed once and kept for the
+    backward (which writes their gradient over them), else an empty tensor and the logits
+    a tile at a time. ``tile`` <= 0: the default tile width."""
+    B, K = log_prior.shape
+    shape = (B, K, targets.shape[1])
+    logits = _kept_logits(hidden, weight, bias) if keep_logits else None
+    stats = _statistics(hidden, weight, bias, log_prior, targets, shape, ignore_index, impl,
+                        _width(hidden, weight.shape[0], tile), smooth_token, need_sum,
+                        logits=logits)
+    return tuple(_none_empty(t, hidden) for t in stats) + (_none_empty(logits, hidden),)
+
+
+@linear_rag_stats.register_fake
+def _(hidden, weight, bias, log_prior, targets, ignore_index, smooth_token, need_sum, tile,
+      keep_logits, impl):
+    B, K = log_prior.shape
+    T = targets.shape[1]
+    f32 = dict(dtype=torch.float32)
+    return (hidden.new_empty((B, K, T), dtype=torch.float64), hidden.new_empty((B, K, T), **f32),
+            hidden.new_empty((B, K, T) if need_sum else (0,), **f32),
+            hidden.new_empty((B, T) if smooth_token else (0,), **f32),
+            hidden.new_empty((B, K, T) if smooth_token else (0,), **f32),
+            hidden.new_empty((hidden.shape[0], weight.shape[0])) if keep_logits
+            else hidden.new_empty(0, **f32))
+
+
+def _linear_rag_stats_setup(ctx, inputs, output) -> None:
+    (hidden, weight, bias, log_prior, targets, ignore_index, smooth_token, _, tile, _,
+     impl) = inputs
+    ctx.save_for_backward(hidden, weight, bias, log_prior, targets, output[0], output[4],
+                          output[5])
+    ctx.meta = (ignore_index, smooth_token, tile, impl)
+
+
+def _linear_rag_stats_backward(ctx, g_lse, g_tgt, g_sum, g_sum_m, _g_rho, _g_logits):
+    hidden, weight, bias, log_prior, targets, lse, rho, logits = ctx.saved_tensors
+    ignore_index, smooth_token, tile, impl = ctx.meta
+    g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
+    g_tgt = torch.zeros_like(lse, dtype=torch.float32) if g_tgt is None else g_tgt
+    g_sum = torch.zeros_like(lse) if g_sum is None or g_sum.numel() == 0 else g_sum
+    if smooth_token and g_sum_m is None:
+        g_sum_m = lse.new_zeros(lse.shape[0], lse.shape[2], dtype=torch.float32)
+    c_p, g_a = _smooth_coefficients(g_lse, g_sum_m, rho, smooth_token)
+    need = ctx.needs_input_grad
+    kept = logits.numel() > 0
+    dh, dW, db = torch.ops.rag_fast.linear_rag_grad(
+        hidden, weight, bias, log_prior, targets, lse, c_p, g_tgt, g_sum,
+        g_sum_m if smooth_token else None, logits if kept else None, ignore_index,
+        smooth_token, tile, impl, need[0], need[1], bias is not None and need[2])
+    if kept and not torch.compiler.is_compiling():
+        # the kept logits now hold their gradient: a second backward through this call
+        # raises (autograd's version check) instead of reading it
+        torch.autograd.graph.increment_version(logits)
+    return (_present(dh) if need[0] else None, _present(dW) if need[1] else None,
+            _present(db) if bias is not None and need[2] else None,
+            g_a if need[3] else None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("rag_fast::linear_rag_stats", _linear_rag_stats_backward,
+                                setup_context=_linear_rag_stats_setup)
+
+
+@torch.library.custom_op(
+    "rag_fast::linear_rag_grad", mutates_args=(), device_types=("cpu", "cuda"),
+    schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor log_prior, Tensor targets, "
+           "Tensor lse, Tensor c_p, Tensor c_y, Tensor c_1, Tensor? c_r, Tensor? logits, "
+           "int ignore_index, bool smooth_token, int tile, str impl, bool need_hidden, "
+           "bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
+)
+def linear_rag_grad(hidden, weight, bias, log_prior, targets, lse, c_p, c_y, c_1, c_r, logits,
+                    ignore_index, smooth_token, tile, impl, need_hidden, need_weight, need_bias):
+    """``(d hidden, d weight, d bias)`` of :func:`linear_rag_stats` given the per-row
+    coefficients of the logits' gradient (each empty where not asked for). ``logits``: the
+    logits :func:`linear_rag_stats` kept, whose only reader this op is: their gradient is
+    written over them (the schema does not declare it: nothing reads them after this call;
+    eager autograd's version check refuses a second backward)."""
+    B, K, T = lse.shape
+    grad_tiles = _GradTiles(hidden, weight, bias, _width(hidden, weight.shape[0], tile),
+                            (B, K, T), targets, ignore_index, log_prior, lse, c_p, c_y, c_1,
+                            c_r, smooth_token, impl, logits)
+    dh, dW, db = _tile_grads(grad_tiles, hidden, weight, need_hidden, need_weight, need_bias)
+    return (_none_empty(None if dh is None else dh.to(hidden.dtype), hidden),
+            _none_empty(dW, hidden), _none_empty(db, hidden))
+
+
+@linear_rag_grad.register_fake
+def _(hidden, weight, bias, log_prior, targets, lse, c_p, c_y, c_1, c_r, logits, ignore_index,
+      smooth_token, tile, impl, need_hidden, need_weight, need_bias):
+    empty = hidden.new_empty(0, dtype=torch.float32)
+    return (torch.empty_like(hidden) if need_hidden else empty,
+            torch.empty_like(weight) if need_weight else empty,
+            torch.empty_like(bias) if need_bias else empty)
+
+
+def _custom_op_loss(h2, weight, bias, a, targets, mask, nll_mask, mode, epsilon,
+                    ignore_index, reduction, impl, tile, keep_logits):
+    """The loss through :func:`linear_rag_stats` (whose backward is :func:`linear_rag_grad`)
+    and the small graph as plain torch code."""
+    smooth_token = mode == "token" and epsilon > 0
+    need_sum = mode == "sequence" and epsilon > 0
+    lse, x_tgt, x_sum, sum_m, _, _ = torch.ops.rag_fast.linear_rag_stats(
+        h2, weight, bias, a, targets, ignore_index, smooth_token, need_sum, tile, keep_logits,
+        impl)
+    graph = _small_graph(mode, mask, nll_mask, epsilon, weight.shape[0], reduction)
+    return graph(lse, x_tgt, x_sum if need_sum else None, sum_m if smooth_token else None,
+                 a).to(torch.float32)
 
 
 def _online_softmax_product(pw, x, w_tile, lse_before, lse_after, shape, local, unit, impl):
@@ -386,6 +587,7 @@ def linear_rag_nll(
     impl: str = "auto",
     tile: int | None = None,
     deferred_weight_grad=None,
+    keep_logits: bool = False,
 ) -> torch.Tensor:
     """RAG-Token or RAG-Sequence loss of the logits ``hidden @ weight^T + bias``, computed a
     vocabulary tile at a time: the ``[B, K, T, V]`` logits never exist.
@@ -411,6 +613,12 @@ def linear_rag_nll(
             activations are freed), at the cost of recomputing the logits once more; until
             then ``weight`` gets no gradient from this op. None (default): in this op's
             backward.
+        keep_logits: compute the ``[B*K*T, V]`` logits once (``KEPT_CHUNK`` vocabulary columns
+            per GEMM, into reused memory on the CPU) and keep them for the backward, which
+            writes their gradient over them: three LM-head GEMMs instead of four, for the
+            logits' memory (what ``RagModel``'s materialized path runs under
+            ``torch.compile``). Not with ``deferred_weight_grad``; a second backward through
+            the call raises.
 
     Returns:
         float32 loss: ``[B]`` for ``reduction="none"``, else a scalar.
@@ -446,12 +654,14 @@ def linear_rag_nll(
         h2 = h2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     a = torch.log_softmax(p.doc_scores.float(), dim=1)
-    width = tile if tile is not None else tile_width(h2.shape[0], V, h2.element_size(),
-                                                     device_type=h2.device.type)
+    deferred = deferred_weight_grad if torch.is_grad_enabled() else None
     with torch.autocast(device_type, enabled=False):
+        if deferred is None or keep_logits or torch.compiler.is_compiling():
+            return _custom_op_loss(h2, w, bias, a, p.targets, p.mask, p.nll_mask, mode,
+                                   float(epsilon), ignore_index, reduction, p.impl,
+                                   0 if tile is None else tile, keep_logits)
+        width = tile if tile is not None else tile_width(h2.shape[0], V, h2.element_size(),
+                                                         device_type=h2.device.type)
         return _LinearRagLoss.apply(h2, w, bias, a, p.targets, p.mask, p.nll_mask, (B, K, T),
                                     mode, float(epsilon), ignore_index, reduction, p.impl,
-                                    min(width, V),
-                                    # no backward without grad mode (needs_input_grad says
-                                    # nothing of it): nothing to defer, nor to gather for it
-                                    deferred_weight_grad if torch.is_grad_enabled() else None)
+                                    min(width, V), deferred)

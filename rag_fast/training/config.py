@@ -52,6 +52,10 @@ class TrainConfig:
     precision: str = _option("fp32", "fp32 | bf16 | fp16 (autocast; fp16 with a grad scaler)")
     gradient_checkpointing: bool = _option(
         False, "recompute the generator's activations in the backward pass (less memory)")
+    compile: bool = _option(
+        False, "run the question encoder and the generator with the RAG loss under "
+               "torch.compile (RagModel.compile; docs/tuning.md, \"Compiled training\"): the "
+               "first steps compile (minutes on a few CPU cores); measure before choosing it")
     seed: int = _option(0, "seed of the data order and of the Python, NumPy and torch RNGs")
     output_dir: str | None = _option(
         None, "checkpoints, metrics and plot go here; None: nothing is written")

@@ -192,6 +192,11 @@ class Trainer:
             encoder.requires_grad_(False)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        if config.compile:
+            if not callable(getattr(model, "compile", None)) or not hasattr(model, "compiled"):
+                raise ValueError("compile: true needs a rag_fast RagModel (its compile() "
+                                 f"compiles the training regions), got {type(model).__name__}")
+            model.compile()
         self.optimizer = make_optimizer(model, config)
         self._lr_factor = lr_lambda(config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
