@@ -21,7 +21,12 @@ of rag_fast's); only the loss path differs. Providers:
   positions that have a target, once, into a buffer it reuses from step to step (in L2-sized
   vocabulary chunks), the fused loss writing their gradient in place.
   Both add the gradients of tied input embeddings into the LM head's ``[V, d]`` gradient in
-  place, at the end of the backward pass. :func:`render` shows, per case, the path
+  place, at the end of the backward pass.
+- ``rag_fast compiled``: ``RagModel.compile()`` over the same generator, its default path
+  (``"auto"``): the generator and the loss under ``torch.compile`` (default mode), rag_fast's
+  LM-head and loss ops inside the graph as custom ops (the materialized path as
+  ``linear_rag_nll(keep_logits=True)``); compile time measured as the baseline's, in its own
+  ``compile s``. :func:`render` shows, per case, the path
   ``RagModel``'s default (``"auto"``) takes there (:func:`default_path`) and the other one;
   in the rows (the table ``run.py`` prints) their ``LM-head path`` column names the path each
   ran and marks the default's. ``--quick`` times only the default's path
@@ -562,14 +567,25 @@ def default_path(case: str) -> str:
     return lm_head_path("auto", rows * size.get("vocab", VOCAB) * 4)
 
 
-def _floor_cell(r: dict, eager: dict | None) -> str:
+def _floor_cell(r: dict, *others: dict | None) -> str:
+    """``r``'s time over the GEMM floor, then each of ``others``' (``-`` where not run)."""
     def one(x):
         v = None if x is None else x["extra"].get("x GEMM floor")
         return "-" if v is None else f"{v:.2f}x"
 
     if r["extra"].get("x GEMM floor") is None:
         return "-"
-    return f"{one(r)} / {one(eager)}"
+    return " / ".join(one(x) for x in (r, *others))
+
+
+def _compiled_cell(row: dict | None) -> str:
+    """The ``RagModel.compile()`` column: step ms, its ratios to both baselines, peak MB."""
+    if row is None:
+        return "not run"
+    compiled = row["extra"].get("speedup vs compiled")
+    return (f"{row['median_ms']:,.0f} ms: {_ratio(row, 'speedup vs eager')} eager, "
+            + (f"{_ratio(row, 'speedup vs compiled')} compiled" if compiled is not None
+               else "compiled not run") + f", {_mb(row)} MB")
 
 
 def _floor_words(rows: list[dict]) -> str:
@@ -629,8 +645,10 @@ def render(results: dict, source: str) -> str:
         "| vs `transformers` eager | vs `torch.compile`d `transformers` "
         "| whole-step peak MB (rag_fast / eager / compiled) | memory vs eager "
         "| memory vs compiled | the other path: vs eager, peak MB "
-        "| time over the GEMM floor (rag_fast / eager) | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| `RagModel.compile()`: step, vs `transformers` eager and compiled, peak "
+        "| time over the GEMM floor (rag_fast / rag_fast compiled / `transformers` compiled / "
+        "eager) | compile s (`transformers` / rag_fast) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     case_words = ""
     any_compiled = False
@@ -649,8 +667,11 @@ def render(results: dict, source: str) -> str:
         other_cell = ("-" if other is None or other is r else
                       f"{other_name}: {_ratio(other, 'speedup vs eager')}, {_mb(other)}")
         eager, comp = by.get((case, EAGER)), by.get((case, COMPILED))
+        ours_compiled = by.get((case, OURS_COMPILED))
         any_compiled |= comp is not None
-        compile_s = comp["extra"].get("compile s") if comp else None
+        compile_s = " / ".join(
+            "-" if x is None or x["extra"].get("compile s") is None
+            else f"{x['extra']['compile s']:.0f}" for x in (comp, ours_compiled))
         peaks = " / ".join(_mb(x) for x in (r, eager, comp))
         path_word = "fused LM head" if r is fused else "materialized logits"
         lines.append(
@@ -658,8 +679,8 @@ def render(results: dict, source: str) -> str:
             f"| {r['median_ms']:,.0f} | {spread_cell(r)} | {_ratio(r, 'speedup vs eager')} "
             f"| {_ratio(r, 'speedup vs compiled') if comp else 'not run'} | {peaks} "
             f"| {_ratio(r, 'memory vs eager')} | {_ratio(r, 'memory vs compiled')} "
-            f"| {other_cell} | {_floor_cell(r, eager)} "
-            f"| {'-' if compile_s is None else f'{compile_s:.0f}'} |")
+            f"| {other_cell} | {_compiled_cell(ours_compiled)} "
+            f"| {_floor_cell(r, ours_compiled, comp, eager)} | {compile_s} |")
     counted = runs_counted(rows)
     args = results.get("args", {})
     command = run_command(args)
@@ -671,7 +692,7 @@ def render(results: dict, source: str) -> str:
         f"(`{source_path(source)}`). One training step (forward, backward, fused AdamW "
         f"step), {case_words.replace(' ', ', ')}, V={VOCAB} (encoder-decoder generators): `transformers`' RAG model "
         "(eager, and its loss step under `torch.compile`, default mode, whose compile time is "
-        "the last column and is not in its step time; inductor's on-disk cache as a user's "
+        "in the last column and is not in its step time; inductor's on-disk cache as a user's "
         "machine keeps it) vs `RagModel` driving the same generator, "
         "contexts, passage scores and labels (with its default `lean_activations=True`: "
         "activation outputs, gated products, norm outputs and cross-attention keys and values "
@@ -680,7 +701,10 @@ def render(results: dict, source: str) -> str:
         "never holds the logits (`lm_head_loss=\"fused\"`) and with the logits in a reused "
         "buffer (`\"materialized\"`); the row shows the path `RagModel`'s default "
         "(`\"auto\"`) takes at that shape (fused once the logits would reach 1 GiB), the "
-        "second-to-last column the other one. Decoder-only "
+        "column after the memory ratios the other one. `RagModel.compile()`: the same model "
+        "(its default path) with the generator and the loss under `torch.compile` (default "
+        "mode; rag_fast's ops inside the graph as custom ops), its compile time measured as "
+        "the baseline's and not in its step time. Decoder-only "
         "generator (Qwen2 architecture, tied embeddings; B=2, prompts of 48 to 64 tokens, "
         "left-padded): `transformers` has no RAG model for one, so its baseline is the "
         "generator's own forward with `logits_to_keep` (the LM head on the answer positions "
