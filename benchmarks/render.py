@@ -48,6 +48,8 @@ DOCS_SECTIONS: dict[str, tuple[str, str]] = {
     "training-epyc": ("cpu-training-epyc.json", "bench_training"),
     "decoding-epyc": ("cpu-decoding-epyc.json", "bench_decoding"),
     "decoding-epyc-avx2": ("cpu-decoding-epyc-avx2.json", "bench_decoding"),
+    # where a training step's time goes (benchmarks/profile_training.py)
+    "training-profile": ("cpu-training-profile.json", "profile_training"),
 }
 
 

@@ -365,3 +365,52 @@ def test_step_gflop_counts_a_known_step():
         acc3.baddbmm_(a3, b3)
 
     assert bench_training.step_gflop(accumulate) * 1e9 == pytest.approx(2 * m * k * n * 4)
+
+
+# ---- benchmarks/profile_training.py: where a step's time goes ------------------------------
+
+def test_profile_groups_split_gemms_by_the_vocabulary():
+    import profile_training as pt
+
+    V = 50265
+    assert pt.group("aten::mm", [[620, 256], [256, 1024], [620, 1024]], V) == "other GEMMs"
+    # rag_fast's LM head computes its logits 512 columns at a time (the last slice: V % 512)
+    assert pt.group("aten::mm", [[620, 256], [256, 512], [620, 512]], V) == "LM-head GEMMs"
+    assert pt.group("aten::mm", [[620, 256], [256, 89], [620, 89]], V) == "LM-head GEMMs"
+    assert pt.group("aten::mm", [[50265, 620], [620, 256], [50265, 256]], V) == "LM-head GEMMs"
+    assert pt.group("aten::addmm_", [[620, 256], [620, 50265], [50265, 256], [], []], V) \
+        == "LM-head GEMMs"
+    assert pt.group("aten::_scaled_dot_product_flash_attention_for_cpu_backward", [], V) \
+        == "attention"
+    assert pt.group("graph_0_cpp_fused_gelu_view_5", [], V) == "compiled kernels"
+    assert pt.group("## Call CompiledFxGraph fabc", [], V) == "compiled kernels"
+    assert pt.group("rag_fast::row_grad", [], V) == "rag_fast kernels"
+    assert pt.group("aten::_fused_adamw_", [], V) == "optimizer"
+    assert pt.group("Optimizer.zero_grad#AdamW.zero_grad", [], V) == "optimizer"
+    assert pt.group("aten::gelu", [[1280, 1024]], V) == "other"
+    assert pt.group("aten::mm", None, V) == "other GEMMs"  # no shapes recorded
+
+
+def test_profile_render_has_a_table_per_case_with_the_floor():
+    import profile_training as pt
+
+    groups = dict.fromkeys(pt.GROUPS, 10.0)
+    rows = [{"case": "small token B=4 K=5 L=64 T=32", "provider": p, "step_ms": ms,
+             "groups": groups, "gemm_floor_ms": 250.0, "gemm_gflops": 198.0}
+            for p, ms in (("transformers", 1000.0), ("rag_fast compiled", 500.0))]
+    text = pt.render({"machine": MACHINE, "warmup": 3, "steps": 2, "rows": rows},
+                     "cpu-training-profile.json")
+    assert "benchmarks/results/cpu-training-profile.json" in text and "Test CPU" in text
+    assert "small token B=4 K=5 L=64 T=32 (GEMM floor 250 ms at 198 GFLOP/s)" in text
+    assert "| rag_fast compiled | 500 | 2.00x | 10 | 10 | 10 | 10 | 10 | 10 | 10 |" in text
+    assert "| transformers | 1,000 | 4.00x |" in text
+
+
+def test_profile_command_refuses_unknown_cases_and_modes(capsys):
+    import profile_training as pt
+
+    for argv, word in ((["--cases", "huge", "--out", "x.json"], "--cases"),
+                       (["--modes", "tok", "--out", "x.json"], "--modes")):
+        with pytest.raises(SystemExit) as exc:
+            pt.main(argv)
+        assert exc.value.code == 2 and word in capsys.readouterr().err
