@@ -250,3 +250,26 @@ def test_elapsed_time_goes_on_across_a_resume(tmp_path, monkeypatch, old_checkpo
     base = 0.0 if old_checkpoint else two  # the same clock readings, from the checkpoint's time
     assert elapsed() == {1: one, 2: two, 3: base + one, 4: base + two}
     assert resumed.state.elapsed_s == base + two
+
+
+def test_compile_option_compiles_both_regions_and_trains_as_eager(monkeypatch):
+    """``compile: true`` compiles the question encoder's and the generator + loss's regions
+    (aot_eager here: inductor's compile takes minutes on 2 cores; tests/test_compile.py has
+    inductor) and trains to the eager run's parameters."""
+    eager = make_model(dropout=False)
+    Trainer(eager, make_dataset(), collate, loss_fn, config(max_steps=3, adam_eps=1e-3)).train()
+    compile_model = RagModel.compile
+    monkeypatch.setattr(RagModel, "compile",
+                        lambda self, **kw: compile_model(self, **{"backend": "aot_eager", **kw}))
+    torch._dynamo.reset()
+    compiled = make_model(dropout=False)
+    Trainer(compiled, make_dataset(), collate, loss_fn,
+            config(max_steps=3, adam_eps=1e-3, compile=True)).train()
+    assert compiled.compiled and set(compiled._compiled) == {"encode", "loss"}
+    for name, value in params(eager).items():
+        torch.testing.assert_close(params(compiled)[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_compile_option_needs_a_rag_model():
+    with pytest.raises(ValueError, match="compile: true needs a rag_fast RagModel"):
+        Trainer(torch.nn.Linear(2, 2), make_dataset(), collate, loss_fn, config(compile=True))
