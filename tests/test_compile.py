@@ -300,3 +300,45 @@ def test_compile_survives_copies_and_replace():
         assert other.compiled and other._compiled == {}
         loss = other.loss_from_contexts(contexts, mask, scores.float(), labels)
         assert torch.isfinite(loss) and set(other._compiled) == {"loss"}
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(backend="no-such-backend"), "torch.compile refused these settings.*no-such-backend"),
+    (dict(mode="fastest"), "torch.compile refused these settings.*mode=fastest"),
+    (dict(options={"no_such_option": 1}), "torch.compile refused these settings.*no_such_option"),
+    (dict(dynamic="yes"), "dynamic must be None, True or False"),
+    (dict(fullgraph=1), "fullgraph must be True or False"),
+])
+def test_compile_refuses_bad_settings_before_any_step(settings, message):
+    model = _compile_case("encoder-decoder", "token", "materialized").float()
+    with pytest.raises(ValueError, match=message):
+        model.compile(**settings)
+    assert not model.compiled  # refused settings leave the model eager
+
+
+def test_kept_logits_refuse_a_deferred_weight_gradient_and_a_non_bool():
+    from rag_fast.models._seq2seq import DeferredHeadGrad
+
+    h = torch.randn(B * K, T, 8)
+    weight = torch.randn(37, 8, requires_grad=True)
+    scores = torch.randn(B, K)
+    targets = torch.randint(0, 37, (B, T))
+    with pytest.raises(ValueError, match="cannot also be deferred"):
+        rag_fast.linear_rag_nll(h, weight, scores, targets, n_docs=K, keep_logits=True,
+                                deferred_weight_grad=DeferredHeadGrad())
+    with pytest.raises(ValueError, match="keep_logits must be True or False"):
+        rag_fast.linear_rag_nll(h, weight, scores, targets, n_docs=K, keep_logits="yes")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoding_a_compiled_model_is_unchanged(kind):
+    """generate() stays eager: the same token ids as the model before compile(), and nothing
+    is compiled by decoding."""
+    model = _compile_case(kind, "token", "materialized").float()
+    contexts, mask, scores, _ = _case_batch(kind)
+    want = model.generate(context_input_ids=contexts, context_attention_mask=mask,
+                          doc_scores=scores.float(), num_beams=2, max_new_tokens=5).sequences
+    model.compile(backend="aot_eager")
+    got = model.generate(context_input_ids=contexts, context_attention_mask=mask,
+                         doc_scores=scores.float(), num_beams=2, max_new_tokens=5).sequences
+    assert torch.equal(got, want) and model._compiled == {}

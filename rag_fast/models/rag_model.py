@@ -340,9 +340,24 @@ class RagModel(nn.Module):
         ``fullgraph``.
         Compiling happens at the first call of each region (about a minute on two cores for a
         BART-base-sized generator); later calls with new lengths reuse the dynamic graph.
+
+        Raises:
+            ValueError: ``dynamic`` or ``fullgraph`` of the wrong type, or settings
+                ``torch.compile`` refuses (an unknown backend, mode or option), before any
+                compiling.
         """
-        self._compile_options = dict(dynamic=dynamic, mode=mode, backend=backend,
-                                     options=options, fullgraph=fullgraph)
+        if dynamic is not None and not isinstance(dynamic, bool):
+            raise ValueError(f"dynamic must be None, True or False, got {dynamic!r}")
+        if not isinstance(fullgraph, bool):
+            raise ValueError(f"fullgraph must be True or False, got {fullgraph!r}")
+        settings = dict(dynamic=dynamic, mode=mode, backend=backend, options=options,
+                        fullgraph=fullgraph)
+        try:  # torch checks the backend, mode and options here; nothing is traced yet
+            torch.compile(self._loss_with_activations, **settings)
+        except (RuntimeError, ValueError, TypeError, AssertionError) as e:
+            raise ValueError(f"RagModel.compile: torch.compile refused these settings: "
+                             f"{e}") from e
+        self._compile_options = settings
         self._compiled = {}
         return self
 

@@ -625,11 +625,16 @@ def linear_rag_nll(
 
     Raises:
         ValueError: shapes, dtypes or devices that do not match, a bad option, targets outside
-            ``[0, V)``.
+            ``[0, V)``, ``keep_logits`` with ``deferred_weight_grad``.
 
     Under autocast the GEMMs run in the autocast dtype (as ``F.linear`` would).
     """
     _check(hidden, weight, bias, doc_scores, targets, mode, n_docs, tile)
+    if not isinstance(keep_logits, bool):
+        raise ValueError(f"keep_logits must be True or False, got {keep_logits!r}")
+    if keep_logits and deferred_weight_grad is not None:
+        raise ValueError("keep_logits=True computes the weight's gradient in the op's backward; "
+                         "it cannot also be deferred (deferred_weight_grad must be None)")
     B, K = doc_scores.shape
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
