@@ -652,18 +652,16 @@ def render(results: dict, source: str) -> str:
     ]
     case_words = ""
     any_compiled = False
-    for fused in rows:
-        if fused["provider"] != OURS:
-            continue
-        case = fused["case"]
+    # a case per rag_fast row of either path (--quick times only the default's)
+    for case in dict.fromkeys(r["case"] for r in rows if r["provider"] in PATHS):
         size_name, mode, *rest = case.split()
         if not SIZES.get(size_name, {}).get("causal"):
             case_words = " ".join(rest)  # the encoder-decoder cases' shape, for the caption
-        materialized = by.get((case, OURS_MATERIALIZED))
+        fused, materialized = by.get((case, OURS)), by.get((case, OURS_MATERIALIZED))
         path = default_path(case)
-        r, other = ((fused, materialized) if path == "fused" or materialized is None
-                    else (materialized, fused))
-        other_name = "fused" if path != "fused" else "materialized"
+        r = (fused if path == "fused" else materialized) or fused or materialized
+        other = materialized if r is fused else fused
+        other_name = "materialized" if r is fused else "fused"
         other_cell = ("-" if other is None or other is r else
                       f"{other_name}: {_ratio(other, 'speedup vs eager')}, {_mb(other)}")
         eager, comp = by.get((case, EAGER)), by.get((case, COMPILED))

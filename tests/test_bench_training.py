@@ -414,3 +414,19 @@ def test_profile_command_refuses_unknown_cases_and_modes(capsys):
         with pytest.raises(SystemExit) as exc:
             pt.main(argv)
         assert exc.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_quick_training_table_has_a_row_per_case():
+    """--quick times only the default path's provider (materialized at its shapes): each case
+    still gets its row (the table was once empty there)."""
+    measured = {"transformers": _m([1000, 1010, 990, 1005, 995]),
+                "rag_fast materialized": _m([450, 455, 445, 452, 448])}
+    rows = []
+    for case in ("small token B=4 K=5 L=64 T=16", "small sequence B=4 K=5 L=64 T=16"):
+        rows += bench_training._rows(case, measured, {}, None)
+    text = bench_training.render(_results(rows, quick=True), "x.json")
+    lines = text.split("\n\n")[1].splitlines()
+    assert len(lines) == 4, lines
+    assert "| RAG-Token | materialized logits | 450 |" in lines[2]
+    assert "| RAG-Sequence | materialized logits | 450 |" in lines[3]
+    assert "| 2.22x | not run |" in lines[2] and "| - | not run |" in lines[2]
