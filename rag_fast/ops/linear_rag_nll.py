@@ -339,6 +339,7 @@ class _LinearRagLoss(torch.autograd.Function):
 # small graph between them is ordinary torch code it fuses.
 
 def _width(h2: torch.Tensor, V: int, tile: int) -> int:
+    """Vocabulary columns per tile: ``tile`` (at most V), or the default for ``tile <= 0``."""
     return min(V, tile) if tile > 0 else tile_width(h2.shape[0], V, h2.element_size(),
                                                      device_type=h2.device.type)
 
@@ -665,8 +666,6 @@ def linear_rag_nll(
             return _custom_op_loss(h2, w, bias, a, p.targets, p.mask, p.nll_mask, mode,
                                    float(epsilon), ignore_index, reduction, p.impl,
                                    0 if tile is None else tile, keep_logits)
-        width = tile if tile is not None else tile_width(h2.shape[0], V, h2.element_size(),
-                                                         device_type=h2.device.type)
         return _LinearRagLoss.apply(h2, w, bias, a, p.targets, p.mask, p.nll_mask, (B, K, T),
                                     mode, float(epsilon), ignore_index, reduction, p.impl,
-                                    min(width, V), deferred)
+                                    _width(h2, V, 0 if tile is None else tile), deferred)

@@ -193,7 +193,7 @@ class Trainer:
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if config.compile:
-            if not callable(getattr(model, "compile", None)) or not hasattr(model, "compiled"):
+            if not hasattr(model, "compiled"):  # every nn.Module has compile(); RagModel's differs
                 raise ValueError("compile: true needs a rag_fast RagModel (its compile() "
                                  f"compiles the training regions), got {type(model).__name__}")
             model.compile()
