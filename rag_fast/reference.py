@@ -98,13 +98,38 @@ def rag_token_marginal(
     return torch.logsumexp(_log_probs(inp.logits) + a[:, :, None, None], dim=1)
 
 
-def _target_mask(targets: torch.Tensor, ignore_index: int, exclude_bos: bool):
-    """``(mask, nll_mask, safe_targets)``: real positions, those counted in the NLL, and
-    targets with ignored positions replaced by 0 so that they can index."""
+def target_masks(targets: torch.Tensor, ignore_index: int,
+                 exclude_bos: bool | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, nll_mask)``, both ``[B, T]`` bool: the real target positions, and those counted
+    in the NLL term (position 0 left out when ``exclude_bos`` holds).
+
+    ``exclude_bos`` is a bool, or a 0-dim bool tensor on the targets' device, which decides on
+    the device without reading a value on the host (no synchronisation, and no graph break
+    under ``torch.compile``): e.g. ``transformers``' rule ``targets[:, 0].eq(bos).all()``.
+    Anything else raises ValueError naming ``exclude_bos``."""
     mask = targets != ignore_index
+    if isinstance(exclude_bos, torch.Tensor):
+        if (exclude_bos.dim() != 0 or exclude_bos.dtype != torch.bool
+                or exclude_bos.device != targets.device):
+            raise ValueError(
+                "exclude_bos must be a bool or a 0-dim bool tensor on the targets' device "
+                f"({targets.device}), got a {exclude_bos.dtype} tensor of shape "
+                f"{tuple(exclude_bos.shape)} on {exclude_bos.device}")
+        first = torch.arange(targets.shape[1], device=targets.device) == 0  # [T]
+        return mask, mask & ~(first & exclude_bos)
+    if not isinstance(exclude_bos, bool):
+        raise ValueError("exclude_bos must be a bool or a 0-dim bool tensor, got "
+                         f"{type(exclude_bos).__name__}")
     nll_mask = mask.clone()
     if exclude_bos and nll_mask.shape[1] > 0:
         nll_mask[:, 0] = False
+    return mask, nll_mask
+
+
+def _target_mask(targets: torch.Tensor, ignore_index: int, exclude_bos: bool | torch.Tensor):
+    """``(mask, nll_mask, safe_targets)``: :func:`target_masks`, and the targets with ignored
+    positions replaced by 0 so that they can index."""
+    mask, nll_mask = target_masks(targets, ignore_index, exclude_bos)
     safe = torch.where(mask, targets, torch.zeros_like(targets))
     return mask, nll_mask, safe
 
@@ -117,7 +142,7 @@ def rag_token_nll(
     n_docs: int | None = None,
     epsilon: float = 0.0,
     ignore_index: int = -100,
-    exclude_bos: bool = False,
+    exclude_bos: bool | torch.Tensor = False,
     reduction: str = "none",
 ) -> torch.Tensor:
     """RAG-Token loss (paper eq. 2) with optional label smoothing.
@@ -129,7 +154,8 @@ def rag_token_nll(
         n_docs: K, optional; checked against ``doc_scores`` when given.
         epsilon: label smoothing in ``[0, 1]``.
         ignore_index: target value that marks a position to ignore.
-        exclude_bos: leave target position 0 out of the NLL term.
+        exclude_bos: leave target position 0 out of the NLL term; a bool, or a 0-dim bool
+            tensor on the targets' device that decides without a host read.
         reduction: ``"none"`` -> ``[B]``, ``"sum"`` or ``"mean"`` (over B) -> scalar.
 
     Returns:
@@ -162,7 +188,7 @@ def rag_sequence_nll(
     n_docs: int | None = None,
     epsilon: float = 0.0,
     ignore_index: int = -100,
-    exclude_bos: bool = False,
+    exclude_bos: bool | torch.Tensor = False,
     reduction: str = "none",
 ) -> torch.Tensor:
     """RAG-Sequence loss (paper eq. 1) with optional label smoothing.

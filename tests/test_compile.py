@@ -96,11 +96,13 @@ KINDS = ("encoder-decoder", "decoder-only")
 STEPS = 20
 
 
-def _compile_case(kind: str, mode: str, path: str) -> RagModel:
-    """A float64 RagModel of ``kind`` (label smoothing on, so every statistic is used)."""
+def _compile_case(kind: str, mode: str, path: str, exclude_bos: bool = False) -> RagModel:
+    """A float64 RagModel of ``kind`` (label smoothing on, so every statistic is used);
+    ``exclude_bos``: RAG-Sequence's data-dependent BOS rule (encoder-decoder only)."""
     if kind == "encoder-decoder":
         hf = tiny_hf_rag(mode, n_docs=K)
-        return RagModel.from_transformers(hf, lm_head_loss=path, epsilon=0.1).double()
+        return RagModel.from_transformers(hf, lm_head_loss=path, epsilon=0.1,
+                                          exclude_bos=exclude_bos, bos_token_id=0).double()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=131, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
@@ -152,9 +154,10 @@ def _train(model: RagModel, batch, steps: int, dtype: torch.dtype):
     return first[0], first[1], after
 
 
-def _assert_compiled_equals_eager(kind, mode, path, backend, steps):
-    oracle_model = _compile_case(kind, mode, path)
-    batch = _case_batch(kind)
+def _assert_compiled_equals_eager(kind, mode, path, backend, steps, exclude_bos=False,
+                                  batch=None):
+    oracle_model = _compile_case(kind, mode, path, exclude_bos)
+    batch = _case_batch(kind) if batch is None else batch
     oracle = _train(copy.deepcopy(oracle_model), batch, steps, torch.float64)
     plain = _train(copy.deepcopy(oracle_model).float(), batch, steps, torch.float32)
     torch._dynamo.reset()
@@ -180,6 +183,18 @@ def test_compiled_model_equals_eager_over_20_steps(kind, mode, path):
     _assert_compiled_equals_eager(kind, mode, path, "aot_eager", STEPS)
 
 
+@pytest.mark.parametrize("starts_with_bos", [True, False])
+@pytest.mark.parametrize("path", ["fused", "materialized"])
+def test_compiled_exclude_bos_equals_eager(path, starts_with_bos):
+    """RAG-Sequence's exclude_bos (drop position 0 from the NLL only if every target starts
+    with BOS) is decided in the graph: both outcomes equal eager over 20 steps."""
+    batch = _case_batch("encoder-decoder")
+    if not starts_with_bos:
+        batch[3][1, 0] = 7  # one target without BOS: position 0 stays in the NLL
+    _assert_compiled_equals_eager("encoder-decoder", "sequence", path, "aot_eager", STEPS,
+                                  exclude_bos=True, batch=batch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,mode,path", [("encoder-decoder", "token", "materialized"),
                                             ("decoder-only", "sequence", "fused")])
@@ -188,9 +203,10 @@ def test_inductor_compiled_model_equals_eager(kind, mode, path):
 
 
 @pytest.mark.parametrize("path", ["fused", "materialized"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_compiled_regions_have_no_graph_break_in_rag_fast(kind, path):
-    model = _compile_case(kind, "token", path).float()
+@pytest.mark.parametrize("kind,mode,exclude_bos", [*((k, "token", False) for k in KINDS),
+                                                   ("encoder-decoder", "sequence", True)])
+def test_compiled_regions_have_no_graph_break_in_rag_fast(kind, mode, exclude_bos, path):
+    model = _compile_case(kind, mode, path, exclude_bos).float()
     contexts, mask, scores, labels = _case_batch(kind)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model._loss_with_activations)(

@@ -212,6 +212,39 @@ def test_flat_layout_exclude_bos_and_reductions(impl, kind, reduction):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["token", "sequence"])
+def test_exclude_bos_as_a_device_tensor_equals_the_bool(impl, kind):
+    """A 0-dim bool tensor (decided on the device, no host read) gives the loss and gradients
+    of the Python bool of the same value, for either value."""
+    logits, scores, targets = make_case(B=3, K=2, T=4, V=6, seed=5, ignore_frac=0.0)
+    fn, _ = LOSSES[kind]
+    up = torch.tensor([1.0, -0.5, 2.0])
+    for value in (True, False):
+        want = run(fn, logits, scores, targets, up, impl=impl, epsilon=0.1, exclude_bos=value)
+        got = run(fn, logits, scores, targets, up, impl=impl, epsilon=0.1,
+                  exclude_bos=torch.tensor(value))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # and the flag matters here, so the comparison above can fail
+    assert not torch.equal(fn(logits, scores, targets, impl=impl, exclude_bos=True),
+                           fn(logits, scores, targets, impl=impl, exclude_bos=False))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (torch.tensor([True, False, True]), "0-dim bool tensor"),
+    (torch.tensor(1), "0-dim bool tensor"),
+    (1, "got int"),
+    ("yes", "got str"),
+    (None, "got NoneType"),
+])
+def test_exclude_bos_refuses_what_is_not_a_flag(bad, message):
+    logits, scores, targets = make_case(B=3, K=2, T=4, V=6)
+    for fn in (rag_fast.rag_token_nll, rag_fast.rag_sequence_nll, ref.rag_sequence_nll):
+        with pytest.raises(ValueError, match=f"exclude_bos.*{message}"):
+            fn(logits, scores, targets, exclude_bos=bad)
+
+
 @pytest.mark.parametrize("impl", [p for p in IMPLS if p.id != "torch"])
 @pytest.mark.parametrize("kind,eps", [("token", 0.0), ("token", 0.1), ("sequence", 0.1)])
 def test_inplace_grad_writes_into_the_logits(impl, kind, eps):

@@ -52,8 +52,11 @@ def _sequence_get_nll(self, seq_logits, doc_scores, target, reduce_loss=False, e
     pad = self.config.generator.pad_token_id
     shifted = shift_targets_left(target, pad)
     bos = self.config.bos_token_id or self.config.generator.bos_token_id
-    # Same data-dependent rule as transformers: drop BOS only if every target starts with it.
-    exclude_bos = bool(exclude_bos_score and bos is not None and shifted[:, 0].eq(bos).all())
+    # Same data-dependent rule as transformers: drop BOS only if every target starts with it,
+    # decided on the device (no host read, so no synchronisation or graph break).
+    exclude_bos = False
+    if exclude_bos_score and bos is not None and shifted.shape[1] > 0:
+        exclude_bos = shifted[:, 0].eq(bos).all()
     return rag_sequence_nll(
         seq_logits, doc_scores, shifted,
         n_docs=n_docs if n_docs is not None else self.config.n_docs, epsilon=epsilon,

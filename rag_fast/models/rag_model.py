@@ -712,9 +712,10 @@ class RagModel(nn.Module):
         the logits' size decide (:func:`lm_head_path`)."""
         exclude_bos = False
         if (self.mode == "sequence" and self.exclude_bos and self.bos_token_id is not None
-                and not self.is_causal):  # a decoder-only answer has no start token
-            # transformers' rule: drop BOS only if every target starts with it
-            exclude_bos = bool(targets[:, 0].eq(self.bos_token_id).all())
+                and not self.is_causal and targets.shape[1] > 0):
+            # (a decoder-only answer has no start token) transformers' rule: drop BOS only if
+            # every target starts with it, decided on the device: no host read, no graph break
+            exclude_bos = targets[:, 0].eq(self.bos_token_id).all()
         # Under torch.compile both paths trace without a graph break: they are the custom ops
         # of rag_fast.linear_rag_nll (its statistics and gradient passes).
         device = states.device.type

@@ -583,7 +583,7 @@ def linear_rag_nll(
     n_docs: int | None = None,
     epsilon: float = 0.0,
     ignore_index: int = -100,
-    exclude_bos: bool = False,
+    exclude_bos: bool | torch.Tensor = False,
     reduction: str = "none",
     impl: str = "auto",
     tile: int | None = None,

@@ -128,7 +128,7 @@ def prepare_loss(
     n_docs: int | None,
     epsilon: float,
     ignore_index: int,
-    exclude_bos: bool,
+    exclude_bos: bool | Tensor,
     reduction: str,
     impl: str,
 ) -> PreparedLoss:
@@ -151,10 +151,7 @@ def prepare_loss(
     x = inp.logits
     if resolved != "torch" and x.stride(-1) != 1:
         x = x.contiguous()  # the kernels need a contiguous vocabulary axis
-    mask = targets != ignore_index
-    nll_mask = mask.clone()
-    if exclude_bos and nll_mask.shape[1] > 0:
-        nll_mask[:, 0] = False
+    mask, nll_mask = reference.target_masks(targets, ignore_index, exclude_bos)
     return PreparedLoss(resolved, x, inp.doc_scores, targets, mask, nll_mask, ignore_index)
 
 
@@ -221,7 +218,7 @@ def rag_token_nll(
     n_docs: int | None = None,
     epsilon: float = 0.0,
     ignore_index: int = -100,
-    exclude_bos: bool = False,
+    exclude_bos: bool | Tensor = False,
     reduction: str = "none",
     impl: str = "auto",
     inplace_grad: bool = False,
@@ -236,7 +233,8 @@ def rag_token_nll(
         n_docs: K, optional; checked against ``doc_scores.shape[1]``.
         epsilon: label smoothing in ``[0, 1]``.
         ignore_index: masked target value.
-        exclude_bos: leave target position 0 out of the NLL term.
+        exclude_bos: leave target position 0 out of the NLL term; a bool, or a 0-dim bool
+            tensor on the targets' device that decides without a host read.
         reduction: ``"none"`` -> ``[B]``; ``"sum"`` / ``"mean"`` (over B) -> scalar.
         impl: ``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"`` (the reference).
         inplace_grad: write the logits' gradient into the logits' storage (saves one
@@ -290,7 +288,7 @@ def rag_sequence_nll(
     n_docs: int | None = None,
     epsilon: float = 0.0,
     ignore_index: int = -100,
-    exclude_bos: bool = False,
+    exclude_bos: bool | Tensor = False,
     reduction: str = "none",
     impl: str = "auto",
     inplace_grad: bool = False,
