@@ -87,6 +87,11 @@ class TrainConfig:
         None, "CPU threads of torch's ops and rag_fast's kernels during training; None: "
               "RAG_FAST_THREADS if set, else adaptive on the CPU: one per core, fewer while "
               "other processes keep cores busy (docs/tuning.md)")
+    keep_freed_memory: bool = _option(
+        True, "on the CPU: keep the memory a step frees in the process for the next step "
+              "instead of returning it to the kernel (glibc's malloc thresholds, for the rest "
+              "of the process; left alone where GLIBC_TUNABLES or MALLOC_*_ set them; "
+              "docs/tuning.md)")
     extra: dict = _option({}, "free-form JSON for your own code (the Trainer ignores it)")
 
     def __post_init__(self) -> None:

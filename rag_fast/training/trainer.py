@@ -77,6 +77,7 @@ from rag_fast.storage import atomic_write
 from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, _json_default, claim_run_folder,
                                           restore_checkpoint, save_checkpoint)
 from rag_fast.training.config import PRECISIONS, TrainConfig
+from rag_fast.training import heap
 from rag_fast.training.distributed import average_gradients, broadcast_module, world
 from rag_fast.training.optim import _question_encoder, lr_lambda, make_optimizer
 from rag_fast.training.plot import _number, plot_training
@@ -365,6 +366,8 @@ class Trainer:
         # examples_per_s is this session's rate
         start, seen, before_session = time.perf_counter(), 0, self.state.elapsed_s
         watch = SlowStepWatch()  # says once when steps become far slower than the first ones
+        if config.keep_freed_memory and self.device_type == "cpu":
+            heap.keep_freed_memory()  # no page faults for what the last step freed
         threads_before = _threads.get_threads()
         fixed = config.threads if config.threads is not None else _threads.threads_from_env()
         auto = None

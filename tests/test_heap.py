@@ -1,0 +1,115 @@
+"""rag_fast.training.heap: glibc's malloc thresholds for CPU training (TrainConfig's
+keep_freed_memory): what it sets, when it leaves the process alone, and what it changes."""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rag_fast.training import heap
+
+
+class FakeLibc:
+    def __init__(self, result: int = 1):
+        self.calls, self.result = [], result
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return self.result
+
+
+@pytest.fixture(autouse=True)
+def fresh_outcome(monkeypatch):
+    monkeypatch.setattr(heap, "_outcome", None)
+
+
+def test_sets_both_thresholds_once():
+    libc = FakeLibc()
+    assert heap.keep_freed_memory({}, lambda: libc) == "set"
+    assert libc.calls == [(-3, 32 << 20), (-1, 1 << 30)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert heap.keep_freed_memory({}, lambda: libc) == "set" and len(libc.calls) == 2
+
+
+@pytest.mark.parametrize("environ,name", [
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "GLIBC_TUNABLES"),
+    ({"GLIBC_TUNABLES": "glibc.cpu.x86_shstk=on:glibc.malloc.mmap_threshold=65536"},
+     "GLIBC_TUNABLES"),
+    ({"MALLOC_TRIM_THRESHOLD_": "0"}, "MALLOC_TRIM_THRESHOLD_"),
+    ({"MALLOC_MMAP_THRESHOLD_": "4096"}, "MALLOC_MMAP_THRESHOLD_"),
+])
+def test_a_users_setting_stands(environ, name):
+    libc = FakeLibc()
+    assert heap.user_setting(environ) == name
+    assert heap.keep_freed_memory(environ, lambda: libc) == "environment" and libc.calls == []
+
+
+def test_other_tunables_are_not_a_malloc_setting():
+    libc = FakeLibc()
+    assert heap.user_setting({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}) is None
+    assert heap.keep_freed_memory({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"},
+                                  lambda: libc) == "set"
+
+
+@pytest.mark.parametrize("libc", [None, FakeLibc(result=0)])
+def test_without_glibc_or_a_refused_setting_nothing_is_claimed(libc):
+    assert heap.keep_freed_memory({}, lambda: libc) == "unavailable"
+
+
+# In a fresh process: is a 16 MB block mapped afresh (glibc's chunk header: the size word
+# before the block, bit 1 IS_MMAPPED), and the page faults of ten rounds of five 16 MB
+# tensors written and freed. By default glibc maps such a block afresh (its first mmap
+# threshold is 128 KiB), and it returns the 80 MB at the top of its heap to the kernel after a
+# round whenever nothing newer sits above it, so rounds fault it in again (how often depends
+# on what else the process allocates); with the thresholds set, the rounds after the first
+# few reuse it.
+_ROUNDS = textwrap.dedent("""
+    import ctypes, json, resource, sys
+    from rag_fast.training import heap
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    if sys.argv[1] == "keep":
+        assert heap.keep_freed_memory({}) == "set"
+    block = libc.malloc(16 << 20)
+    mapped = bool(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 2)
+    libc.free(block)
+    import torch
+    faults = []
+    for _ in range(10):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [torch.empty(4 << 20).fill_(1.0) for _ in range(5)]
+        del blocks
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(json.dumps({"mapped": mapped, "faults": faults}))
+""")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_freed_memory_is_reused_without_page_faults():
+    def run(how: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", _ROUNDS, how], capture_output=True,
+                             text=True, timeout=120, check=True, env={"PATH": ""})
+        return json.loads(out.stdout)
+
+    default, kept = run("default"), run("keep")
+    assert default["mapped"] and not kept["mapped"]
+    pages = 5 * (16 << 20) // 4096
+    assert max(kept["faults"][4:]) < pages // 20, kept  # the first rounds settle the heap
+
+
+def test_the_trainer_keeps_freed_memory_on_the_cpu_unless_told_not_to(monkeypatch):
+    from test_training import collate, config, loss_fn, make_dataset, make_model
+
+    from rag_fast.training import Trainer
+
+    calls = []
+    monkeypatch.setattr(heap, "keep_freed_memory", lambda: calls.append(1) or "set")
+    Trainer(make_model(), make_dataset(), collate, loss_fn, config(max_steps=1, warmup_steps=0)).train()
+    assert calls == [1]
+    Trainer(make_model(), make_dataset(), collate, loss_fn,
+            config(max_steps=1, warmup_steps=0, keep_freed_memory=False)).train()
+    assert calls == [1]
