@@ -50,6 +50,8 @@ DOCS_SECTIONS: dict[str, tuple[str, str]] = {
     "decoding-epyc-avx2": ("cpu-decoding-epyc-avx2.json", "bench_decoding"),
     # where a training step's time goes (benchmarks/profile_training.py)
     "training-profile": ("cpu-training-profile.json", "profile_training"),
+    # the step's optional mechanisms one at a time (benchmarks/step_variants.py)
+    "step-variants": ("cpu-step-variants.json", "step_variants"),
 }
 
 

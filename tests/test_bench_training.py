@@ -416,6 +416,77 @@ def test_profile_command_refuses_unknown_cases_and_modes(capsys):
         assert exc.value.code == 2 and word in capsys.readouterr().err
 
 
+# ---- benchmarks/step_variants.py: the step's optional mechanisms one at a time ------------
+
+def test_lean_switch_turns_each_recipe_off_and_restores_it():
+    """Each variant of step_variants changes what the lean activations store (their registry's
+    count of tensors stored by recipe), and closing the switch restores the default."""
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    import step_variants as sv
+    from rag_fast.models import RagModel, _lean
+
+    cfg = BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                     decoder_ffn_dim=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = RagModel(BartForConditionalGeneration(cfg), mode="token", n_docs=2).train()
+    contexts, mask = torch.randint(3, 60, (4, 9)), torch.ones(4, 9, dtype=torch.long)
+    scores, labels = torch.randn(2, 2, requires_grad=True), torch.randint(3, 60, (2, 5))
+    seen = []
+    real = _lean._Registry.close
+
+    def close(registry):
+        seen.append(registry.recipes)
+        real(registry)
+
+    def recipes(variant=None):
+        seen.clear()
+        if variant is not None:
+            switch.set(variant)
+        model.loss_from_contexts(contexts, mask, scores, labels).sum().backward()
+        return seen[0] if seen else 0
+
+    _lean._Registry.close = close
+    switch = sv._LeanSwitch()
+    try:
+        counts = {v: recipes(v) for v in sv.LEAN_VARIANTS}
+    finally:
+        switch.close()
+        try:
+            after = recipes()
+        finally:
+            _lean._Registry.close = real
+    full = counts["all recipes"]
+    assert counts["off"] == 0 < full, counts
+    for variant in sv.LEAN_VARIANTS[2:]:
+        assert 0 < counts[variant] < full, (variant, counts)
+    assert after == full  # restored
+
+
+def test_step_variants_render_and_clipping_agree():
+    import step_variants as sv
+
+    clip = sv.clip_variants("small", "token", calls=1)
+    assert clip["max_parameter_difference"] < 1e-6  # the scaling inside AdamW: same step
+    assert set(clip["times_ms"]) == set(sv.CLIP_VARIANTS)
+    lean = {v: [100.0 + i, 110.0 + i] for i, v in enumerate(sv.LEAN_VARIANTS)}
+    heap = {"glibc default": {"times_ms": [500.0, 520.0], "faults": [7000, 7200],
+                              "peak_rss_mb": [950.0, 951.0]},
+            "freed memory kept": {"times_ms": [480.0, 490.0], "faults": [0, 2],
+                                  "peak_rss_mb": [948.0, 949.0]}}
+    text = sv.render({"machine": MACHINE, "case": "small token", "rounds": 2, "warmup": 2,
+                      "lean_ms": lean, "clip": clip, "heap": heap, "heap_processes": 1,
+                      "heap_warmup": 3}, "cpu-step-variants.json")
+    assert "benchmarks/results/cpu-step-variants.json" in text and "Test CPU" in text
+    assert "| all recipes | 105.0 | 100.0 - 110.0 | 1.000 |" in text
+    assert "| off | 106.0 | 101.0 - 111.0 | 1.010 |" in text
+    assert "| clip + step | " in text and "17M parameters" in text
+    assert "| glibc default | 510.0 | 500.0 - 520.0 | 1.000 | 7,100 | 950, 951 |" in text
+    assert "| freed memory kept | 485.0 | 480.0 - 490.0 | 0.951 | 1 | 948, 949 |" in text
+
+
 def test_quick_training_table_has_a_row_per_case():
     """--quick times only the default path's provider (materialized at its shapes): each case
     still gets its row (the table was once empty there)."""
