@@ -35,6 +35,7 @@ themselves and mask with ``pad_token_id``):
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rag_fast._validation import (
@@ -103,23 +104,26 @@ def target_masks(targets: torch.Tensor, ignore_index: int,
     """``(mask, nll_mask)``, both ``[B, T]`` bool: the real target positions, and those counted
     in the NLL term (position 0 left out when ``exclude_bos`` holds).
 
-    ``exclude_bos`` is a bool, or a 0-dim bool tensor on the targets' device, which decides on
-    the device without reading a value on the host (no synchronisation, and no graph break
-    under ``torch.compile``): e.g. ``transformers``' rule ``targets[:, 0].eq(bos).all()``.
-    Anything else raises ValueError naming ``exclude_bos``."""
+    ``exclude_bos`` is a bool (Python's or NumPy's), or a 0-dim bool tensor on the targets'
+    device or the CPU, which decides on the device without reading a value on the host (no
+    synchronisation, and no graph break under ``torch.compile``): e.g. ``transformers``' rule
+    ``targets[:, 0].eq(bos).all()``. Anything else raises ValueError naming ``exclude_bos``."""
     mask = targets != ignore_index
     if isinstance(exclude_bos, torch.Tensor):
         if (exclude_bos.dim() != 0 or exclude_bos.dtype != torch.bool
-                or exclude_bos.device != targets.device):
+                or exclude_bos.device not in (targets.device, torch.device("cpu"))):
             raise ValueError(
                 "exclude_bos must be a bool or a 0-dim bool tensor on the targets' device "
-                f"({targets.device}), got a {exclude_bos.dtype} tensor of shape "
+                f"({targets.device}) or the CPU, got a {exclude_bos.dtype} tensor of shape "
                 f"{tuple(exclude_bos.shape)} on {exclude_bos.device}")
+        # a CPU scalar with device targets: copied without waiting (no host read)
+        exclude = exclude_bos.to(targets.device, non_blocking=True)
         first = torch.arange(targets.shape[1], device=targets.device) == 0  # [T]
-        return mask, mask & ~(first & exclude_bos)
-    if not isinstance(exclude_bos, bool):
+        return mask, mask & ~(first & exclude)
+    if not isinstance(exclude_bos, (bool, np.bool_)):
         raise ValueError("exclude_bos must be a bool or a 0-dim bool tensor, got "
-                         f"{type(exclude_bos).__name__}")
+                         f"{type(exclude_bos).__module__}.{type(exclude_bos).__qualname__} "
+                         f"{exclude_bos!r}")
     nll_mask = mask.clone()
     if exclude_bos and nll_mask.shape[1] > 0:
         nll_mask[:, 0] = False

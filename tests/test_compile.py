@@ -186,11 +186,17 @@ def test_compiled_model_equals_eager_over_20_steps(kind, mode, path):
 @pytest.mark.parametrize("starts_with_bos", [True, False])
 @pytest.mark.parametrize("path", ["fused", "materialized"])
 def test_compiled_exclude_bos_equals_eager(path, starts_with_bos):
-    """RAG-Sequence's exclude_bos (drop position 0 from the NLL only if every target starts
-    with BOS) is decided in the graph: both outcomes equal eager over 20 steps."""
-    batch = _case_batch("encoder-decoder")
+    """RAG-Sequence's exclude_bos (drop target position 0 from the NLL only if every target
+    starts with BOS) is decided in the graph: both outcomes equal eager over 20 steps, and the
+    flag changes the loss exactly when every target starts with BOS."""
+    contexts, mask, scores, labels = _case_batch("encoder-decoder")
+    labels[:, 1] = 0  # the targets are labels[:, 1:]: each starts with BOS (id 0)
     if not starts_with_bos:
-        batch[3][1, 0] = 7  # one target without BOS: position 0 stays in the NLL
+        labels[1, 1] = 7  # one target without BOS: position 0 stays in the NLL
+    batch = (contexts, mask, scores, labels)
+    losses = [_compile_case("encoder-decoder", "sequence", path, flag).loss_from_contexts(
+        contexts, mask, scores, labels).detach() for flag in (True, False)]
+    assert torch.equal(*losses) != starts_with_bos, losses
     _assert_compiled_equals_eager("encoder-decoder", "sequence", path, "aot_eager", STEPS,
                                   exclude_bos=True, batch=batch)
 

@@ -46,6 +46,32 @@ def test_patched_model_equals_original(mode, epsilon):
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5)  # marginalised logits
 
 
+@pytest.mark.parametrize("all_bos", [True, False])
+def test_patched_sequence_nll_excludes_bos_as_transformers_does(all_bos):
+    """exclude_bos_score=True: BOS (position 0 of the shifted targets) leaves the NLL only if
+    every target starts with it; the patched get_nll decides it on the device and agrees."""
+    B, K, T, V = 2, 3, 5, 50
+    g = torch.Generator().manual_seed(1)
+    original = tiny_hf_rag("sequence", n_docs=K)
+    patched = rag_fast.use_fused_losses(tiny_hf_rag("sequence", n_docs=K))
+    bos = original.config.generator.bos_token_id
+    target = torch.randint(3, V, (B, T), generator=g)
+    target[:, 1] = bos  # the shifted targets start with BOS
+    if not all_bos:
+        target[1, 1] = 7
+    logits = torch.randn(B * K, T, V, generator=g)
+    scores = torch.randn(B, K, generator=g)
+    results = []
+    for model in (original, patched):
+        for exclude in (True, False):
+            results.append(model.get_nll(logits, scores, target, exclude_bos_score=exclude,
+                                         n_docs=K))
+    want_excluded, want_kept, got_excluded, got_kept = results
+    torch.testing.assert_close(got_excluded, want_excluded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_kept, want_kept, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got_excluded, got_kept) != all_bos  # the flag acts only then
+
+
 def test_class_wide_patch_and_bad_model():
     from transformers import RagSequenceForGeneration, RagTokenForGeneration
 

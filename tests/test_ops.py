@@ -231,18 +231,37 @@ def test_exclude_bos_as_a_device_tensor_equals_the_bool(impl, kind):
                            fn(logits, scores, targets, impl=impl, exclude_bos=False))
 
 
+def test_exclude_bos_takes_numpy_bools_and_a_cpu_scalar():
+    import numpy as np
+
+    logits, scores, targets = make_case(B=3, K=2, T=4, V=6)
+    for fn in (rag_fast.rag_token_nll, rag_fast.rag_sequence_nll, ref.rag_sequence_nll):
+        for value in (True, False):
+            want = fn(logits, scores, targets, exclude_bos=value)
+            torch.testing.assert_close(fn(logits, scores, targets, exclude_bos=np.bool_(value)),
+                                       want, rtol=0, atol=0)
+
+
+_TENSOR_REFUSAL = "0-dim bool tensor on the targets' device \\(cpu\\) or the CPU, got a"
+
+
 @pytest.mark.parametrize("bad,message", [
-    (torch.tensor([True, False, True]), "0-dim bool tensor"),
-    (torch.tensor(1), "0-dim bool tensor"),
-    (1, "got int"),
-    ("yes", "got str"),
-    (None, "got NoneType"),
+    (torch.tensor([True, False, True]), f"{_TENSOR_REFUSAL} torch.bool tensor of shape \\(3,\\)"),
+    (torch.tensor(1), f"{_TENSOR_REFUSAL} torch.int64 tensor of shape \\(\\)"),
+    (torch.tensor(True, device="meta"), f"{_TENSOR_REFUSAL} torch.bool tensor .* on meta"),
+    (1, "0-dim bool tensor, got builtins.int 1"),
+    ("yes", "0-dim bool tensor, got builtins.str 'yes'"),
+    (None, "0-dim bool tensor, got builtins.NoneType None"),
 ])
 def test_exclude_bos_refuses_what_is_not_a_flag(bad, message):
     logits, scores, targets = make_case(B=3, K=2, T=4, V=6)
     for fn in (rag_fast.rag_token_nll, rag_fast.rag_sequence_nll, ref.rag_sequence_nll):
-        with pytest.raises(ValueError, match=f"exclude_bos.*{message}"):
+        with pytest.raises(ValueError, match=f"^exclude_bos must be a bool or a {message}"):
             fn(logits, scores, targets, exclude_bos=bad)
+    hidden, weight = torch.randn(6, 4, 5), torch.randn(6, 5)
+    with pytest.raises(ValueError, match=f"^exclude_bos must be a bool or a {message}"):
+        rag_fast.linear_rag_nll(hidden, weight, scores, targets, mode="sequence",
+                                exclude_bos=bad)
 
 
 @pytest.mark.parametrize("impl", [p for p in IMPLS if p.id != "torch"])
