@@ -25,7 +25,9 @@ step, and clip + step both ways (the second also checked to give the same parame
 **Freed memory kept** (``rag_fast.training.heap.keep_freed_memory``, which the Trainer applies
 on the CPU): the same step in fresh processes, glibc as it is by default and with the
 thresholds set, alternating, :data:`HEAP_PROCESSES` of each: step times, minor page faults per
-step and the process's peak resident set.
+step, and the timed steps' own peak resident set (the kernel's high-water mark reset after the
+warm-up steps, ``/proc/self/clear_refs``). Refused when this process's environment sets glibc's
+thresholds or the harness's fixed allocator: the fresh processes inherit it.
 
 ``render(results, source)`` makes the docs/benchmarks.md section.
 """
@@ -178,6 +180,8 @@ def heap_steps(size_name: str, mode: str, keep: bool) -> dict:
                              keep_grads=False)
     for _ in range(HEAP_WARMUP):
         step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the resident set's high-water mark (VmHWM) to the current size
     times, faults = [], []
     for _ in range(HEAP_STEPS):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -186,14 +190,31 @@ def heap_steps(size_name: str, mode: str, keep: bool) -> dict:
         times.append((time.perf_counter() - start) * 1e3)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     return {"times_ms": times, "faults": faults, "outcome": outcome,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": _status_kb("VmHWM") / 1024}
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def heap_variants(size_name: str, mode: str, processes: int = HEAP_PROCESSES) -> dict:
     """:func:`heap_steps` both ways, alternating fresh processes; per variant the steps'
     times and faults pooled, and each process's peak resident set."""
+    import harness
     import memory
 
+    from rag_fast.training import heap
+
+    said = heap.user_setting(os.environ) or (
+        harness.ALLOCATOR_ENV if os.environ.get(harness.ALLOCATOR_ENV, "default") != "default"
+        else None)
+    if said is not None:
+        raise RuntimeError(f"{said} is set here, and the fresh processes would inherit it: unset "
+                           "it to compare glibc's defaults with keep_freed_memory")
     got = {v: {"times_ms": [], "faults": [], "peak_rss_mb": []} for v in HEAP_VARIANTS}
     for _ in range(processes):
         for variant in HEAP_VARIANTS:
@@ -251,12 +272,13 @@ def render(results: dict, source: str) -> str:
     heap = results.get("heap")
     if heap:
         base = statistics.median(heap["glibc default"]["times_ms"])
-        out += ["", f"Freed memory kept, in fresh processes ({results['heap_processes']} of each, "
-                f"alternating; {len(heap['glibc default']['times_ms'])} steps of each after "
-                f"{results['heap_warmup']} untimed ones per process; ms: median, range, ratio to "
-                "glibc's default):", "",
+        n, p = len(heap["glibc default"]["times_ms"]), results["heap_processes"]
+        out += ["", f"Freed memory kept, in fresh processes ({p} of each, alternating; "
+                f"{n // p} timed steps per process after {results['heap_warmup']} untimed ones, "
+                f"{n} of each in all; ms: median, range, ratio to glibc's default; the timed "
+                "steps' peak resident set, per process):", "",
                 "| glibc's thresholds | step ms | range | vs default | page faults per step "
-                "(median) | peak resident MB |", "|---|---|---|---|---|---|"]
+                "(median) | steps' peak resident MB |", "|---|---|---|---|---|---|"]
         for v in HEAP_VARIANTS:
             h = heap[v]
             peaks = ", ".join(f"{p:,.0f}" for p in h["peak_rss_mb"])

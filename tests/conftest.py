@@ -24,6 +24,17 @@ def fixed_threads(monkeypatch):
     monkeypatch.setenv("RAG_FAST_THREADS", str(torch.get_num_threads()))
 
 
+@pytest.fixture(autouse=True)
+def glibc_left_alone(monkeypatch):
+    """The Trainer's keep_freed_memory would change glibc's malloc thresholds for the rest of
+    the test session (tests measuring memory or page faults would then depend on the order the
+    tests ran in): in this process it acts as if unavailable. tests/test_heap.py resets it, and
+    checks it in fresh processes; commands the tests start apply it as users' runs do."""
+    from rag_fast.training import heap
+
+    monkeypatch.setattr(heap, "_outcome", "unavailable")
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test (``pytestmark = pytest.mark.usefixtures("one_thread")``):

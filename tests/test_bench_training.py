@@ -484,7 +484,19 @@ def test_step_variants_render_and_clipping_agree():
     assert "| off | 106.0 | 101.0 - 111.0 | 1.010 |" in text
     assert "| clip + step | " in text and "17M parameters" in text
     assert "| glibc default | 510.0 | 500.0 - 520.0 | 1.000 | 7,100 | 950, 951 |" in text
+    assert "1 of each, alternating; 2 timed steps per process after 3 untimed" in text
     assert "| freed memory kept | 485.0 | 480.0 - 490.0 | 0.951 | 1 | 948, 949 |" in text
+
+
+def test_step_variants_refuse_an_inherited_allocator_setting(monkeypatch):
+    import step_variants as sv
+
+    for name, value in (("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+                        ("RAG_FAST_BENCH_ALLOCATOR", "fixed")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            with pytest.raises(RuntimeError, match=f"{name} is set here"):
+                sv.heap_variants("small", "token", processes=1)
 
 
 def test_quick_training_table_has_a_row_per_case():

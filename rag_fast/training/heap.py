@@ -12,10 +12,11 @@ returned to the kernel until the process ends. Measured figures: docs/tuning.md,
 the CPU: glibc's heap".
 
 The :class:`~rag_fast.training.Trainer` calls it when it trains on the CPU (``TrainConfig``'s
-``keep_freed_memory``, default on). It changes nothing when the environment already sets
-glibc's malloc tunables (``GLIBC_TUNABLES`` with a ``glibc.malloc.`` entry, or a
-``MALLOC_*_`` variable: the user's choice stands), or when the C library is not glibc. glibc's
-settings are per process and cannot be read back, so they stay for the rest of the process.
+``keep_freed_memory``, default on). It changes nothing when the environment already sets one of
+these thresholds (:func:`user_setting`: the user's choice stands), or when the C library is not
+glibc. glibc's settings are per process and cannot be read back, so they stay for the rest of
+the process, and a setting the process made itself with ``mallopt`` cannot be seen: such a
+program turns ``keep_freed_memory`` off.
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ from collections.abc import Callable, Mapping
 TRIM_THRESHOLD = 1 << 30  # freed memory at the top of the heap kept, up to this much
 MMAP_THRESHOLD = 32 << 20  # blocks of this size or more are still mapped and unmapped
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
-# glibc's own environment variables for the settings this module makes
+# glibc's tunables and environment variables for the thresholds this module sets and the two
+# that decide with them what returns to the kernel
+_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold",
+             "glibc.malloc.top_pad", "glibc.malloc.mmap_max")
 _MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
                      "MALLOC_MMAP_MAX_")
 
@@ -38,8 +42,13 @@ _outcome: str | None = None
 
 
 def user_setting(environ: Mapping[str, str]) -> str | None:
-    """The environment variable through which the user set glibc's malloc thresholds, if any."""
-    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+    """The environment variable through which the user set one of glibc's trim, mmap or top-pad
+    thresholds (or its mmap count), if any: ``GLIBC_TUNABLES`` naming one of them, or one of
+    the ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_``,
+    ``MALLOC_MMAP_MAX_`` variables. Other malloc settings (arenas, caches) do not count."""
+    tunables = {item.split("=", 1)[0].strip()
+                for item in environ.get("GLIBC_TUNABLES", "").split(":")}
+    if tunables & set(_TUNABLES):
         return "GLIBC_TUNABLES"
     return next((name for name in _MALLOC_VARIABLES if name in environ), None)
 
@@ -47,12 +56,14 @@ def user_setting(environ: Mapping[str, str]) -> str | None:
 def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        return libc if libc is not None and hasattr(libc, "mallopt") else None
-    except OSError:
-        return None
+    for name in (None, ctypes.util.find_library("c")):  # the process's own symbols first
+        try:
+            libc = ctypes.CDLL(name)
+        except OSError:
+            continue
+        if hasattr(libc, "mallopt"):
+            return libc
+    return None
 
 
 def keep_freed_memory(environ: Mapping[str, str] | None = None,
