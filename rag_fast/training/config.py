@@ -90,8 +90,8 @@ class TrainConfig:
     keep_freed_memory: bool = _option(
         True, "on the CPU: keep the memory a step frees in the process for the next step "
               "instead of returning it to the kernel (glibc's malloc thresholds, for the rest "
-              "of the process; left alone where GLIBC_TUNABLES or MALLOC_*_ set them; "
-              "docs/tuning.md)")
+              "of the process; left alone where GLIBC_TUNABLES or MALLOC_*_ variables set "
+              "those thresholds; docs/tuning.md)")
     extra: dict = _option({}, "free-form JSON for your own code (the Trainer ignores it)")
 
     def __post_init__(self) -> None:
