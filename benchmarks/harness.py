@@ -475,16 +475,27 @@ def write_json(path: str, rows: list[Row], machine: dict, args: dict,
                load: dict | None = None) -> None:
     """Write the results atomically (temp file + rename); ``load``: the machine's load during
     each bench (:class:`LoadMonitor`), under the file's ``"load"`` key."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     payload = {"machine": machine, "args": args, "rows": [asdict(r) for r in rows]}
     if load is not None:
         payload["load"] = load
+    write_json_file(path, payload)
+
+
+def write_json_file(path: str, payload, indent: int = 2) -> None:
+    """``payload`` as JSON at ``path``, atomically: a temp file beside it (removed if the write
+    fails), flushed to disk, then renamed over ``path``; the folder is made if missing."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=indent)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _cpu_busy_s() -> float | None:

@@ -30,7 +30,6 @@ The profiler's own cost is in the profiled step (``step ms`` here is a little ab
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -179,10 +178,9 @@ def main(argv=None) -> int:
     if not modes or any(m not in MODES for m in modes):
         parser.error(f"--modes must be token and/or sequence, got {args.modes!r}")
     results = run(cases, modes, args.device)
-    tmp = f"{args.out}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, args.out)
+    from harness import write_json_file
+
+    write_json_file(args.out, results, indent=1)
     print(render(results, os.path.basename(args.out)))
     return 0
 

@@ -34,7 +34,6 @@ thresholds or the harness's fixed allocator: the fresh processes inherit it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -296,10 +295,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="results JSON to write")
     args = parser.parse_args(argv)
     results = run(args.size, args.mode)
-    tmp = f"{args.out}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, args.out)
+    from harness import write_json_file
+
+    write_json_file(args.out, results, indent=1)
     print(render(results, os.path.basename(args.out)))
     return 0
 

@@ -159,7 +159,7 @@ def rag_token_nll(
         epsilon: label smoothing in ``[0, 1]``.
         ignore_index: target value that marks a position to ignore.
         exclude_bos: leave target position 0 out of the NLL term; a bool, or a 0-dim bool
-            tensor on the targets' device that decides without a host read.
+            tensor (on the targets' device or the CPU) that decides without a host read.
         reduction: ``"none"`` -> ``[B]``, ``"sum"`` or ``"mean"`` (over B) -> scalar.
 
     Returns:

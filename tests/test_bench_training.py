@@ -513,3 +513,16 @@ def test_quick_training_table_has_a_row_per_case():
     assert "| RAG-Token | materialized logits | 450 |" in lines[2]
     assert "| RAG-Sequence | materialized logits | 450 |" in lines[3]
     assert "| 2.22x | not run |" in lines[2] and "| - | not run |" in lines[2]
+
+
+def test_results_files_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """profile_training and step_variants write their JSON through harness.write_json_file:
+    a write that fails midway (a value JSON cannot hold, as a full disk would fail it) leaves
+    the previous file as it was and no temp file behind."""
+    target = tmp_path / "results" / "x.json"
+    harness.write_json_file(str(target), {"rows": [1]}, indent=1)
+    assert target.read_text(encoding="utf-8") == '{\n "rows": [\n  1\n ]\n}'
+    with pytest.raises(TypeError):
+        harness.write_json_file(str(target), {"rows": [object()]})
+    assert target.read_text(encoding="utf-8").startswith('{\n "rows"')
+    assert sorted(p.name for p in target.parent.iterdir()) == ["x.json"]

@@ -234,7 +234,7 @@ def rag_token_nll(
         epsilon: label smoothing in ``[0, 1]``.
         ignore_index: masked target value.
         exclude_bos: leave target position 0 out of the NLL term; a bool, or a 0-dim bool
-            tensor on the targets' device that decides without a host read.
+            tensor (on the targets' device or the CPU) that decides without a host read.
         reduction: ``"none"`` -> ``[B]``; ``"sum"`` / ``"mean"`` (over B) -> scalar.
         impl: ``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"`` (the reference).
         inplace_grad: write the logits' gradient into the logits' storage (saves one

@@ -6,7 +6,7 @@ glibc returns freed memory at the top of its heap to the kernel once it exceeds 
 trim threshold, and maps blocks above an adaptive mmap threshold afresh; the next step then
 touches that memory again, one minor page fault per 4 KiB page, each a trip into the kernel
 that zeroes the page. :func:`keep_freed_memory` sets both thresholds (``mallopt``) so that
-freed blocks below 32 MiB stay in the process for reuse: its peak memory does not grow (the
+freed blocks below 32 MiB stay in the process for reuse: its peak memory barely changes (the
 heap holds what the step already used at its peak), but memory freed after training is not
 returned to the kernel until the process ends. Measured figures: docs/tuning.md, "Training on
 the CPU: glibc's heap".
