@@ -31,24 +31,94 @@ BUSY_CORES = 0.5  # other processes' use, in cores, from which the machine count
 COMMAND_POLICY: str | None = None  # what command_wait_policy() set in this process, if anything
 
 
+PER_CORE = 4  # threads per usable core a count may ask for (more only adds barrier waits)
+SPARE_TASKS = 32  # tasks left free under a process limit for the rest of the program
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` without one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _cgroup_tasks_left() -> int | None:
+    """Tasks (processes and threads) this process's cgroup may still start (cgroup v2's
+    ``pids.max`` less ``pids.current``), or None where no such limit is set or readable."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            line = next((ln for ln in f if ln.startswith("0::")), None)
+        if line is None:
+            return None
+        folder = os.path.join("/sys/fs/cgroup", line[3:].strip().lstrip("/"))
+        with open(os.path.join(folder, "pids.max")) as f:
+            most = f.read().strip()
+        if most == "max":
+            return None
+        with open(os.path.join(folder, "pids.current")) as f:
+            return int(most) - int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _nproc_tasks_left() -> int | None:
+    """Tasks the user may still start under ``RLIMIT_NPROC`` (counting every task on the
+    machine, /proc/loadavg's total, as the user's: an under-estimate, never an over-estimate),
+    or None where the limit is unset or not enforced (root)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
+        return None
+    try:
+        with open("/proc/loadavg") as f:
+            tasks = int(f.read().split()[3].split("/")[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return soft - tasks
+
+
+def thread_bound() -> tuple[int, str]:
+    """The most threads a count may ask for, and why: :data:`PER_CORE` per usable core,
+    and no more than the process limits leave (``RLIMIT_NPROC``, the cgroup's ``pids.max``,
+    less :data:`SPARE_TASKS`), at least 1. OpenMP aborts the process (or hangs it) when it
+    cannot start a team's threads, so a count is checked before any thread is started."""
+    cores = usable_cores()
+    most, why = PER_CORE * cores, f"{PER_CORE} per core on {cores} usable core(s)"
+    for left, limit in ((_nproc_tasks_left(), "RLIMIT_NPROC"),
+                        (_cgroup_tasks_left(), "the cgroup's pids.max")):
+        if left is not None and left - SPARE_TASKS < most:
+            most = max(1, left - SPARE_TASKS)
+            why = f"{limit} leaves room for {max(0, left)} more tasks"
+    return most, why
+
+
 def threads_from_env() -> int | None:
     """``RAG_FAST_THREADS`` as a thread count, or None when unset or empty.
 
     Raises:
-        ValueError: a value that is not a whole number >= 1, naming the variable.
+        ValueError: a value that is not a whole number >= 1, or above :func:`thread_bound`,
+            naming the variable.
     """
     raw = os.environ.get(ENV)
     if raw is None or raw.strip() == "":
         return None
     if not re.fullmatch(r"[0-9]+", raw.strip()) or int(raw) < 1:
         raise ValueError(f"{ENV} must be a whole number of threads >= 1, got {raw!r}")
-    return int(raw)
+    return check_threads(int(raw), ENV)
 
 
 def check_threads(n, name: str = "threads") -> int:
-    """``n`` as a thread count, or a ValueError naming ``name``."""
+    """``n`` as a thread count: a whole number from 1 to :func:`thread_bound`.
+
+    Raises:
+        ValueError: naming ``name``, the value and the bound.
+    """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{name} must be a whole number of threads >= 1, got {n!r}")
+    most, why = thread_bound()
+    if n > most:
+        raise ValueError(f"{name} {n} is more threads than this machine allows: at most "
+                         f"{most} ({why})")
     return n
 
 

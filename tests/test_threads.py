@@ -244,7 +244,7 @@ def test_the_trainer_fixes_or_adapts_threads_and_restores_them(monkeypatch):
         assert len(made) == 1  # neither: adaptive on the CPU
     finally:
         torch.set_num_threads(before)
-    with pytest.raises(ValueError, match="threads must be >= 1 or None, got 0"):
+    with pytest.raises(ValueError, match="threads must be a whole number of threads >= 1, got 0"):
         config(threads=0)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rag_fast._threads import check_threads
 from rag_fast.training.refresh import REFRESH_ENCODERS
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,8 +115,8 @@ class TrainConfig:
         if self.refresh_encoder not in REFRESH_ENCODERS:
             raise ValueError(f"refresh_encoder must be one of {REFRESH_ENCODERS}, got "
                              f"{self.refresh_encoder!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1 or None, got {self.threads!r}")
+        if self.threads is not None:  # at least 1, at most what the machine allows
+            check_threads(self.threads, "threads")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
         if self.warmup_steps > self.max_steps:  # a shortened run keeps its other settings

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import faiss
@@ -37,6 +38,26 @@ def run_cli(*args: str) -> tuple[int, str]:
     with contextlib.redirect_stderr(err):
         code = cli.main([str(a) for a in args])
     return code, err.getvalue()
+
+
+TESTS = REPO / "tests"
+
+
+def start_command(*args, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """``rag-fast ARGS`` as a process, as a user runs it: the installed script beside this
+    Python, started in the tests folder (so that it imports the installed rag_fast)."""
+    script = Path(sys.executable).parent / "rag-fast"
+    assert script.is_file(), f"no rag-fast script beside {sys.executable}: install the package"
+    return subprocess.Popen([str(script), *map(str, args)], cwd=TESTS, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})}, **kwargs)
+
+
+def one_line(err: str) -> str:
+    """The one line a command printed on stderr (asserted: one line, no traceback)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 @pytest.fixture(scope="session")
