@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import importlib
 
-from rag_fast import _threads
+from rag_fast import _interrupt, _threads
 
+# the rag-fast command: Ctrl-C while it starts (the seconds of importing torch) is one line and
+# exit 130, not a traceback of whichever module was loading
+if _threads.is_command():
+    _interrupt.exit_on_interrupt("while starting; nothing was written")
 # the rag-fast command on a machine other processes keep busy: OpenMP threads sleep at barriers
 # (set before torch loads OpenMP; a library user's process is left alone)
 _threads.command_wait_policy()

@@ -28,7 +28,7 @@ import sys
 import warnings
 from typing import Callable
 
-from rag_fast import _pool, _threads
+from rag_fast import _interrupt, _pool, _threads
 from rag_fast._quiet import set_verbose
 from rag_fast.cli import eval as eval_command
 from rag_fast.cli import generate, index, init, reseal, tokenizer, train
@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     finally:
         warnings.showwarning = shown  # main() called in a process that goes on
+        if _interrupt.active():  # the command's process: Ctrl-C while it exits is one line
+            _interrupt.exit_on_interrupt("while exiting; the command had ended")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -237,7 +239,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
         apply_threads(args)  # --threads / RAG_FAST_THREADS, likewise
-        return int(args.func(args) or 0)
+        with _interrupt.interrupts_raise(after="while reporting the command's end"):
+            return int(args.func(args) or 0)
     except (ValueError, OSError, StorageError) as exc:
         _end_progress_bars()
         print(f"rag-fast: error: {one_line(exc)}", file=sys.stderr)

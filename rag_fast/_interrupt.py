@@ -1,0 +1,67 @@
+"""Ctrl-C in the ``rag-fast`` command: one line and exit status 130, at any moment.
+
+While a command works (``args.func``), Ctrl-C raises KeyboardInterrupt, which
+:func:`rag_fast.cli.main` reports in one line saying what was kept. Outside that work, in the
+seconds of importing torch, transformers and faiss before it and in the interpreter's exit
+after it, a KeyboardInterrupt would surface as a traceback of whatever module was running. In
+the command's process (and only there: a library user's process keeps Python's handler),
+:func:`exit_on_interrupt` makes SIGINT write one line and end the process with 130 from the
+signal handler itself: before the work nothing has been written, after it everything has.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from typing import Iterator
+
+_said = b""  # the line the handler writes, set by exit_on_interrupt
+_exiting = False  # whether the handler below is this process's SIGINT handler
+
+
+def _exit_130(signum, frame) -> None:
+    """SIGINT handler: write the line, flush what the command printed, exit 130."""
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.write(2, _said)
+    finally:
+        os._exit(130)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def exit_on_interrupt(said: str) -> None:
+    """From now on, SIGINT writes ``rag-fast: interrupted SAID`` and exits 130 (main thread
+    only: signal handlers are the main thread's)."""
+    global _said, _exiting
+    if not _main_thread():
+        return
+    _said = f"rag-fast: interrupted {said}\n".encode("utf-8", "replace")
+    signal.signal(signal.SIGINT, _exit_130)
+    _exiting = True
+
+
+def active() -> bool:
+    """Whether :func:`exit_on_interrupt` handles SIGINT in this process now."""
+    return _exiting
+
+
+@contextlib.contextmanager
+def interrupts_raise(after: str) -> Iterator[None]:
+    """Within the block, SIGINT raises KeyboardInterrupt (Python's default), so that the
+    command can say what it kept. When :func:`exit_on_interrupt` was active before, it is again
+    afterwards, its line saying ``after``."""
+    if not _exiting or not _main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        exit_on_interrupt(after)
