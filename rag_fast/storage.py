@@ -646,6 +646,79 @@ def atomic_write(path: str | os.PathLike, write) -> None:
             os.remove(tmp)
 
 
+# ---- one writer at a time ------------------------------------------------------------------
+# An output is locked while a command writes it: a second command given the same output (the
+# same folder by any path: the lock is keyed by its real path) is refused at once, naming the
+# holder, instead of racing the first for the temporary files. The lock is filelock's (flock on
+# Unix), on a file in a folder of this user's under the system's temporary folder, so that
+# nothing is written beside or inside the output; the kernel drops it when the holder exits,
+# however it ends. It is one machine's lock: two machines writing one network folder are not
+# kept apart.
+_LOCKS = "rag_fast-locks"
+
+
+class OutputLockedError(FileExistsError):
+    """Another process writes the same output now."""
+
+
+def _lock_folder() -> Path:
+    """This user's lock folder (created 0700), refused unless it is a folder the user owns."""
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / f"{_LOCKS}-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    info = folder.lstat()
+    if not folder.is_dir() or folder.is_symlink() or info.st_uid != os.getuid():
+        raise OSError(errno.EPERM, f"the lock folder {folder} is not a folder of this user's "
+                      "(a symbolic link, or another user's); remove it or set TMPDIR")
+    return folder
+
+
+def _lock_holder(lock_file: Path) -> int | None:
+    """The process id holding a flock on ``lock_file`` (/proc/locks, Linux), else None."""
+    try:
+        inode = lock_file.stat().st_ino
+        with open("/proc/locks") as f:
+            for line in f:  # "1: FLOCK  ADVISORY  WRITE 1234 00:2f:5678 0 EOF"
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and \
+                        fields[5].rsplit(":", 1)[-1] == str(inode):
+                    return int(fields[4])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike, flag: str = "output") -> Iterator[None]:
+    """Hold the lock of the output ``out`` (a folder or a file, existing or not) for the block.
+
+    Raises:
+        OutputLockedError: another process holds it; the message names ``flag``, ``out`` as
+            given and the holder's process id where the system tells it.
+    """
+    from filelock import FileLock, Timeout
+
+    real = os.path.realpath(os.path.abspath(os.fspath(out)))
+    key = hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
+    lock_file = _lock_folder() / f"{key}.lock"
+    lock = FileLock(str(lock_file), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        holder = _lock_holder(lock_file)
+        who = f"process {holder}" if holder is not None else "another process"
+        raise OutputLockedError(
+            f"{flag} {os.fspath(out)!r} is being written by {who} (another rag-fast command "
+            "with the same output); refused: wait for it to end, or choose another "
+            "path") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 # ---- a full disk ---------------------------------------------------------------------------
 class NoSpaceError(OSError):
     """The disk (or the user's quota) has no room for a file being written: one line naming

@@ -24,6 +24,7 @@ unless ``--verbose``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
 from typing import Callable
@@ -32,7 +33,7 @@ from rag_fast import _interrupt, _pool, _threads
 from rag_fast._quiet import set_verbose
 from rag_fast.cli import eval as eval_command
 from rag_fast.cli import generate, index, init, reseal, tokenizer, train
-from rag_fast.storage import StorageError
+from rag_fast.storage import StorageError, output_lock
 
 # top-level command -> its registrar (the order of `rag-fast --help`)
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
@@ -234,12 +235,39 @@ def main(argv: list[str] | None = None) -> int:
             _interrupt.exit_on_interrupt("while exiting; the command had ended")
 
 
+# what each command writes: (its argument's attribute, the flag messages name), locked while
+# the command runs so that a second command given the same output is refused at once (`train`
+# locks the run folder its config names, in rag_fast.training.run; `index build --shard`
+# builds share OUT.staging/ by design and lock nothing)
+OUTPUTS = {
+    "rag-fast index build": ("out", "--out"),
+    "rag-fast index search": ("out", "--out"),
+    "rag-fast index eval": ("out", "--out"),
+    "rag-fast tokenizer fit": ("out", "--out"),
+    "rag-fast init": ("out", "--out"),
+    "rag-fast eval": ("out", "--out"),
+    "rag-fast generate": ("out", "--out"),
+    "rag-fast reseal": ("dir", "DIR"),
+}
+
+
+def _output_lock(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """The lock of the output the command writes (see :data:`OUTPUTS`), or a no-op."""
+    parser = getattr(args, "_command_parser", None)
+    attr, flag = OUTPUTS.get(getattr(parser, "prog", None), (None, None))
+    value = getattr(args, attr, None) if attr else None
+    if not value or getattr(args, "shard", None):
+        return contextlib.nullcontext()
+    return output_lock(value, flag)
+
+
 def _run(args: argparse.Namespace) -> int:
     """The command, under :func:`main`'s error contract."""
     try:
         _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
         apply_threads(args)  # --threads / RAG_FAST_THREADS, likewise
-        with _interrupt.interrupts_raise(after="while reporting the command's end"):
+        with _output_lock(args), \
+                _interrupt.interrupts_raise(after="while reporting the command's end"):
             return int(args.func(args) or 0)
     except (ValueError, OSError, StorageError) as exc:
         _end_progress_bars()

@@ -42,6 +42,7 @@ the CPU) with the model on its own device, and trains its slice of every global 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -56,7 +57,7 @@ from rag_fast.models import RagModel
 from rag_fast.models.checkpoint import SIDE_FILE, resolve_model_dir
 from rag_fast.models.rag_model import LM_HEAD_LOSSES, MODES, POOLINGS, check_arguments
 from rag_fast.models.retriever_io import TimedRetriever, load_retriever, load_sharded_retriever
-from rag_fast.storage import check_apart
+from rag_fast.storage import check_apart, output_lock
 from rag_fast.training import Trainer, TrainConfig, rag_collate, rag_loss
 from rag_fast.training.distributed import init_from_env
 from rag_fast.training.refresh import export_index_directory
@@ -412,6 +413,16 @@ def run_training(config: dict, path: str, output_flag: str | None = None):
         "--config": path, "the model": (config["model"] or {}).get("path"),
         "the index": index_path, "data.train": config["data"].get("train"),
         "data.eval": config["data"].get("eval")})
+    # one writer at a time (under torchrun, rank 0 holds the lock for the job)
+    lock = (output_lock(tc.output_dir, flag) if os.environ.get("RANK", "0") == "0"
+            else contextlib.nullcontext())
+    with lock:
+        return _run_checked(config, path, tc, flag)
+
+
+def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
+    """:func:`run_training` once the output is apart from the inputs and locked."""
+    where = _Where(path, config.get("overrides") or {})
     check_run_folder(tc.output_dir, flag)
     for key, file in config["data"].items():  # before the model and the index are loaded
         if not os.path.isfile(file):
