@@ -33,10 +33,8 @@ from torch import nn
 
 from rag_fast.storage import (RUN_KIND, atomic_write, check_output_folder, disk_errors,
                               folder_kind, fsync_dir, sha256_file, write_marker)
-from rag_fast.training.config import TrainConfig
+from rag_fast.training.config import CHECKPOINT, CHECKPOINT_MANIFEST, TrainConfig
 
-CHECKPOINT = "checkpoint-last.pt"
-CHECKPOINT_MANIFEST = "checkpoint-last.json"
 CHECKPOINT_FORMAT = "rag_fast.training-checkpoint/1"
 _PAYLOAD_KEYS = {"format", "model", "optimizer", "scheduler", "scaler", "rng_torch", "rng_cuda",
                  "meta"}
@@ -154,16 +152,40 @@ def _read_manifest(manifest: str) -> dict:
             record = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError) as e:  # ValueError: JSON and UTF-8 errors
         raise CheckpointError(f"checkpoint manifest {manifest} is corrupt: {e}") from None
-    if not (isinstance(record, dict) and record.get("format") == CHECKPOINT_FORMAT
-            and all(isinstance(record.get(k), int) for k in ("size", "step"))
-            and isinstance(record.get("sha256"), str)):
+    if not (isinstance(record, dict) and record.get("format") == CHECKPOINT_FORMAT):
         raise CheckpointError(f"checkpoint manifest {manifest} is corrupt (not a "
                               f"{CHECKPOINT_FORMAT} manifest)")
+    problem = _manifest_problem(record, manifest)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint manifest {manifest} is corrupt ({problem})")
     return record
+
+
+_MANIFEST_KEYS = ("format", "payload", "size", "sha256", "step")
+
+
+def _manifest_problem(record: dict, manifest: str) -> str | None:
+    """What is wrong with a manifest's fields, or None: exactly the keys a save writes, sizes
+    and steps as whole numbers >= 0, a SHA-256 as 64 hex digits, the payload's file name as a
+    string (:func:`_mismatch` checks that it names the payload beside the manifest)."""
+    if sorted(record) != sorted(_MANIFEST_KEYS):
+        return f"its keys are {sorted(record)}, expected {sorted(_MANIFEST_KEYS)}"
+    for key in ("size", "step"):
+        if isinstance(record[key], bool) or not isinstance(record[key], int) or record[key] < 0:
+            return f"{key} must be a whole number >= 0, got {record[key]!r}"
+    if not isinstance(record["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}",
+                                                                  record["sha256"]):
+        return f"sha256 must be 64 hex digits, got {record['sha256']!r}"
+    if not isinstance(record["payload"], str):
+        return f"payload must be a file name, got {record['payload']!r}"
+    return None
 
 
 def _mismatch(path: str, manifest: str, record: dict, size: int, sha256: str) -> str | None:
     """Why the payload (``size``, ``sha256``) does not match ``record``; None when it does."""
+    if record["payload"] != os.path.basename(path):
+        return (f"{manifest} is the manifest of {record['payload']!r}, not of "
+                f"{os.path.basename(path)!r} beside it (edited?)")
     if size != record["size"]:
         how = "truncated" if size < record["size"] else "longer than written"
         return f"{path} is corrupt ({how}): {size} bytes, {manifest} records {record['size']}"

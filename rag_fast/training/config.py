@@ -152,6 +152,7 @@ class TrainConfig:
         if self.plot_file is not None and not self.plot_file.lower().endswith(".png"):
             raise ValueError(f"plot_file must end in .png (a PNG is written), got "
                              f"{self.plot_file!r}")
+        _check_run_files(self.metrics_file, self.plot_file)
         if self.device is not None:
             try:
                 torch.device(self.device)
@@ -192,6 +193,44 @@ class TrainConfig:
         (for ``rag-fast train --help`` and the README)."""
         return [(f.name, str(f.type), f.default_factory() if f.default is MISSING else f.default,
                  f.metadata["help"]) for f in fields(cls)]
+
+
+# what a run writes in output_dir besides the files named by options: the checkpoint and its
+# manifest (and their temporaries), the run's marker, the trained model, the exported and the
+# refreshed indexes (rag_fast.training.checkpoint, storage, run and refresh name them)
+CHECKPOINT = "checkpoint-last.pt"
+CHECKPOINT_MANIFEST = "checkpoint-last.json"
+RUN_ENTRIES = ("checkpoint-last.", "rag_fast-output.json", "model", "index", "index-refresh")
+
+
+def _check_run_files(*files: tuple[str, str | None]) -> None:
+    """``metrics_file`` and ``plot_file``: each a relative path that stays inside output_dir,
+    names nothing else the run writes, and is not the other one.
+
+    Raises:
+        ValueError: naming the option and the value.
+    """
+    seen: dict[str, str] = {}
+    for name, value in zip(("metrics_file", "plot_file"), files):
+        if value is None:
+            continue
+        parts = [p for p in value.replace("\\", "/").split("/") if p not in ("", ".")]
+        if os.path.isabs(value) or value.startswith(("/", "\\", "~")) or ".." in parts \
+                or not parts:
+            raise ValueError(f"{name} must be a path inside output_dir (relative, without "
+                             f"'..', '~' or a leading '/'), got {value!r}")
+        first = parts[0].casefold()
+        clash = next((e for e in RUN_ENTRIES if first == e.casefold() or
+                      (e.endswith(".") and first.startswith(e.casefold()))), None)
+        if clash is not None:
+            raise ValueError(f"{name} {value!r} would overwrite what the run itself writes in "
+                             f"output_dir ({clash.rstrip('.') + ('*' if clash.endswith('.') else '')}"
+                             f"); choose another name")
+        key = "/".join(parts).casefold()
+        if key in seen:
+            raise ValueError(f"{name} {value!r} is the same file as {seen[key]}; give each "
+                             "its own name")
+        seen[key] = name
 
 
 _TYPE_WORDS = {"int": "an int", "float": "a float", "bool": "a bool (true or false)",

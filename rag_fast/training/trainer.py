@@ -217,6 +217,8 @@ class Trainer:
         self.state = TrainState()
         if config.output_dir:
             claim_run_folder(config.output_dir, self.rank, self.world_size)
+            for name in (config.metrics_file, config.plot_file):  # inside it, before any step
+                self._output_file(name)
         self.refresher = None
         if config.refresh_index_every:
             embed = passage_embedder or question_encoder_embedder(model)
@@ -509,18 +511,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ metrics
     def _output_file(self, name: str | None) -> str | None:
-        """``output_dir/name``, or None when either is unset."""
+        """``output_dir/name``, or None when either is unset.
+
+        Raises:
+            ValueError: the path leads out of ``output_dir`` through a symbolic link (a
+                config's own path cannot: TrainConfig refuses it).
+        """
         if not name or not self.config.output_dir:
             return None
-        return os.path.join(self.config.output_dir, name)
+        path = os.path.join(self.config.output_dir, name)
+        root = os.path.realpath(self.config.output_dir)
+        if os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise ValueError(f"{name!r} in output_dir {self.config.output_dir!r} leads out of "
+                             "it (a symbolic link): refused, nothing is written outside the run")
+        return path
 
     def _log_metrics(self, record: dict) -> None:
-        """Append one JSON line to the metrics file (rank 0; non-finite numbers as null)."""
+        """Append one JSON line to the metrics file (rank 0; non-finite numbers as null). The
+        file is opened without following a symbolic link in its place."""
         path = self._output_file(self.config.metrics_file)
         if path is None or self.rank != 0:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
+                     0o666)
+        with open(fd, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, default=_json_default) + "\n")
 
     def _trim_metrics(self) -> None:
