@@ -72,9 +72,11 @@ class TrainConfig:
     question_encoder_lr: float | None = _option(
         None, "learning rate of the question_encoder's parameters; None: lr")
     metrics_file: str | None = _option(
-        "metrics.jsonl", "JSON line per logged step and per eval, in output_dir; None: none")
+        "metrics.jsonl", "JSON line per logged step and per eval: a path inside output_dir "
+                         "(relative, no '..'); None: none")
     plot_file: str | None = _option(
-        "training.png", "PNG of loss and eval metrics vs step, in output_dir; None: none")
+        "training.png", "PNG of loss and eval metrics vs step: a path inside output_dir "
+                        "(relative, no '..'); None: none")
     device: str | None = _option(
         None, "where the model trains: cpu, cuda, cuda:N; None = cuda:LOCAL_RANK if CUDA is "
               "available else cpu")
