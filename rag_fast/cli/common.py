@@ -1,8 +1,9 @@
 """What several ``rag-fast`` commands share: the device a ``--device`` names, a model
-directory opened for answering, the checks on counts given as options, and how a warning is
-said."""
+directory opened for answering, the decoding options of ``eval`` and ``generate`` (one set,
+one default), the checks on counts given as options, and how a warning is said."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from rag_fast.models.inference import check_new_tokens, load_for_inference
@@ -32,4 +33,92 @@ def load_model(model_dir: str, index: str | None, device: str | None,
                               n_docs=n_docs)
 
 
-__all__ = ["check_new_tokens", "check_positive", "load_model", "resolve_device", "warn"]
+# The one default of `eval` and `generate`: beam search with 4 beams, at most 32 new tokens,
+# RAG-Sequence's thorough decoding; sampling and penalties as the model's generation config says
+# (as transformers' generate). The same question gets the same answer from both commands.
+DEFAULT_BEAMS, DEFAULT_NEW_TOKENS = 4, 32
+DEFAULT_DECODING_WORDS = (f"beam search with {DEFAULT_BEAMS} beams and at most "
+                          f"{DEFAULT_NEW_TOKENS} new tokens, as `rag-fast eval` and `rag-fast "
+                          "generate` both do by default")
+_FROM_CONFIG = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+                "no_repeat_ngram_size")
+
+
+def add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """The decoding options ``eval`` and ``generate`` share, with their one default."""
+    p.add_argument("--num-beams", type=int, default=DEFAULT_BEAMS,
+                   help=f"beams (default {DEFAULT_BEAMS}, in eval and generate alike; 1: greedy)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                   help=f"longest answer in tokens (default {DEFAULT_NEW_TOKENS})")
+    p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough",
+                   help="RAG-Sequence decoding (default thorough)")
+    p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample instead of searching; --no-do-sample searches (default: the "
+                        "model's generation config)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k best (0: off)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1: off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="penalise tokens already in the sequence (1: off; a decoder-only "
+                        "generator counts the prompt's tokens too)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None,
+                   help="never repeat an n-gram of this size (0: off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling draws (default: torch's global generator)")
+
+
+def decoding_settings(args: argparse.Namespace, model) -> tuple[dict, dict]:
+    """``(settings, record)`` of the decoding options: the keyword arguments of
+    ``RagModel.generate`` (``rng`` included when ``--seed`` is given), and the same as plain
+    JSON, with the model's generation-config values that apply where an option was not given
+    (``"from_generation_config"``), for the outputs to record.
+
+    Raises:
+        ValueError: a count below 1, naming the flag.
+    """
+    check_positive(("--num-beams", args.num_beams), ("--max-new-tokens", args.max_new_tokens))
+    settings: dict = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
+    if model.mode == "sequence":
+        settings["decoding"] = args.decoding
+    for name in _FROM_CONFIG:
+        value = getattr(args, name, None)
+        if value is not None:  # unset: the model's generation config decides
+            settings[name] = value
+    record = {"rag_mode": model.mode, **settings}
+    if args.seed is not None:
+        settings["rng"] = _generator(model.device, args.seed)
+        record["seed"] = args.seed
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        inherited = {k: getattr(config, k) for k in _FROM_CONFIG
+                     if k not in settings and getattr(config, k, None) not in (None, False, 0, 1.0)}
+        if inherited:
+            record["from_generation_config"] = inherited
+    return settings, record
+
+
+def _generator(device, seed: int):
+    import torch
+
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def describe_decoding(record: dict) -> str:
+    """One line for a command's header: ``decoding: beam search, 4 beams, at most 32 new
+    tokens (RAG-Token)``, with what the generation config adds."""
+    beams = record["num_beams"]
+    sampling = record.get("do_sample", record.get("from_generation_config", {}).get("do_sample"))
+    search = ("sampling" if sampling else
+              "greedy" if beams == 1 else f"beam search, {beams} beams")
+    text = (f"decoding: {search}, at most {record['max_new_tokens']} new tokens (RAG-"
+            f"{'Sequence ' + record['decoding'] if record['rag_mode'] == 'sequence' else 'Token'})")
+    extra = {k: v for k, v in record.items() if k in _FROM_CONFIG and k != "do_sample"}
+    extra.update(record.get("from_generation_config", {}))
+    if extra:
+        text += "; " + ", ".join(f"{k} {v}" for k, v in sorted(extra.items()))
+    return text
+
+
+__all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "add_decoding_options", "check_new_tokens",
+           "check_positive", "decoding_settings", "describe_decoding", "load_model",
+           "resolve_device", "warn"]

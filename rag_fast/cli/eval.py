@@ -9,8 +9,10 @@ passages' titles, ids, scores and first 160 characters of text) and ``metrics.js
 to 4 digits); the metrics are printed as a table. ``--model`` may be a model directory or the
 ``output_dir`` of ``rag-fast train``; ``--index`` defaults to the index the model records and
 ``--n-docs`` (the passages retrieved and marginalised over per question) to the model's.
-A model's answers are decoded greedily (``rag-fast generate`` uses beam search, 4 beams by
-default; ``--num-beams 1`` there gives the same answer).
+A model's answers are decoded as ``rag-fast generate`` decodes them, with the same options and
+the same default (beam search, 4 beams, at most 32 new tokens; ``--num-beams 1`` is greedy): the
+same question gets the same answer from both. The settings are printed above the metrics and
+recorded in ``metrics.json`` (``"decoding"``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import json
 from pathlib import Path
 
 from rag_fast._jsonl import decoded_lines
-from rag_fast.cli.common import check_new_tokens, check_positive, load_model, resolve_device
+from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
+                                 decoding_settings, describe_decoding, load_model,
+                                 resolve_device)
 from rag_fast.evaluation import answer_metrics, evaluate, label_accuracy, load_qa
 from rag_fast.evaluation.report import EVAL_FILES, round_metrics, write_evaluation
 from rag_fast.storage import EVAL_KIND, check_apart, check_output_folder, folder_kind
@@ -77,9 +81,13 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.index, args.device, n_docs=args.n_docs)
     check_new_tokens(model, args.max_new_tokens)
     check_apart(out, "--out", {"the model's index": getattr(model, "index_path", None)})
+    settings, record = decoding_settings(args, model)
+    if not args.json:
+        print(describe_decoding(record))
     result = evaluate(model, examples, batch_size=args.batch_size,
-                      max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
-    metrics, count = write_evaluation(out, examples, result, data=args.data, model=args.model)
+                      progress=not args.no_progress, **settings)
+    metrics, count = write_evaluation(out, examples, result, data=args.data, model=args.model,
+                                      decoding=record)
     _print_metrics(metrics, args.json)
     if args.json:
         return 0
@@ -106,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "model's n_docs); at least 1 and at most the index's passage count")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    add_decoding_options(p)  # the same options and default as `rag-fast generate`
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=run)

@@ -7,13 +7,17 @@
 ``train``, or any ``transformers`` RAG folder). Questions are embedded with the model's own
 question encoder and passages retrieved from ``--index`` (default: the index the model records)
 with the model's ``n_docs`` (``--n-docs N`` replaces it); RAG-Token or RAG-Sequence decoding
-follows the model's mode. Without an index, each JSONL line may bring its passages:
+follows the model's mode, by default with beam search (4 beams, at most 32 new tokens), as
+``rag-fast eval`` decodes: the same question gets the same answer from both; the settings are
+said in a last line on stderr and recorded in each answer's ``"decoding"``. Without an index, each
+JSONL line may bring its passages:
 ``{"question": ..., "passages": [{"title": ..., "text": ...}, ...], "scores": [...]}`` (scores
 default to equal). ``--do-sample`` (with ``--temperature``, ``--top-k``, ``--top-p``, ``--seed``),
 ``--repetition-penalty`` and ``--no-repeat-ngram-size`` apply to seq2seq and decoder-only
 generators alike. One JSON line per question is printed (or written to ``--out``):
-``{"question", "answer", "passages": [{"title", "id", "score", "text"}, ...]}``, each passage's
-text cut at its first 160 characters (``id`` null for a passage given without one).
+``{"question", "answer", "passages": [{"title", "id", "score", "text"}, ...], "decoding":
+{...}}``, each passage's text cut at its first 160 characters (``id`` null for a passage given
+without one).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from tqdm.auto import tqdm
 
 from rag_fast._jsonl import read_objects
 from rag_fast._validation import not_a_file
-from rag_fast.cli.common import check_new_tokens, check_positive, load_model
+from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
+                                 decoding_settings, describe_decoding, load_model)
 from rag_fast.evaluation.report import passage_record
 from rag_fast.models.checkpoint import resolve_model_dir
 from rag_fast.storage import check_apart, disk_errors
@@ -52,24 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "least 1 and at most the index's passage count")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="generator tokenizer, when the model directory has none")
-    p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough",
-                   help="RAG-Sequence decoding (default thorough)")
-    p.add_argument("--num-beams", type=int, default=4, help="beams (default 4; 1: greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=32,
-                   help="longest answer in tokens (default 32)")
-    p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
-                   help="sample instead of searching; --no-do-sample searches (default: the "
-                        "model's generation config)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k best (0: off)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1: off)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="penalise tokens already in the sequence (1: off; a decoder-only "
-                        "generator counts the prompt's tokens too)")
-    p.add_argument("--no-repeat-ngram-size", type=int, default=None,
-                   help="never repeat an n-gram of this size (0: off)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the sampling draws (default: torch's global generator)")
+    add_decoding_options(p)  # the same options and default as `rag-fast eval`
     p.add_argument("--batch-size", type=int, default=8, help="questions decoded together")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--out", metavar="FILE", default=None, help="write JSONL here (default stdout)")
@@ -79,8 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _check_out(args) -> None:
     """``--out`` apart from the inputs, and missing, empty or an earlier answers file of
-    ``rag-fast generate`` (every line an object with exactly "question", "answer" (a string)
-    and "passages" (a list), as it writes them): a file it did not write is never replaced."""
+    ``rag-fast generate`` (every line an object with exactly "question", "answer" (a string),
+    "passages" (a list) and "decoding" (absent before it was recorded), as it writes them): a
+    file it did not write is never replaced."""
     check_apart(args.out, "--out", {"--questions": args.questions, "--model": args.model,
                                     "--index": args.index, "--tokenizer": args.tokenizer})
     path = Path(args.out)
@@ -91,7 +80,7 @@ def _check_out(args) -> None:
     try:
         with open(path, encoding="utf-8") as f:
             ours = all(isinstance(row := json.loads(line), dict)
-                       and set(row) == {"question", "answer", "passages"}
+                       and set(row) - {"decoding"} == {"question", "answer", "passages"}
                        and isinstance(row["answer"], str) and isinstance(row["passages"], list)
                        for line in f if line.strip())
     except (OSError, ValueError):
@@ -172,16 +161,7 @@ def run(args) -> int:
     rows = read_questions(args)
     model = _load(args)
     check_new_tokens(model, args.max_new_tokens)
-    settings = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
-    if model.mode == "sequence":
-        settings["decoding"] = args.decoding
-    for name in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
-                 "no_repeat_ngram_size"):
-        value = getattr(args, name, None)
-        if value is not None:  # unset: the model's generation config decides
-            settings[name] = value
-    if getattr(args, "seed", None) is not None:
-        settings["rng"] = torch.Generator(device=model.device).manual_seed(args.seed)
+    settings, record = decoding_settings(args, model)
     bar = None
     if args.out and not args.no_progress:
         bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
@@ -192,7 +172,7 @@ def run(args) -> int:
         out = open(tmp, "w", encoding="utf-8")
     try:
         with disk_errors(args.out) if args.out else contextlib.nullcontext():
-            _answer_all(model, rows, args, settings, out, bar)
+            _answer_all(model, rows, args, settings, record, out, bar)
             if args.out:
                 out.close()  # (a full disk may fail here: the temporary is removed below)
                 os.replace(out.name, args.out)
@@ -205,12 +185,15 @@ def run(args) -> int:
         raise
     if bar is not None:
         bar.close()
-        print(f"{len(rows)} answers -> {args.out}", file=sys.stderr)
+    # how the answers were decoded, said once they are out (each line records it too)
+    where = f" -> {args.out}" if args.out else ""
+    print(f"rag-fast: {len(rows)} answer(s){where}; {describe_decoding(record)}", file=sys.stderr)
     return 0
 
 
-def _answer_all(model, rows, args, settings, out, bar) -> None:
-    """Decode ``rows`` in batches and write one JSON line per question to ``out``."""
+def _answer_all(model, rows, args, settings, record, out, bar) -> None:
+    """Decode ``rows`` in batches and write one JSON line per question to ``out``, each with
+    the decoding settings (``record``) that made it."""
     for start in range(0, len(rows), args.batch_size):
         batch = rows[start:start + args.batch_size]
         questions = [r["question"] for r in batch]
@@ -229,6 +212,7 @@ def _answer_all(model, rows, args, settings, out, bar) -> None:
                 "question": r["question"], "answer": text,
                 "passages": [passage_record(p, s)
                              for p, s in zip(found, result.doc_scores[i].tolist())],
+                "decoding": record,
             }, ensure_ascii=False) + "\n")
         if bar is not None:
             bar.update(len(batch))

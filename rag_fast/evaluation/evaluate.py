@@ -33,10 +33,15 @@ def evaluate(
     batch_size: int = 16,
     max_new_tokens: int = 16,
     progress: bool = False,
+    **settings,
 ) -> EvalResult:
-    """Greedy answers of ``model`` (a RagModel with a retriever and tokenizers) on ``examples``:
-    ``model.generate`` with one beam (the search ``rag-fast generate --num-beams 1`` runs), no
-    sampling and no penalties whatever the generation config says (:data:`GREEDY`).
+    """Answers of ``model`` (a RagModel with a retriever and tokenizers) on ``examples``.
+
+    Without ``settings``, greedy: ``model.generate`` with one beam, no sampling and no
+    penalties whatever the generation config says (:data:`GREEDY`; the quick evaluation a
+    training run makes every ``eval_every`` steps). ``settings``: ``model.generate``'s keyword
+    arguments instead (``rag-fast eval`` passes those of ``rag-fast generate``, so that both
+    give the same answers); ``max_new_tokens`` applies to both.
 
     ``progress``: a progress bar over the questions (stderr).
 
@@ -51,6 +56,7 @@ def evaluate(
     if model.generator_tokenizer is None:
         raise ValueError("evaluate needs the model's generator_tokenizer (to write the "
                          "contexts and decode the answers)")
+    decode = dict(settings or GREEDY, max_new_tokens=max_new_tokens)
     was_training = model.training
     model.eval()
     predictions, passages, scores = [], [], []
@@ -63,8 +69,7 @@ def evaluate(
         with torch.no_grad():
             for start in range(0, len(examples), batch_size):
                 batch = examples[start:start + batch_size]
-                out = model.generate([e.question for e in batch], max_new_tokens=max_new_tokens,
-                                     **GREEDY)
+                out = model.generate([e.question for e in batch], **decode)
                 predictions += out.texts
                 passages += out.passages
                 scores += out.doc_scores.float().cpu().tolist()

@@ -60,10 +60,10 @@ def prediction_rows(examples: Sequence[QAExample], result: EvalResult) -> list[d
 
 
 def write_evaluation(out: str | Path, examples: Sequence[QAExample], result: EvalResult, *,
-                     data: str, model: str) -> tuple[dict, int]:
+                     data: str, model: str, decoding: dict | None = None) -> tuple[dict, int]:
     """Mark ``out`` as an evaluation's folder and write its two files (see the module
-    docstring); ``data`` and ``model`` are recorded in ``metrics.json``. Returns the rounded
-    metrics and the number of predictions written."""
+    docstring); ``data``, ``model`` and the ``decoding`` settings (when given) are recorded in
+    ``metrics.json``. Returns the rounded metrics and the number of predictions written."""
     out = Path(out)
     write_marker(out, EVAL_KIND)
     rows = prediction_rows(examples, result)
@@ -72,6 +72,7 @@ def write_evaluation(out: str | Path, examples: Sequence[QAExample], result: Eva
     metrics = round_metrics(result.metrics)
     atomic_write_bytes(out / "metrics.json", (json.dumps({
         "data": str(data), "model": str(model), "examples": len(examples),
+        **({"decoding": decoding} if decoding is not None else {}),
         "metrics": metrics}, indent=1) + "\n").encode("utf-8"))
     return metrics, len(rows)
 
