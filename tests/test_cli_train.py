@@ -260,7 +260,7 @@ def test_eval_and_generate_show_each_passage_id_title_score_and_text(setup, tmp_
     assert cli.main(["generate", "--model", str(root / "model0"), "--index", str(index_dir),
                      "--question", QA[0][0], "--max-new-tokens", "2", "--device", "cpu"]) == 0
     line = json.loads(capsys.readouterr().out)
-    assert list(line) == ["question", "answer", "passages"]
+    assert list(line) == ["question", "answer", "passages", "decoding"]
     assert [(p["id"], p["title"], p["text"]) for p in line["passages"]] == \
         [(p["id"], p["title"], p["text"]) for p in rows[0]["passages"]]
     assert [p["score"] for p in line["passages"]] == pytest.approx(

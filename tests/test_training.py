@@ -273,3 +273,31 @@ def test_compile_option_compiles_both_regions_and_trains_as_eager(monkeypatch):
 def test_compile_option_needs_a_rag_model():
     with pytest.raises(ValueError, match="compile: true needs a rag_fast RagModel"):
         Trainer(torch.nn.Linear(2, 2), make_dataset(), collate, loss_fn, config(compile=True))
+
+
+def test_the_logged_loss_states_its_unit(tmp_path):
+    """A metrics line's ``loss`` is per question (each answer's NLL summed over its tokens, the
+    mean over the step's questions) and ``loss_per_token`` that sum over the target tokens.
+    A newcomer saw losses from 37 down to 13 with no word of what they were per."""
+    import json
+
+    model = make_model(dropout=False)
+    data = make_dataset()[:4]  # one global batch: the step sees all of them, in any order
+    for e, keep in zip(data, (T, 3, 2, T)):  # answers of different lengths
+        e["labels"][keep:] = model.pad_token_id
+    out = tmp_path / "run"
+    trainer = Trainer(model, data, collate, loss_fn,
+                      config(output_dir=str(out), max_steps=1, micro_batch_size=2, grad_accum=2,
+                             lr=0.0, warmup_steps=0, log_every=1, plot_file=None))
+    trainer.train()
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    with torch.no_grad():  # the oracle: the same (untouched, lr 0) weights, per question
+        batch = collate(data)
+        ctx = batch["ctx"].flatten(0, 1)
+        nll = model(batch["labels"], question_input_ids=batch["q"],
+                    passage_embeddings=batch["e"], context_input_ids=ctx,
+                    context_attention_mask=torch.ones_like(ctx), reduction="none").loss
+    targets = int((batch["labels"][:, 1:] != model.pad_token_id).sum())  # after the start
+    assert targets == (T - 1) + 2 + 1 + (T - 1)
+    assert record["loss"] == pytest.approx(float(nll.mean()), rel=1e-5)
+    assert record["loss_per_token"] == pytest.approx(float(nll.sum()) / targets, rel=1e-5)

@@ -627,6 +627,15 @@ class RagModel(nn.Module):
         kept = None if passages is None else [list(p) for p in passages]
         return _Inputs(doc_scores, context_input_ids, context_attention_mask, kept, questions)
 
+    def count_targets(self, labels: torch.Tensor) -> int:
+        """The target tokens the loss of ``labels`` ``[B, T]`` sums over (padding and a seq2seq
+        decoder's start token excluded): the loss of a question is the negative log-likelihood
+        of its answer summed over these, so ``loss * B / count_targets`` is the loss per
+        token."""
+        _, targets = self.prepare_labels(labels)
+        ignore = CAUSAL_IGNORE if self.is_causal else self.pad_token_id
+        return int((targets != ignore).sum())
+
     def prepare_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(decoder_input_ids [B, T-1], targets [B, T-1])`` from labels ``[B, T]``.
 

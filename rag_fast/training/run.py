@@ -479,7 +479,9 @@ def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
                 retriever.store, trainer.refresher._path(state.refreshed_at),
                 os.path.join(tc.output_dir, "index")))
         model.save(final, index=recorded)
-        summary = f"loss {state.last_loss:.4f}"
+        summary = f"loss {state.last_loss:.4f} per question"
+        if trainer.last_token_loss is not None:
+            summary += f", {trainer.last_token_loss:.4f} per token"
         if state.evals:
             step, metrics = state.evals[-1]
             summary += f"; eval at step {step}: " + ", ".join(

@@ -31,7 +31,13 @@ The rest of a run lives beside this loop: its options in ``rag_fast.training.con
 optimizer and schedule in ``rag_fast.training.optim``, the plot in ``rag_fast.training.plot``.
 
 Rank 0 also appends logged steps and evaluations to ``metrics.jsonl`` and draws ``training.png``
-at the end (both in ``output_dir``; see TrainConfig). A logged step's ``elapsed_s`` is the run's
+at the end (both in ``output_dir``; see TrainConfig). A logged step's ``loss`` is what
+``loss_fn`` returns, averaged over the step's micro-batches: for ``rag_loss``, the mean over the
+step's questions of each answer's negative log-likelihood summed over its tokens (the paper's
+objective, so it grows with the answers' length); ``loss_per_token`` divides the loss summed
+over the questions by their target tokens (``RagModel.count_targets``), comparable across
+answer lengths and vocabularies (null for a model without ``count_targets``, or a batch
+without ``labels``). A logged step's ``elapsed_s`` is the run's
 training time up to it, continued across resumes (``TrainState.elapsed_s``, checkpointed; the
 time of steps after the last checkpoint of a killed session is not counted, as they are trained
 again), ``examples_per_s`` the rate of the current session, and ``threads`` the CPU threads
@@ -215,6 +221,7 @@ class Trainer:
             else:
                 self._wrap(self.find_unused_parameters)
         self.state = TrainState()
+        self.last_token_loss: float | None = None  # the last step's loss per target token
         if config.output_dir:
             claim_run_folder(config.output_dir, self.rank, self.world_size)
             for name in (config.metrics_file, config.plot_file):  # inside it, before any step
@@ -321,6 +328,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         micro = self._micro_batches(self._next_global_batch())
         total = 0.0
+        summed, tokens = 0.0, 0  # the loss summed over questions, and their target tokens
+        count = getattr(self.model, "count_targets", None)
         for j, indices in enumerate(micro):
             batch = self.collate([self.dataset[i] for i in indices])
             last = j == len(micro) - 1
@@ -330,6 +339,10 @@ class Trainer:
                     loss = self.loss_fn(module, batch)
                 self.scaler.scale(loss / config.grad_accum).backward()
             total += float(loss.detach()) / config.grad_accum
+            if count is not None and isinstance(batch, dict) and "labels" in batch:
+                summed += float(loss.detach()) * len(indices)
+                tokens += count(batch["labels"])
+        self.last_token_loss = summed / tokens if tokens else None
         if self.world_size > 1 and self.ddp is None:
             self._first_step_decides()
         elif self.ddp is not None and not self.find_unused_parameters:
@@ -419,7 +432,10 @@ class Trainer:
             self.state.elapsed_s = before_session + elapsed
             if step % max(1, config.log_every) == 0 or step == config.max_steps:
                 self.state.history.append((step, loss))
+                token_loss = self.last_token_loss
                 record = {"step": step, "loss": loss if math.isfinite(loss) else None,
+                          "loss_per_token": (round(token_loss, 6) if token_loss is not None
+                                             and math.isfinite(token_loss) else None),
                           "lr": self._step_lr, "examples_per_s": round(seen / elapsed, 3),
                           "elapsed_s": round(self.state.elapsed_s, 3),
                           "threads": _threads.get_threads()}
@@ -430,7 +446,10 @@ class Trainer:
                 interval = {"steps": 0, "step_s": 0.0, "retrieval_s": 0.0}
                 self._log_metrics(record)
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", ex_per_s=f"{seen / elapsed:.1f}")
+                shown = {"loss": f"{loss:.4f}"}  # per question: summed over its answer tokens
+                if self.last_token_loss is not None:
+                    shown["per_token"] = f"{self.last_token_loss:.4f}"
+                bar.set_postfix(**shown, ex_per_s=f"{seen / elapsed:.1f}")
                 bar.update(1)
             if self.refresher is not None and (step % config.refresh_index_every == 0
                                                or step == config.max_steps):

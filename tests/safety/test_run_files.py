@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -144,3 +145,10 @@ def test_an_edited_checkpoint_manifest_is_refused(world, tmp_path, edit):
     if pure is not None:  # the untouched manifest is accepted again
         manifest.write_text(json.dumps(pure))
         load_checkpoint(str(out / "checkpoint-last.pt"))
+
+
+def test_the_run_s_last_line_states_the_loss_unit(world, tmp_path, capsys):
+    """The line that ends a run says what its loss is per (a newcomer could not tell)."""
+    assert _train(world, tmp_path / "r")[0] == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.search(r"loss \d+\.\d{4} per question, \d+\.\d{4} per token", line), line
