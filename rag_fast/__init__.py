@@ -28,7 +28,7 @@ if _threads.is_command():
 # (set before torch loads OpenMP; a library user's process is left alone)
 _threads.command_wait_policy()
 
-from rag_fast import reference  # noqa: E402  (loads torch)
+from rag_fast import _ext, reference  # noqa: E402  (loads torch)
 from rag_fast._pool import empty_cache, pool_info  # noqa: E402
 from rag_fast._threads import get_threads, set_threads  # noqa: E402
 from rag_fast.integrations import use_fused_losses  # noqa: E402
@@ -41,6 +41,9 @@ from rag_fast.ops import (  # noqa: E402
 )
 
 __version__ = "0.1.0"
+
+if _ext._source_checkout() is not None:  # imported from a checkout: say now (once) when its
+    _ext.available()                       # extension is missing, not at the first op
 
 try:  # RAG_FAST_THREADS: the thread count for this process
     _threads.apply_env()

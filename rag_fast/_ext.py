@@ -2,7 +2,9 @@
 
 If the extension is missing or broken (a source checkout that was never built, an ABI
 mismatch), one warning says so and how to fix it; every op keeps working through the
-reference path. The warning comes at first use of the extension, not at ``import rag_fast``.
+reference path. The warning comes at first use of the extension; when rag_fast is imported
+from a source checkout (Python started in the repository root after a non-editable ``pip
+install .``, say), at ``import rag_fast`` already.
 """
 from __future__ import annotations
 

@@ -32,10 +32,11 @@ def test_row_stats_through_python():
 _MISSING_EXTENSION = """
 import sys, warnings
 sys.modules["rag_fast._C"] = None  # makes `import rag_fast._C` fail like a missing build
-import torch, rag_fast
-from rag_fast import _ext
-with warnings.catch_warnings(record=True) as caught:
+import torch
+with warnings.catch_warnings(record=True) as caught:  # at import (from a checkout) or first use
     warnings.simplefilter("always")
+    import rag_fast
+    from rag_fast import _ext
     x = torch.randn(2, 3, 4, 5); s = torch.randn(2, 3); y = torch.randint(0, 5, (2, 4))
     for _ in range(3):
         loss = rag_fast.rag_token_nll(x, s, y)  # impl="auto" falls back to the reference

@@ -69,8 +69,9 @@ print(json.dumps({"file": rag_fast.__file__, "at_import": ours(at_import), "at_u
 
 
 def test_source_checkout_without_extension_says_where_and_how_to_fix(tmp_path):
-    """Python started in a checkout imports its rag_fast/, which has no _C: one warning, at first
-    use, names that path and both fixes; `python -m rag_fast.info` prints the same."""
+    """Python started in a checkout imports its rag_fast/, which has no _C: one warning, at
+    ``import rag_fast`` as the README says (a newcomer saw none, since it came only at the first
+    op), names that path and both fixes; `python -m rag_fast.info` prints the same."""
     checkout = _copy_checkout(tmp_path / "checkout", ["setup.py", "CMakeLists.txt", "rag_fast"])
     package = checkout / "rag_fast"
     # no Triton interpreter: "auto" then falls back to the reference, which the script checks
@@ -80,9 +81,9 @@ def test_source_checkout_without_extension_says_where_and_how_to_fix(tmp_path):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.splitlines()[-1])
     assert Path(result["file"]).resolve().parent == package.resolve()
-    assert result["at_import"] == []  # `import rag_fast` stays quiet (filterwarnings = error)
-    assert len(result["at_use"]) == 1, result["at_use"]  # once
-    category, is_runtime_warning, message = result["at_use"][0]
+    assert len(result["at_import"]) == 1, result["at_import"]  # at import
+    assert result["at_use"] == []  # and once only
+    category, is_runtime_warning, message = result["at_import"][0]
     assert category == "SourceTreeWarning" and is_runtime_warning
     assert issubclass(_ext.SourceTreeWarning, RuntimeWarning)
     for expected in (str(package.resolve()), "no compiled extension", "reference kernels",
@@ -98,7 +99,7 @@ def test_source_checkout_without_extension_says_where_and_how_to_fix(tmp_path):
     assert info.returncode == 0, info.stderr
     assert "UNAVAILABLE" in info.stdout
     assert f"WARNING: {message}" in info.stdout  # the same explanation, in the output itself
-    assert "SourceTreeWarning" not in info.stderr  # and not a second time on stderr
+    assert info.stderr.count("SourceTreeWarning") <= 1  # (the import's), not once per use
 
 
 def _missing_build_requirements() -> list[str]:
