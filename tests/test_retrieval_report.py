@@ -149,7 +149,7 @@ def test_data_formats_and_their_errors(tmp_path):
         return str(e.value).split(": ", 1)[1]
 
     assert refused({"question": "no answers or gold"}) == (
-        "neither answers ('answers') nor gold passage ids ('positive_ids', 'gold', 'passage_id', "
+        "neither answers ('answers', 'answer') nor gold passage ids ('positive_ids', 'gold', 'passage_id', "
         "'positive_ctxs'); expected at least one to measure retrieval against")
     assert refused({"question": "q", "gold": [1.5]}).startswith(
         "'gold' must be a passage id (a string or an integer) or a list of them, got [1.5]")

@@ -21,9 +21,12 @@ probability that k distinct random passages include one holding one of its answe
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
+import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -50,6 +53,41 @@ class RetrievalExample:
     answers: tuple[str, ...]
     gold: tuple[str, ...] | None
     where: str
+    gold_field: str | None = None  # the field the gold ids came from
+    answer_field: str | None = None  # the field the answers came from
+
+
+ANSWER_FIELDS = ("answers", "answer")
+# a line's keys that say nothing about retrieval quality (not reported as unknown)
+_OTHER_FIELDS = frozenset({"question", "id", "title", "text", "label", "negative_ctxs",
+                           "hard_negative_ctxs", "dataset"})
+
+
+def _near_miss(key: str) -> str | None:
+    """The gold field an unknown ``key`` was probably meant to be (``doc_id``, ``gold_id``,
+    ``positives``...), or None when it does not look like one."""
+    lowered = key.lower()
+    if not re.search(r"id|gold|positive|ctx|passage|doc", lowered):
+        return None
+    if "ctx" in lowered or "context" in lowered:
+        return "positive_ctxs"
+    close = difflib.get_close_matches(lowered, GOLD_FIELDS, n=1, cutoff=0.6)
+    return close[0] if close else ("positive_ids" if lowered.endswith("s") else "passage_id")
+
+
+def _fields_word(names) -> str:
+    return ", ".join(repr(f) for f in names)
+
+
+def _say_missing_gold(path: str, unknown: dict[str, int], lines: int) -> None:
+    """Warn (one line) that no line of ``path`` has a gold field: the fields looked for, and a
+    did-you-mean for each unknown key that looks like one."""
+    hints = [f"{key!r} on {n} line(s): did you mean {_near_miss(key)!r}?"
+             for key, n in sorted(unknown.items()) if _near_miss(key)]
+    warnings.warn(
+        f"{path}: none of its {lines} line(s) has gold passage ids (looked for "
+        f"{_fields_word(GOLD_FIELDS)}), so recall is measured against answer strings only"
+        + (f"; {'; '.join(hints)}" if hints else ""), UserWarning, stacklevel=3)
 
 
 def _gold_ids(obj: dict, where: str) -> tuple[str, ...] | None:
@@ -95,21 +133,47 @@ def load_retrieval_data(path: str) -> list[RetrievalExample]:
         return [RetrievalExample(e.question, e.answers, None, f"{path} example {n}")
                 for n, e in enumerate(load_qa(path), 1)]
     examples = []
+    unknown: dict[str, int] = {}  # keys no reader looks for -> lines holding them
     for _, where, obj in read_objects(path, DatasetError):
         question = obj.get("question")
         if not isinstance(question, str) or not question.strip():
             raise DatasetError(f"{where}: missing or empty 'question'")
-        raw = obj.get("answers", obj.get("answer"))
+        answer_field = next((f for f in ANSWER_FIELDS if f in obj), None)
+        raw = obj.get(answer_field) if answer_field else None
         answers = _answers(raw, where) if raw is not None else ()
         gold = _gold_ids(obj, where)
+        gold_field = next((f for f in GOLD_FIELDS if f in obj), None) if gold else None
+        for key in obj.keys() - _OTHER_FIELDS - set(ANSWER_FIELDS) - set(GOLD_FIELDS):
+            unknown[key] = unknown.get(key, 0) + 1
         if not answers and gold is None:
-            raise DatasetError(f"{where}: neither answers ('answers') nor gold passage ids "
-                               f"({', '.join(repr(f) for f in GOLD_FIELDS)}); expected at least "
-                               "one to measure retrieval against")
-        examples.append(RetrievalExample(question, answers, gold, where))
+            hints = [f"{k!r}: did you mean {_near_miss(k)!r}?" for k in sorted(obj)
+                     if k in unknown and _near_miss(k)]
+            raise DatasetError(f"{where}: neither answers ({_fields_word(ANSWER_FIELDS)}) nor "
+                               f"gold passage ids ({_fields_word(GOLD_FIELDS)}); expected at "
+                               "least one to measure retrieval against"
+                               + (f" ({'; '.join(hints)})" if hints else ""))
+        examples.append(RetrievalExample(question, answers, gold, where, gold_field,
+                                         answer_field if answers else None))
     if not examples:
         raise DatasetError(f"{path}: empty dataset (no examples)")
+    if all(e.gold is None for e in examples):
+        _say_missing_gold(path, unknown, len(examples))
     return examples
+
+
+def fields_used(examples: Sequence[RetrievalExample]) -> str | None:
+    """Which fields the gold ids and the answers were read from, for the report's notes
+    (``gold ids from 'positive_ids' (36 of 36 questions); answers from 'answers' (36)``)."""
+    parts = []
+    for what, attr in (("gold ids", "gold_field"), ("answers", "answer_field")):
+        counts: dict[str, int] = {}
+        for e in examples:
+            if getattr(e, attr):
+                counts[getattr(e, attr)] = counts.get(getattr(e, attr), 0) + 1
+        if counts:
+            parts.append(f"{what} from " + ", ".join(
+                f"{name!r} ({n} of {len(examples)} questions)" for name, n in counts.items()))
+    return "; ".join(parts) + "." if parts else None
 
 
 @dataclass
@@ -300,6 +364,9 @@ def retrieval_report(examples: Sequence[RetrievalExample], passages: Sequence[Se
             f"and {common} of the {len(answer_q)} questions have answers in more than "
             f"{COMMON_ANSWER:.0%} of them; the random column is what k passages drawn at random "
             "would score.")
+    used = fields_used(examples)
+    if used is not None:
+        notes.insert(0, f"read: {used}")
     summary = {"questions": len(examples), "gold_questions": len(gold_q),
                "answer_questions": len(answer_q), "unknown_gold_ids": len(unknown),
                "definitions": definitions, "answer_leniency": leniency}
@@ -340,6 +407,6 @@ def write_retrieval_report(out: str | Path, report: RetrievalReport, *, data: st
         **summary}, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
-__all__ = ["CORPUS_SAMPLE", "GOLD_FIELDS", "RETRIEVAL_FILES", "RetrievalExample",
-           "RetrievalReport", "format_table", "load_retrieval_data", "retrieval_report",
-           "write_retrieval_report"]
+__all__ = ["ANSWER_FIELDS", "CORPUS_SAMPLE", "GOLD_FIELDS", "RETRIEVAL_FILES",
+           "RetrievalExample", "RetrievalReport", "fields_used", "format_table",
+           "load_retrieval_data", "retrieval_report", "write_retrieval_report"]
