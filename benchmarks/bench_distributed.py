@@ -21,9 +21,14 @@ vectors clustered by topic, questions around sub-topics the corpus does not have
 (exact preset only), 200k with --full (exact and ivfpq; the ivfpq indexes, one over the whole
 corpus and one per shard, are built once by the parent process and loaded by the ranks, their
 fp16 vectors memory-mapped, as ``from_shards(cache=True)`` reopens them). Each rank runs
-``max(1, cores // W)`` torch and faiss threads; with more processes than cores they share the
+``max(1, cores // W)`` torch and faiss threads (at most ``ctx.threads``, which run.py sets when
+it retries the bench with fewer threads); with more processes than cores they share the
 cores (oversubscription): such a row measures the collectives' overhead on one machine, not
 what W machines would do.
+
+A rank that fails or whose process dies is seen at once (:func:`run_group` waits on every
+rank's report pipe and process together), and the bench fails naming it; only a group that
+hangs waits out ``TIMEOUT_S``.
 
 Memory per rank: ``index MB`` (the search structure and the fp16 vectors of the rank's index)
 and ``RSS MB`` (the rank's resident set after its timed steps: interpreter, torch, faiss and
@@ -36,11 +41,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
 import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 
 import numpy as np
 from harness import (Context, Measurement, Row, add_ratio, allocator_caption, run_command,
@@ -52,6 +57,7 @@ WORLDS = (1, 2, 4)
 SIZES = {True: (20_000, ("exact",)), False: (200_000, ("exact", "ivfpq"))}  # by ctx.quick
 WARMUP = 2
 TIMEOUT_S = 600  # one process group: a hang fails the bench instead of blocking the run
+GRACE_S = 2.0  # after a rank failed, how long the others may take to report their own errors
 
 
 def _cores() -> int:
@@ -59,6 +65,13 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def threads_per_rank(world: int, cap: int | None = None) -> int:
+    """The torch and faiss threads of each of ``world`` ranks: the usable cores shared out,
+    at least 1 and at most ``cap`` (``ctx.threads``) when given."""
+    share = _cores() // world
+    return max(1, share if cap is None else min(share, cap))
 
 
 def _rss_mb() -> float:
@@ -81,8 +94,11 @@ def _questions(topics: np.ndarray, basis: np.ndarray, rank: int, step: int) -> n
     return space.queries(QUESTIONS, seed=7_000_000 + 10_000 * rank + step)
 
 
-def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
-    """One rank: join the group, open its index, time ``job['steps']`` retrieval steps."""
+def _rank(rank: int, world: int, port: int, job: dict, report: Connection) -> None:
+    """One rank: join the group, open its index, time ``job['steps']`` retrieval steps on
+    ``job['threads']`` threads. Sends through ``report`` rank 0's table (None from the others),
+    or the traceback of its failure: a pipe, not a queue, because sending on a pipe starts no
+    thread, so a rank that cannot start one can still say so."""
     try:
         import faiss
         import torch
@@ -96,9 +112,8 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
             raise RuntimeError(f"rank {rank} imported rag_fast from {rag_fast.__file__} without "
                                "the compiled kernels the parent process has: its timings would "
                                "be the fallback's")
-        threads = max(1, _cores() // world)
-        torch.set_num_threads(threads)
-        faiss.omp_set_num_threads(threads)
+        torch.set_num_threads(job["threads"])
+        faiss.omp_set_num_threads(job["threads"])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         try:
@@ -142,14 +157,69 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
             dist.all_gather(every, mine)
         finally:
             dist.destroy_process_group()
-        results.put((rank, torch.stack(every).tolist() if rank == 0 else None))
+        value = torch.stack(every).tolist() if rank == 0 else None
     except BaseException:
-        results.put((rank, traceback.format_exc()))
+        value = traceback.format_exc()
+    report.send(value)
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+
+def _report(pipe: Connection, process) -> object:
+    """What a rank whose pipe or process woke the wait has to say: what it sent, or, when its
+    process ended without sending, a line saying so with its exit status."""
+    try:
+        if pipe.poll():
+            return pipe.recv()
+    except EOFError:  # its end of the pipe closed: the process is gone
+        pass
+    process.join(timeout=5)
+    return f"ended without reporting ({_exit_words(process.exitcode)})"
+
+
+def _collect(procs: list, pipes: list[Connection]) -> dict[int, object]:
+    """rank -> its report (:func:`_report`; a ``str`` for a failure), in the order they came.
+    Waits on every pipe and process together, so a rank that dies is seen when it dies; stops
+    when every rank has reported, ``GRACE_S`` after the first failure (the others may wait for
+    the failed rank in a collective), or after ``TIMEOUT_S``."""
+    done: dict[int, object] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(done) < len(procs):
+        left = [r for r in range(len(procs)) if r not in done]
+        ready = wait([pipes[r] for r in left] + [procs[r].sentinel for r in left],
+                     timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for r in left:
+            if pipes[r] in ready or procs[r].sentinel in ready:
+                done[r] = _report(pipes[r], procs[r])
+        if any(isinstance(v, str) for v in done.values()):
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+    return done
+
+
+def _stop(procs: list, patience_s: float) -> None:
+    """Give the rank processes ``patience_s`` in all to exit, then kill those still running."""
+    end = time.monotonic() + patience_s
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def run_group(world: int, job: dict) -> list[list[float]]:
     """Run :func:`_rank` in ``world`` processes; rank 0's table: per rank, its step times (ms)
-    then its RSS and index MB. Raises RuntimeError with the traceback of every failed rank."""
+    then its RSS and index MB.
+
+    Raises RuntimeError, as soon as a rank cannot start, fails or dies (:func:`_collect`), or
+    after ``TIMEOUT_S`` without every report: its first line names the group and the cause (the
+    last line of the first failed rank's traceback, its exit status, or the ranks that did not
+    finish), then every failed rank's traceback follows."""
     from rag_fast.training.distributed import free_port
 
     ctx = multiprocessing.get_context("forkserver")
@@ -158,35 +228,37 @@ def run_group(world: int, job: dict) -> list[list[float]]:
     # there would be the source checkout's (no compiled extension) when run from the repository
     # root; the ranks import rag_fast themselves, with this process's path.
     ctx.set_forkserver_preload(["torch"])
-    results = ctx.Queue()
+    group = f"distributed bench, W={world}, {job['layout']} {job['preset']}"
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, job, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    procs, pipes = [], []
     done: dict[int, object] = {}
-    deadline = time.monotonic() + TIMEOUT_S
     try:
-        while len(done) < world:
+        for r in range(world):
+            pipe, send = ctx.Pipe(duplex=False)
+            pipes.append(pipe)
+            process = ctx.Process(target=_rank, args=(r, world, port, job, send), daemon=True)
             try:
-                rank, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            done[rank] = value
-            if isinstance(value, str):  # the others may wait for it in a collective
-                deadline = min(deadline, time.monotonic() + 20)
+                process.start()
+            except Exception as e:
+                raise RuntimeError(f"{group}: rank {r} could not start: {type(e).__name__}: {e}") from e
+            finally:
+                send.close()  # the rank's copy is its only one: its death closes the pipe
+            procs.append(process)
+        done = _collect(procs, pipes)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop(procs, patience_s=5.0 if len(done) == world else 0.0)
+        for pipe in pipes:
+            pipe.close()
     failed = {r: v for r, v in done.items() if isinstance(v, str)}
     missing = [r for r in range(world) if r not in done]
-    if failed or missing:
-        raise RuntimeError(f"distributed bench, {world} processes, {job['layout']} {job['preset']}: "
+    if failed:
+        first = next(iter(failed))
+        cause = failed[first].strip().splitlines()[-1]
+        raise RuntimeError(f"{group}: rank {first} failed: {cause}"
                            + "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(failed.items()))
-                           + (f"\nranks {missing} did not finish" if missing else ""))
+                           + (f"\nranks {missing} stopped after it" if missing else ""))
+    if missing:
+        raise RuntimeError(f"{group}: ranks {missing} did not finish within {TIMEOUT_S} s")
     return done[0]
 
 
@@ -249,7 +321,8 @@ def run(ctx: Context) -> list[Row]:
                            "basis": os.path.join(tmp, "basis.npy"), "dir": tmp,
                            "preset": preset, "steps": ctx.repeats, "passages": n,
                            "layout": "sharded" if layout == "sharded" else "full",
-                           "extension": _has_inner_products()}
+                           "extension": _has_inner_products(),
+                           "threads": threads_per_rank(world, ctx.threads)}
                     table = run_group(world, job)
                     per_step = np.max(np.asarray([r[: ctx.repeats] for r in table]), axis=0)
                     m = Measurement.of(per_step.tolist())
@@ -258,7 +331,7 @@ def run(ctx: Context) -> list[Row]:
                             f"W={world}")
                     row = Row.of(NAME, case, layout, m, {
                         "W": world, "preset": preset, "passages": n,
-                        "threads/rank": max(1, _cores() // world),
+                        "threads/rank": job["threads"],
                         "oversubscribed": world > _cores(),
                         "index MB/rank": round(max(r[-1] for r in table), 1),
                         "RSS MB/rank": round(max(r[-2] for r in table), 1),

@@ -240,6 +240,9 @@ class Context:
     quick: bool
     repeats: int
     warmup: int
+    # the most threads each process of the bench may run (None: the bench's own choice); run.py
+    # sets it when it retries a bench that could not start a thread or process
+    threads: int | None = None
 
 
 def _sync(device: str) -> None:
@@ -472,12 +475,15 @@ def noisy_note(flags: list[str]) -> str:
 
 
 def write_json(path: str, rows: list[Row], machine: dict, args: dict,
-               load: dict | None = None) -> None:
+               load: dict | None = None, failed: dict[str, str] | None = None) -> None:
     """Write the results atomically (temp file + rename); ``load``: the machine's load during
-    each bench (:class:`LoadMonitor`), under the file's ``"load"`` key."""
+    each bench (:class:`LoadMonitor`), under the file's ``"load"`` key; ``failed``: the benches
+    that failed, each with its error (so without rows), under ``"failed"`` when there are any."""
     payload = {"machine": machine, "args": args, "rows": [asdict(r) for r in rows]}
     if load is not None:
         payload["load"] = load
+    if failed:
+        payload["failed"] = failed
     write_json_file(path, payload)
 
 
@@ -588,7 +594,8 @@ class LoadMonitor:
       process, such as ranks a forkserver started, seen by polling /proc every ``poll_s``
       seconds; None without /proc/stat): 0 on an idle machine, 1 when another process kept
       one core busy throughout. A descendant that lived less than ``poll_s`` between two polls
-      and was not this process's child counts as another process's;
+      and was not this process's child counts as another process's, and so does every such
+      descendant when the polling thread could not start (a machine out of threads);
     - ``"load_avg"``: the 1-minute load average at the end (it counts this run's own threads).
     """
 
@@ -616,8 +623,11 @@ class LoadMonitor:
         self._tree: dict[int, tuple[float, float]] = {}
         self._existing = {pid: cpu for pid, (_, cpu) in _tree(os.getpid()).items()}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = threading.Thread(target=self._poll, daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError:  # can't start new thread: the bench still runs, and says why if
+            self._thread = None  # it cannot either; processes below it count as others'
         return self
 
     def _tree_cpu_s(self) -> float:
@@ -626,7 +636,8 @@ class LoadMonitor:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         wall = max(time.perf_counter() - self._wall, 1e-9)
         busy = _cpu_busy_s()
         others = None

@@ -16,17 +16,27 @@ Nothing is timed (exit status 1, one message naming what is missing and the fix)
 rag_fast rows would time the plain-PyTorch fallback: the compiled extension does not load or
 lacks a kernel the chosen benches run (:data:`CPP_KERNELS`; a new bench adds its own), or,
 under ``--device cuda``, Triton is not usable (:func:`refusal`).
+
+A bench that fails (it raises, or a process it started fails or dies) does not end the run: its
+traceback is printed at once, the benches after it run, the summary names it with its error,
+and run.py exits with status 1 (:func:`run_bench`). One whose error says a thread or process
+could not start (:func:`could_not_start`) is first retried once with
+:data:`RETRY_THREADS` thread per process.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import importlib
 import os
 import pathlib
 import statistics
 import sys
 import time
+import traceback
+from types import ModuleType
 
 HERE = pathlib.Path(__file__).resolve().parent
 LOCAL_RESULTS = HERE / "results" / "local"  # in .gitignore
@@ -34,6 +44,16 @@ sys.path.insert(0, str(HERE))
 
 from harness import (Context, LoadMonitor, Row, machine_description, markdown_table,  # noqa: E402
                      plot_curves, stamp_allocator, write_json)
+
+# The retry of a bench that could not start a thread or process: this many threads per process,
+# set by these variables in the environment of the processes it starts.
+RETRY_THREADS = 1
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                    "RAG_FAST_THREADS")
+# what an error says when a thread or process could not start: Python's, strerror(EAGAIN),
+# libgomp's, and the errno as OSError and C++ exceptions print it
+START_FAILURES = ("can't start new thread", "resource temporarily unavailable",
+                  "thread creation failed", "eagain", "[errno 11]")
 
 
 # The compiled kernels (attributes of rag_fast._C: csrc's RAG_FAST_KERNEL registrations, and the
@@ -136,12 +156,20 @@ def _x(value: float) -> str:
     return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
 
 
-def summary(rows: list[Row], loads: dict[str, dict], cores: int | None = None) -> str:
+def summary(rows: list[Row], loads: dict[str, dict], cores: int | None = None,
+            failed: dict[str, str] | None = None, retried: dict[str, str] | None = None) -> str:
     """The closing summary: per bench, its wall time, the other processes' load on the machine
     while it ran (:class:`harness.LoadMonitor`), how many rows are flagged noisy, and each of
-    its :data:`HEADLINES` ratios as the range and median over the bench's cases."""
+    its :data:`HEADLINES` ratios as the range and median over the bench's cases; a bench in
+    ``failed`` gets one line with its error instead, and one in ``retried`` says why it was."""
+    failed, retried = failed or {}, retried or {}
     lines = ["## summary", ""]
     for name, load in loads.items():
+        if name in failed:
+            again = f", {retried[name]}" if name in retried else ""
+            lines.append(f"- **{name}** FAILED ({load.get('seconds', 0):.0f} s{again}): "
+                         f"{failed[name]}")
+            continue
         mine = [r for r in rows if r.bench == name]
         noisy = sum(1 for r in mine if r.noisy)
         others = load.get("other_cores")
@@ -154,6 +182,8 @@ def summary(rows: list[Row], loads: dict[str, dict], cores: int | None = None) -
                 busy += " (BUSY: its ratios may be off, rerun on a quiet machine)"
         lines.append(f"- **{name}** ({load.get('seconds', 0):.0f} s; {busy}; "
                      f"{noisy} of {len(mine)} rows noisy)")
+        if name in retried:
+            lines.append(f"  - {retried[name]}")
         for provider, key, words in HEADLINES.get(name, ()):
             values = [(r.extra[key], key in r.noisy) for r in mine
                       if r.provider == provider and isinstance(r.extra.get(key), (int, float))]
@@ -169,6 +199,10 @@ def summary(rows: list[Row], loads: dict[str, dict], cores: int | None = None) -
     lines.append("")
     lines.append("x > 1: rag_fast faster (except a SLOWDOWN). A ratio is noisy when a side's runs spread by more "
                  "than 20% or overlap the other side's.")
+    if failed:
+        lines.append(f"{len(failed)} of {len(loads)} benches failed ({', '.join(failed)}; their "
+                     "tracebacks went to stderr): they have no rows, and run.py exits with "
+                     "status 1.")
     return "\n".join(lines)
 
 
@@ -187,6 +221,109 @@ def tables(module, rows: list[Row], machine: dict, args: dict, source: str) -> s
                 f"field follows)\n\n" + markdown_table(rows))
 
 
+def could_not_start(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from or while handling, says that a thread
+    or process could not start: an OSError with errno EAGAIN, or a message (a worker's
+    traceback, which a bench's error quotes, included) holding one of :data:`START_FAILURES`."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno == errno.EAGAIN:
+            return True
+        if any(words in str(cause).lower() for words in START_FAILURES):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def one_line(error: BaseException, width: int = 240) -> str:
+    """``Type: message`` on one line, for the summary: the message's first line, cut at
+    ``width`` characters (the whole traceback was printed when the bench failed)."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+@contextlib.contextmanager
+def fewer_threads(n: int):
+    """Within: torch on ``n`` threads in this process, and :data:`THREAD_VARIABLES` set to
+    ``n`` in the environment of the processes it starts; all restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    saved = {name: os.environ.get(name) for name in THREAD_VARIABLES}
+    torch.set_num_threads(n)
+    os.environ.update({name: str(n) for name in THREAD_VARIABLES})
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What running one bench gave: its module and rows, or (``error``, :func:`one_line`) the
+    error that stopped it; ``retry`` says why it was retried, if it was; ``load`` is the
+    machine's load meanwhile (:class:`harness.LoadMonitor`)."""
+    module: ModuleType | None
+    rows: list[Row]
+    error: str | None = None
+    retry: str | None = None
+    load: dict = dataclasses.field(default_factory=dict)
+
+
+def _report_failure(name: str, error: BaseException) -> None:
+    print(f"\nbench {name} failed:", file=sys.stderr)
+    traceback.print_exception(error, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _attempts(name: str, module_name: str, ctx: Context) -> Outcome:
+    """:func:`run_bench` without the load monitor."""
+    retry = None
+    try:
+        module = importlib.import_module(module_name)
+        assert module.NAME == name, f"{module_name}.py must set NAME = {name!r}"
+        try:
+            return Outcome(module, stamp_allocator(module.run(ctx)))
+        except Exception as error:
+            if not could_not_start(error):
+                raise
+            first = error
+        # retried outside the handler, so that a second error does not print the first again
+        _report_failure(name, first)
+        retry = f"retried once with {RETRY_THREADS} thread per process after {one_line(first)}"
+        print(f"{name}: a thread or process could not start ({one_line(first)}): retrying "
+              f"once with {RETRY_THREADS} thread per process\n", flush=True)
+        with fewer_threads(RETRY_THREADS):
+            rows = module.run(dataclasses.replace(ctx, threads=RETRY_THREADS))
+        for row in rows:
+            row.extra["retried with threads"] = RETRY_THREADS
+        return Outcome(module, stamp_allocator(rows), retry=retry)
+    except Exception as error:
+        _report_failure(name, error)
+        return Outcome(None, [], error=one_line(error), retry=retry)
+
+
+def run_bench(name: str, module_name: str, ctx: Context) -> Outcome:
+    """Bench ``name`` (module ``module_name``) run under a :class:`harness.LoadMonitor`. An
+    error (importing it, or in its ``run``) ends the bench, not the run: its traceback goes to
+    stderr at once and the outcome carries it. An error that says a thread or process could not
+    start (:func:`could_not_start`) first gets one retry, said on stdout, with ``ctx.threads``
+    and every process's threads at :data:`RETRY_THREADS` (:func:`fewer_threads`); the retry's
+    rows say so (``extra["retried with threads"]``). Ctrl-C still ends the run."""
+    with LoadMonitor() as monitor:
+        outcome = _attempts(name, module_name, ctx)
+    outcome.load = monitor.result
+    return outcome
+
+
 def available_benches() -> dict[str, str]:
     """bench NAME -> module name, for every benchmarks/bench_NAME.py. Nothing is imported
     here: a bench's dependencies (faiss for the index) are only needed when it runs."""
@@ -194,6 +331,9 @@ def available_benches() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the chosen benches; 0 when every one gave its rows, 1 when one failed (after the
+    summary) or nothing was timed (:func:`refusal`), 2 for bad arguments."""
+    benches = available_benches()
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="quick", action="store_true", default=True,
@@ -204,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                            "bench alone 36 minutes on 2 cores); use --only NAME")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", action="append", default=None, metavar="NAME",
-                        help="run only this bench (repeatable)")
+                        help="run only this bench (repeatable), one of: " + ", ".join(benches))
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per provider")
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/local/<device>-<time>.json)")
@@ -219,7 +359,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    benches = available_benches()
     names = args.only or list(benches)
     unknown = [n for n in names if n not in benches]
     if unknown:
@@ -237,26 +376,32 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or str(LOCAL_RESULTS / f"{args.device}-{stamp}.json")
     shown = os.path.relpath(out)  # as the captions name the results file
     shown = out if shown.startswith("..") else shown
-    all_rows, loads = [], {}
+    all_rows, loads, failed, retried = [], {}, {}, {}
     for name in names:
-        module = importlib.import_module(benches[name])
-        assert module.NAME == name, f"{benches[name]}.py must set NAME = {name!r}"
-        with LoadMonitor() as monitor:
-            rows = stamp_allocator(module.run(ctx))  # the allocator of the times, on every row
-        all_rows += rows
-        loads[name] = monitor.result
+        outcome = run_bench(name, benches[name], ctx)
+        all_rows += outcome.rows
+        loads[name] = outcome.load
+        if outcome.retry:
+            retried[name] = outcome.retry
+        if outcome.error:
+            failed[name] = outcome.error
         # after every bench, so that a later failure or Ctrl-C keeps the benches done
-        write_json(out, all_rows, machine, vars(args), load=loads)
-        print(f"## {name}  ({monitor.result['seconds']:.0f} s)\n")
-        print(tables(module, rows, machine, vars(args), shown) + "\n", flush=True)
-    print(summary(all_rows, loads, machine.get("cpu_count")))
+        write_json(out, all_rows, machine, vars(args), load=loads, failed=failed)
+        seconds = f"{outcome.load['seconds']:.0f} s"
+        if outcome.error:
+            print(f"## {name}  FAILED ({seconds}): {outcome.error}\n", flush=True)
+        else:
+            print(f"## {name}  ({seconds})\n")
+            print(tables(outcome.module, outcome.rows, machine, vars(args), shown) + "\n",
+                  flush=True)
+    print(summary(all_rows, loads, machine.get("cpu_count"), failed, retried))
     note = "" if args.out else " (not tracked by git; --out PATH to choose)"
     print(f"\nresults written to {out}{note}; `python benchmarks/render.py {out}` prints these "
           "tables again, and the JSON holds every raw field")
     plot = str(pathlib.Path(out).with_suffix("")) + "-recall-qps.png"
     if plot_curves(all_rows, plot):
         print(f"recall/throughput plot written to {plot}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

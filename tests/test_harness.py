@@ -157,3 +157,18 @@ def test_peak_memory_counts_a_known_call_after_heap_reuse_with_the_default_alloc
             assert peak == pytest.approx(known, rel=0.15), got
     # the setup bites: without the trim, the reused heap hides most of the heap-sized call
     assert got["24 without trim"] < 0.5 * 24, got
+
+
+def test_the_load_monitor_measures_without_its_thread_where_none_can_start(monkeypatch):
+    """On a machine out of threads the monitor cannot start its polling thread: the bench still
+    runs and gets its wall time and load (processes below it then count as other processes')."""
+    import threading
+
+    def refuse(thread):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with harness.LoadMonitor() as m:
+        pass
+    monkeypatch.undo()
+    assert m.result["seconds"] >= 0 and set(m.result) == {"seconds", "other_cores", "load_avg"}
