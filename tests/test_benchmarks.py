@@ -284,22 +284,24 @@ def test_readme_tables_are_what_the_committed_results_render_to(tmp_path, capsys
 
     readme = BENCH_DIR.parent / "README.md"
     text = readme.read_text(encoding="utf-8")
-    assert {"index", "knowledge-swap"} <= set(render.SECTIONS)
+    assert {"index-summary", "exact-summary", "decoding-summary", "where-it-loses"} <= set(
+        render.SECTIONS)
     for name in render.SECTIONS:
         assert render.readme_section(text, name) == render.rendered(name), name
     assert render.main(["--check"]) == 0
     edited = tmp_path / "README.md"
-    changed = _edit_cell(text, "index", "| real text", 2, "0.999")  # a hand-typed recall
+    changed = _edit_cell(text, "index-summary", "| real text", 2, "0.999")  # a hand-typed recall
     edited.write_text(changed, encoding="utf-8")
     capsys.readouterr()
     assert render.main(["--check", "--readme", str(edited)]) == 1
     err = capsys.readouterr().err
-    assert "'index'" in err and "'knowledge-swap'" not in err
-    changed = _edit_cell(changed, "knowledge-swap", "| RAG-Token", 1, "0.998")  # a hand-typed EM
+    assert "'index-summary'" in err and "'decoding-summary'" not in err
+    assert "benchmarks/results/cpu-index-full.json" in err  # the file it comes from
+    changed = _edit_cell(changed, "decoding-summary", "| RAG-Token", 3, "2.16x")  # a typed ratio
     edited.write_text(changed, encoding="utf-8")
     assert render.main(["--check", "--readme", str(edited)]) == 1
     err = capsys.readouterr().err
-    assert "'index'" in err and "'knowledge-swap'" in err  # every differing section, not the first
+    assert "'index-summary'" in err and "'decoding-summary'" in err  # every one, not the first
     assert edited.read_text(encoding="utf-8") == changed  # --check writes nothing
     docs = _spare(tmp_path, "docs")
     assert render.main(["--readme", str(edited), "--docs", docs]) == 0
@@ -315,6 +317,9 @@ def test_docs_tables_of_other_machines_are_what_their_results_render_to(tmp_path
     docs = BENCH_DIR.parent / render.DOCS_FILE
     text = docs.read_text(encoding="utf-8")
     assert render.DOCS_SECTIONS and not set(render.DOCS_SECTIONS) & set(render.SECTIONS)
+    # the full tables the README summarises live here
+    assert {"losses", "training", "decoding", "index", "distributed", "knowledge-swap"} <= set(
+        render.DOCS_SECTIONS)
     for name in render.DOCS_SECTIONS:
         assert render.readme_section(text, name) == render.rendered(name), name
     capped = render.readme_section(text, "decoding-epyc-avx2")
@@ -336,8 +341,8 @@ def test_a_section_missing_from_the_readme_is_an_error_naming_it(tmp_path, capsy
     import render
 
     text = (BENCH_DIR.parent / "README.md").read_text(encoding="utf-8")
-    section = render.readme_section(text, "knowledge-swap")
-    whole = f"<!-- bench:knowledge-swap -->\n{section}\n<!-- /bench:knowledge-swap -->"
+    section = render.readme_section(text, "losses-summary")
+    whole = f"<!-- bench:losses-summary -->\n{section}\n<!-- /bench:losses-summary -->"
     assert whole in text
     edited = tmp_path / "README.md"
     edited.write_text(text.replace(whole, section), encoding="utf-8")  # markers lost
@@ -345,7 +350,8 @@ def test_a_section_missing_from_the_readme_is_an_error_naming_it(tmp_path, capsy
         capsys.readouterr()
         assert render.main([*check, "--readme", str(edited), "--docs", _spare(tmp_path, "docs")]) == 1
         err = capsys.readouterr().err
-        assert "no section 'knowledge-swap'" in err and "'index'" not in err
+        assert "no section 'losses-summary'" in err and "'index-summary'" not in err
+        assert "benchmarks/results/cpu-losses-full.json" in err
     assert edited.read_text(encoding="utf-8") == text.replace(whole, section)  # left as it was
 
 
@@ -354,10 +360,10 @@ def test_an_empty_section_is_filled(tmp_path):
     import render
 
     text = (BENCH_DIR.parent / "README.md").read_text(encoding="utf-8")
-    section = render.readme_section(text, "index")
+    section = render.readme_section(text, "index-summary")
     edited = tmp_path / "README.md"
     edited.write_text(text.replace(section + "\n", ""), encoding="utf-8")
-    assert render.readme_section(edited.read_text(encoding="utf-8"), "index") == ""
+    assert render.readme_section(edited.read_text(encoding="utf-8"), "index-summary") == ""
     assert render.main(["--readme", str(edited), "--docs", _spare(tmp_path, "docs")]) == 0
     assert edited.read_text(encoding="utf-8") == text
 
@@ -797,3 +803,103 @@ def test_the_process_tree_is_found_with_and_without_children_files(monkeypatch):
     for tree in (walked, scanned):
         assert tree[child.pid][0] == os.getpid() and tree[child.pid][1] >= 0
     assert harness._stat(child.pid) is None  # gone: no row, no error
+
+
+# ---- the README's short tables: the full tables' own cells, and where rag_fast loses -------
+def _table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ") and "---|" not in line]
+
+
+def test_readme_summaries_hold_only_figures_of_their_full_tables():
+    """Every figure of a README summary table is a cell (or part of one) of the full table in
+    docs/benchmarks.md it summarises, and each caption names the results file and the machine."""
+    import re
+
+    import render
+
+    for name, (fulls, _) in render.SECTIONS.items():
+        if name == "where-it-loses":
+            continue
+        section = render.rendered(name)
+        full = "\n".join(render.rendered(f) for f in fulls)
+        cells = {c for line in _table_lines(full) for c in render._cells(line)}
+        figures = {f for line in _table_lines(section)[1:]
+                   for f in re.findall(r"[0-9][0-9,.]*(?:%|x)?", line)}
+        text_of_cells = " | ".join(cells)
+        for figure in figures:
+            assert figure in text_of_cells, (name, figure)
+        caption = section.split("\n\n")[0]
+        for source in render.sources(name):
+            assert f"`benchmarks/results/{source}`" in caption, name
+        assert "AMD EPYC, 2 cores" in caption, name
+        assert caption.count(". ") <= 1 and caption.endswith("."), name  # two sentences at most
+
+
+def _fulls(**edits):
+    """The full sections "where it loses" reads, with ``name=(old, new)`` replacing text of one
+    (a committed result made different)."""
+    import render
+
+    fulls = []
+    for name in render.SECTIONS["where-it-loses"][0]:
+        full = render._full(name)
+        if name in edits:
+            old, new = edits[name]
+            assert old in full.text, (name, old)
+            full = render.Full(full.name, full.source, full.results, full.text.replace(old, new))
+        fulls.append(full)
+    return fulls
+
+
+def test_where_it_loses_follows_the_results():
+    """The list names each comparison below 1.25x by rule: a result that changes changes the
+    list, with no hand-typed line to go stale."""
+    import render
+
+    text = render._losing(*_fulls())
+    assert text == render.rendered("where-it-loses")
+    for words in ("BART-base-sized generator, B=8 K=5 beams=4 new=20: 1.16x `generate`",
+                  "faiss `IndexFlatIP` is faster at 1, 512 and 2,048 queries per call",
+                  "the hnsw preset answers batches at 0.45x (noisy) the speed of rag_fast's",
+                  "the sharded index is slower than a full index per process in 5 of 6 cases",
+                  "takes 1.33x to 1.68x the time of the materialized path"):
+        assert words in text, words
+    assert "RAG losses" not in text  # every loss is well above 1.25x
+    faster = render._losing(*_fulls(decoding=("| 1.16x |", "| 2.16x |")))
+    assert "1.16x `generate`" not in faster and "2.16x" not in faster
+    slower = render._losing(*_fulls(losses=("| 36.0x |", "| 0.90x |")))
+    assert "RAG losses: 1 of the comparisons below 1.25x" in slower
+    assert "`RagModel.compile()` (off by default) takes 0.98x to 1.17x" in text
+    paid = render._losing(*_fulls(training=("| 529 ms:", "| 129 ms:")))  # compiling pays
+    assert "`RagModel.compile()`" not in paid
+
+
+def test_a_summary_names_a_column_its_full_table_lost():
+    import render
+
+    full = render._full("decoding")
+    renamed = render.Full(full.name, full.source, full.results,
+                          full.text.replace("| vs `generate` |", "| speed-up |", 1))
+    with pytest.raises(KeyError, match="section 'decoding' has no column 'vs `generate`'"):
+        render._decoding(renamed)
+
+
+def _prose(text: str) -> list[str]:
+    """The README's paragraphs outside generated sections, code blocks and tables."""
+    import re
+
+    text = re.sub(r"<!-- bench:(\S+) -->\n.*?<!-- /bench:\1 -->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return [p for p in text.split("\n\n") if p.strip() and not p.lstrip().startswith("|")]
+
+
+def test_readme_figures_are_rendered_or_marked_as_estimates():
+    """A time, ratio or percentage typed into the README's prose must say it is an estimate and
+    how it was obtained: measured figures come from the generated sections only."""
+    import re
+
+    text = (BENCH_DIR.parent / "README.md").read_text(encoding="utf-8")
+    figure = re.compile(r"\b[0-9][0-9,.]*\s?(?:x\b|%|ms\b|s\b|seconds?\b|minutes?\b|hours?\b)")
+    typed = [p for p in _prose(text) if figure.search(p) and "(estimate:" not in p]
+    assert not typed, typed
+    assert any("(estimate:" in p for p in _prose(text))  # the run command's time

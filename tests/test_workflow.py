@@ -140,6 +140,19 @@ def test_readme_holds_the_training_schema_and_the_example_config():
     json.loads(example)
 
 
+@pytest.mark.parametrize("marker,command", [
+    ("run-command", 'pip install ".[bench]" && python benchmarks/run.py'),
+    ("test-command", 'pip install ".[test]" && pytest tests -m "not slow"'),
+])
+def test_ci_finds_the_two_commands_in_the_readme(marker, command):
+    """.ci/run reads each command as the line after its marker and the fence (grep -A2)."""
+    got = subprocess.run(
+        ["bash", "-c", f"grep -A2 -- '<!-- {marker} -->' README.md | grep -v '^<!--' "
+                       "| grep -v '^```' | head -1"],
+        cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert got == command
+
+
 def test_train_help_prints_the_schema(capsys):
     from rag_fast import cli
 
