@@ -140,7 +140,7 @@ def run(ctx: Context) -> list[Row]:
 
 
 def render(results: dict, source: str) -> str:
-    """The README's contention table from a results file of this bench."""
+    """The full contention table of docs/benchmarks.md from a results file of this bench."""
     rows = [r for r in results["rows"] if r["bench"] == NAME]
     if not rows:
         raise ValueError(f"{source}: no rows of the {NAME!r} bench")

@@ -253,7 +253,7 @@ def run(ctx: Context) -> list[Row]:
     return rows
 
 
-# README ------------------------------------------------------------------------------------
+# docs/benchmarks.md -----------------------------------------------------------------------
 
 def _ratio(row: dict, key: str) -> str:
     if key not in row["extra"]:
@@ -264,7 +264,7 @@ def _ratio(row: dict, key: str) -> str:
 
 
 def render(results: dict, source: str) -> str:
-    """The README's decoding section: a caption (what, how, where) and one table."""
+    """The full decoding section of docs/benchmarks.md: a caption (what, how, where) and one table."""
     rows = [r for r in results["rows"] if r["bench"] == NAME]
     if not rows:
         raise ValueError(f"render: {source} has no '{NAME}' rows")

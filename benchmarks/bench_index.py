@@ -38,7 +38,7 @@ reads (``B/vec``: the index, plus the fp16 vectors when it re-ranks), and on its
 recall/QPS curve (``curve``: ``[setting, recall@10, batch QPS]`` over ``nprobe`` or
 ``ef_search``), which ``run.py`` plots.
 
-:func:`render` turns a results file of this bench into the README's index section.
+:func:`render` turns a results file of this bench into the full index section of docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -358,7 +358,7 @@ def run(ctx: Context) -> list[Row]:
     return rows
 
 
-# ------------------------------------------------------------------------------ README
+# ------------------------------------------------------------------ docs/benchmarks.md
 
 
 _EXACT = ("torch exact (matmul)", "rag_fast exact", "faiss IndexFlatIP (direct)")
@@ -391,7 +391,7 @@ def _ms(row: dict) -> str:
 
 
 def render(results: dict, source: str) -> str:
-    """The README's index section from a results file (``source``: its name under
+    """The full index section of docs/benchmarks.md from a results file (``source``: its name under
     ``benchmarks/results/``): a caption saying how and where it was measured; the approximate
     presets, one line per data set and preset (a batch of 128 and one query); exact search
     three ways at every batch size, with the fastest named; and where each exact search wins."""

@@ -25,7 +25,7 @@ gradients the step returns (``dW``, ``dh``, the scores' gradient), in MiB and as
 logits' size (for the materialized path this includes its reused logits buffer, released before
 its measured call so that the peak counts it).
 
-:func:`render` turns a results file of this bench into the README's section.
+:func:`render` turns a results file of this bench into the full section of docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _step(fn, h, W, s):
     return forward_backward
 
 
-# ---------------------------------------------------------------------------- README section
+# ---------------------------------------------------------- docs/benchmarks.md section
 _LABELS = {"token eps=0.0": "RAG-Token, eps 0", "token eps=0.1": "RAG-Token, eps 0.1",
            "sequence eps=0.0": "RAG-Sequence, eps 0", "sequence eps=0.1": "RAG-Sequence, eps 0.1"}
 
@@ -143,7 +143,7 @@ def _cell(row: dict | None, key: str, fmt: str) -> str:
 
 
 def render(results: dict, source: str) -> str:
-    """The README's LM-head loss section from a results file (``source``: its name under
+    """The full LM-head loss section of docs/benchmarks.md from a results file (``source``: its name under
     ``benchmarks/results/``)."""
     rows = [r for r in results["rows"] if r["bench"] == NAME]
     by = {(r["case"], r["provider"]): r for r in rows}

@@ -25,7 +25,7 @@ MiB, is fresh pages each call even with glibc's default allocator, in which the 
 every provider); the harness empties the pool before each peak-memory call, so the memory column
 counts the gradient.
 
-:func:`render` turns a results file of this bench into the README's losses section.
+:func:`render` turns a results file of this bench into the full losses section of docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def _call(fn, logits, scores, direction):
     return forward_backward
 
 
-# ---------------------------------------------------------------------------- README section
+# ---------------------------------------------------------- docs/benchmarks.md section
 _LABELS = {"token eps=0.0": "RAG-Token, eps 0", "token eps=0.1": "RAG-Token, eps 0.1",
            "sequence eps=0.1": "RAG-Sequence, eps 0.1"}
 
@@ -213,7 +213,7 @@ def _pool_words(machine: dict, rows: list[dict]) -> str:
 
 
 def render(results: dict, source: str) -> str:
-    """The README's losses section from a results file (``source``: its name under
+    """The full losses section of docs/benchmarks.md from a results file (``source``: its name under
     ``benchmarks/results/``): a caption saying what, how and where, then one line per case,
     dtype and direction with rag_fast's fused loss against both baselines."""
     rows = [r for r in results["rows"] if r["bench"] == NAME]

@@ -67,7 +67,7 @@ Cases: a small generator (d_model 256, 2+2 layers, V=50265) and a BART-base-size
 (d_model 768, 6+6 layers); B=4, K=5, 64 context tokens, 32 target tokens. ``--quick``: only the
 small generator, 16 target tokens, no compiled baseline.
 
-:func:`render` turns a results file of this bench into the README's training section.
+:func:`render` turns a results file of this bench into the full training section of docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -541,7 +541,7 @@ def _rows(case: str, measured: dict[str, Measurement], mem: dict, compile_s: dic
     return rows
 
 
-# ---------------------------------------------------------------------------- README section
+# ---------------------------------------------------------- docs/benchmarks.md section
 
 def _ratio(row: dict | None, key: str) -> str:
     if row is None or row["extra"].get(key) is None:
@@ -635,7 +635,7 @@ def _time_process_words(rows: list[dict]) -> str:
 
 
 def render(results: dict, source: str) -> str:
-    """The README's training section from a results file (``source``: its name under
+    """The full training section of docs/benchmarks.md from a results file (``source``: its name under
     ``benchmarks/results/``): a caption saying what, how and where, then one line per
     generator and mode with rag_fast's step against both baselines."""
     rows = [r for r in results["rows"] if r["bench"] == NAME]

@@ -29,7 +29,7 @@ it. Guessing without retrieval would score about 1/pool.
 The number of distinct training facts matters more than the training length. With 600 entities
 each value is the answer of about 16 training questions and both modes learn to copy nearly
 every value: EM 0.96 to 1.0 on unseen entities in the runs made so far, which differ between
-machines and versions although each run is seeded (the README shows the committed run). With 300 (about 8 per value) the generator can fit its
+machines and versions although each run is seeded (docs/benchmarks.md shows the committed run). With 300 (about 8 per value) the generator can fit its
 training questions partly through the entities' own name tokens, and for some values it never
 learns the copy: on unseen entities such a value comes out as another value of the pool,
 usually the same wrong one for every entity. Unseen-entity EM then depends on the seed (0.73
@@ -41,7 +41,7 @@ the same answers.
 
     python examples/knowledge_swap.py            # full run (under 3 minutes on one idle core)
     python examples/knowledge_swap.py --entities 80 --steps 600    # smaller (the CI test)
-    python examples/knowledge_swap.py --out benchmarks/results/knowledge-swap.json  # README's
+    python examples/knowledge_swap.py --out benchmarks/results/knowledge-swap.json  # the committed run
     python examples/knowledge_swap.py --generator causal   # a decoder-only generator instead
 
 ``--generator causal`` trains a small decoder-only LM instead of BART (a Qwen2-shaped
@@ -54,7 +54,7 @@ EM on unseen entities 1.000 (RAG-Token) and 0.998 (RAG-Sequence) before the swap
 
 Every run writes its figures, the machine's description, the thread count and the wall time as
 JSON: to the git-ignored ``benchmarks/results/local/`` by default, or to ``--out PATH``. The
-README's knowledge-swap table is :func:`render` of the committed
+knowledge-swap table of docs/benchmarks.md is :func:`render` of the committed
 ``benchmarks/results/knowledge-swap.json`` (``python benchmarks/render.py`` rewrites it).
 
 Deterministic: seeded data, weights and data order (timings aside).
@@ -467,7 +467,7 @@ def _machine_words(m: dict) -> str:
 
 
 def render(payload: dict, source: str) -> str:
-    """The README's knowledge-swap section: what was run, where and how long, and one line per
+    """The knowledge-swap section of docs/benchmarks.md: what was run, where and how long, and one line per
     mode (EM before the swap, after it against the new and the old facts, gold-passage recall@1)
     from a results file written by :func:`write_results` (``source``: its name under
     ``benchmarks/results/``)."""
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="results JSON (default: benchmarks/results/local/knowledge-swap-<time>.json, "
-                        "git-ignored; benchmarks/results/knowledge-swap.json is the README's)")
+                        "git-ignored; benchmarks/results/knowledge-swap.json is the committed one)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if args.layers is None:
