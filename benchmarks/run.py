@@ -6,7 +6,8 @@ prints one Markdown table per bench and writes all rows, with the machine's desc
 leaves the checkout clean; ``--out PATH`` writes elsewhere, e.g. a results file to commit next to
 ``benchmarks/results/*.json``). ``--quick`` (the default) took 306 s on 2 idle CPU cores the
 first time, when the index bench embeds its real-text corpus (cached under the git-ignored
-``benchmarks/results/local/cache``), and about 4.5 minutes after (docs/benchmarks.md).
+``benchmarks/results/local/cache``), and about 260 s after (one run, an estimate:
+docs/benchmarks.md).
 
 Every row records the allocator its times were taken with (``extra["allocator"]``): glibc's as it
 is by default, unless the bench set its own (the training bench times in fresh processes) or
@@ -338,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="quick", action="store_true", default=True,
                       help="small sizes (default): about 5 minutes on 2 idle CPU cores the "
-                           "first time, 4.5 once the index bench's corpus is embedded")
+                           "first time, 4.3 once the index bench's corpus is embedded (one "
+                           "run: docs/benchmarks.md)")
     size.add_argument("--full", dest="quick", action="store_false",
-                      help="the sizes of the README's tables: far longer (the training "
-                           "bench alone 36 minutes on 2 cores); use --only NAME")
+                      help="the sizes of the full tables (docs/benchmarks.md): far longer "
+                           "(the training bench alone took 43 minutes on 2 cores); use --only "
+                           "NAME")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", action="append", default=None, metavar="NAME",
                         help="run only this bench (repeatable), one of: " + ", ".join(benches))
