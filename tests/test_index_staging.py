@@ -1,6 +1,7 @@
 """`rag-fast index build` staging cannot go stale: the staged passages and embeddings are keyed
-by the passages' content, the encoder and the settings; a failed build's staging is reused only
-by a build with the same key, discarded otherwise, and shard runs never mix keys. A tiny random
+by the passages' content, the encoder and the settings; a staging left behind (by --shard
+builds, or a killed build) is reused only by a build with the same key, discarded otherwise,
+and shard runs never mix keys. A failed build removes the staging it created. A tiny random
 BERT encoder saved to a temporary folder keeps this fast."""
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_edited_passages_after_a_failed_build_are_re_encoded(tmp_path, encoder_d
     with monkeypatch.context() as m:
         _fail_after_encoding(m)
         assert _build(corpus, encoder_dir, out) == 2
-    assert (tmp_path / "idx.staging").is_dir() and not out.exists()
+    assert not (tmp_path / "idx.staging").exists() and not out.exists()  # went with the build
+    assert _build(corpus, encoder_dir, out, "--shard", "0/1") == 0  # a staging that stays
     edited = [*PASSAGES[:2], ("d2", "Chess", "planet gas red tower"), PASSAGES[3]]
     _write_corpus(corpus, edited)
     capsys.readouterr()
@@ -84,12 +86,10 @@ def test_pooling_change_after_a_failed_build_is_re_encoded(tmp_path, encoder_dir
     assert json.loads((out / "manifest.json").read_text())["encoder"]["pooling"] == "mean"
 
 
-def test_same_settings_resume_the_staging(tmp_path, encoder_dir, monkeypatch, capsys):
+def test_same_settings_resume_the_staging(tmp_path, encoder_dir, capsys):
     corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
     out = tmp_path / "idx"
-    with monkeypatch.context() as m:
-        _fail_after_encoding(m)
-        assert _build(corpus, encoder_dir, out, "--max-length", "16") == 2
+    assert _build(corpus, encoder_dir, out, "--max-length", "16", "--shard", "0/1") == 0
     staged = tmp_path / "idx.staging" / "embeddings-0-of-1.npy"
     mtime = staged.stat().st_mtime_ns
     capsys.readouterr()
@@ -116,15 +116,24 @@ def test_shards_share_a_staging_only_with_the_same_key(tmp_path, encoder_dir, ca
 
 
 def test_a_staging_without_a_key_is_stale(tmp_path, encoder_dir, capsys):
-    """A staging left by an older version (no key.json) is never reused."""
+    """A staging without key.json is never reused: discarded when everything in it is what
+    builds staged (its key was lost), refused when it holds embeddings no build recorded (an
+    older version's, or the user's), which are kept."""
     corpus = _write_corpus(tmp_path / "psgs.tsv", PASSAGES)
+    assert _build(corpus, encoder_dir, tmp_path / "kb", "--shard", "0/1") == 0
+    (tmp_path / "kb.staging" / "key.json").unlink()
+    capsys.readouterr()
+    assert _build(corpus, encoder_dir, tmp_path / "kb") == 0
+    assert "discarding stale staging" in capsys.readouterr().out
+    np.testing.assert_allclose(_stored(tmp_path / "kb"), _fresh_vectors(encoder_dir, PASSAGES, "cls"),
+                               atol=2e-3)
     staging = tmp_path / "idx.staging"
     staging.mkdir()
     np.save(staging / "embeddings-0-of-1.npy", np.zeros((len(PASSAGES), 16), np.float16))
-    assert _build(corpus, encoder_dir, tmp_path / "idx") == 0
-    assert "discarding stale staging" in capsys.readouterr().out
-    np.testing.assert_allclose(_stored(tmp_path / "idx"), _fresh_vectors(encoder_dir, PASSAGES, "cls"),
-                               atol=2e-3)
+    assert _build(corpus, encoder_dir, tmp_path / "idx") == 2
+    err = capsys.readouterr().err
+    assert "'embeddings-0-of-1.npy' that rag_fast did not write" in err
+    assert (staging / "embeddings-0-of-1.npy").is_file() and not (tmp_path / "idx").exists()
 
 
 def _staged(tmp_path):
@@ -159,7 +168,8 @@ def test_merging_keeps_the_staged_shards_unless_asked(tmp_path, encoder_dir, cap
     capsys.readouterr()
     assert _build(corpus, encoder_dir, out) == 0
     assert _staged(tmp_path) == staged == [  # untouched: what sharded training reads
-        "embeddings-0-of-2.npy", "embeddings-1-of-2.npy", "key.json", "passages"]
+        "embeddings-0-of-2.npy", "embeddings-1-of-2.npy", "key.json", "passages",
+        "shard-0-of-2.json", "shard-1-of-2.json"]
     said = capsys.readouterr().out
     assert f"kept the staging folder {tmp_path / 'idx.staging'} with its 2 of 2 shards" in said
     assert "--remove-staging to remove it" in said
@@ -178,7 +188,8 @@ def test_a_single_build_removes_only_its_own_staging(tmp_path, encoder_dir, caps
     assert not (tmp_path / "solo.staging").exists()
     assert _build(corpus, encoder_dir, tmp_path / "idx", "--shard", "1/3") == 0
     assert _build(corpus, encoder_dir, tmp_path / "idx") == 0
-    assert _staged(tmp_path) == ["embeddings-1-of-3.npy", "key.json", "passages"]
+    assert _staged(tmp_path) == ["embeddings-1-of-3.npy", "key.json", "passages",
+                                 "shard-1-of-3.json"]
     assert "with its 1 of 3 shards" in capsys.readouterr().out
 
 

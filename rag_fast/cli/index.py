@@ -68,8 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "command without --shard merges them into the index directory DIR.")
     build.add_argument("--remove-staging", action="store_true",
                        help="After merging the staged shards into --out, remove DIR.staging/ "
-                            "with them. Without it the staging folder is kept, since training "
-                            "on a sharded index reads it.")
+                            "with them (only what the builds staged there: one holding anything "
+                            "else is refused before the merge, naming it). Without it the "
+                            "staging folder is kept, since training on a sharded index reads it.")
     build.add_argument("--split", type=int, default=None, metavar="WORDS",
                        help="split passages into WORDS-word chunks (raw .txt documents: 100)")
     build.add_argument("--pooling", default="auto", choices=["auto", "cls", "mean", "pooler"],
@@ -165,7 +166,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info.set_defaults(func=run_info)
 
 
+def _check_not_empty(*paths: tuple[str, str | None]) -> None:
+    """Refuse a path given as an empty string, which the system would read as the current
+    folder (and messages would then show as '.'): named as typed, with its flag.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    for flag, value in paths:
+        if value == "":
+            raise ValueError(f"{flag} '' is empty: give a path")
+
+
 def run_build(args: argparse.Namespace) -> int:
+    _check_not_empty(("--passages", args.passages), ("--encoder", args.encoder),
+                     ("--query-encoder", args.query_encoder), ("--queries", args.queries))
     try:
         build_index_bundle(
             args.passages, args.encoder, args.out, query_encoder=args.query_encoder,
@@ -210,6 +225,7 @@ def _check_search_out(args: argparse.Namespace) -> None:
 
 
 def run_search(args: argparse.Namespace) -> int:
+    _check_not_empty(("DIR", args.dir), ("--queries", args.queries), ("--out", args.out))
     check_positive(("-k", args.k))
     if (args.question is None) == (args.queries is None):
         raise ValueError("give one question, or --queries FILE (not both)")
@@ -260,6 +276,7 @@ def parse_ks(text: str, flag: str = "-k") -> list[int]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    _check_not_empty(("--data", args.data), ("--index", args.index), ("--out", args.out))
     ks = parse_ks(args.k)
     for flag, value in (("--nprobe", args.nprobe), ("--ef-search", args.ef_search)):
         if value is not None:
@@ -293,6 +310,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    _check_not_empty(("DIR", args.dir))
     manifest, store, index = load_index_bundle(args.dir, verify=args.verify)
     d = index.describe()
     lines = {

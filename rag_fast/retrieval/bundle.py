@@ -8,7 +8,14 @@ nothing at ``out``. With ``shard=(i, n)`` a process only encodes its shard into
 builds the index from them. That staging folder is also what training on a sharded index reads
 (``"index": {"path": "OUT.staging", "sharded": true}``), so the build that merges staged shards
 keeps it unless asked to remove it (``remove_staging``); a build that encoded the whole corpus
-itself removes its own staging.
+itself removes its own staging, and removes the staging folder it created when it fails.
+
+The staging folder holds ``key.json`` (what the staged data are made from), ``passages/`` and,
+for each shard, ``embeddings-i-of-n.npy`` with its record ``shard-i-of-n.json`` (the file's
+size and SHA-256, sealed; published before the file, so a staged file never lacks one). It is
+only ever removed entry by entry, and only what a build staged there (:func:`_staging_entries`):
+a staging folder holding anything else is refused before any work where the build would remove
+it, and a staging folder that is a symbolic link is refused always.
 
 This is the library behind ``rag-fast index build``: its errors name the options as that
 command spells them (``--out``, ``--encoder``, ``--shard``, ...), so that the command reports
@@ -16,36 +23,110 @@ them unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from rag_fast._jsonl import decoded_lines, read_objects
 from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard, shard_rows
-from rag_fast.retrieval.index import (PRESETS, SMALL_CORPUS, DenseIndex, SmallSampleWarning,
-                                      _factory_index, plan_factory, small_sample_message)
-from rag_fast.retrieval.passages import PassageStore, passages_digest, stand_in_questions
-from rag_fast.storage import (atomic_directory, check_apart, check_output_folder,
-                              describe_files, part_digests, read_manifest, write_manifest)
+from rag_fast.retrieval.index import (INDEX_KIND, PRESETS, SMALL_CORPUS, DenseIndex,
+                                      SmallSampleWarning, _factory_index, plan_factory,
+                                      small_sample_message)
+from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
+                                         stand_in_questions)
+from rag_fast.storage import (NoSpaceError, StorageError, _pid_alive, atomic_directory,
+                              check_apart, check_output_folder, check_seal,
+                              describe_files, fsync_dir, part_digests, read_manifest,
+                              sha256_file, unlisted_files, write_json, write_manifest)
 
 BUNDLE_KIND = "rag_fast.index_bundle"
 STAGING_KEY = "key.json"
+SHARD_RECORD_KIND = "rag_fast.staged_shard"  # shard-i-of-n.json: what a build encoded
 TUNING_QUESTIONS = 1000  # stand-in questions drawn from the passages when no queries are given
+
+_SHARD_FILE = re.compile(r"embeddings-(\d+)-of-(\d+)\.npy")
+_SHARD_RECORD = re.compile(r"shard-(\d+)-of-(\d+)\.json")
+# the shard indexes sharded training caches in the staging folder (ShardedIndex.from_shards)
+_CACHED_INDEX = re.compile(r"index-\d+-of-\d+-[0-9a-f]{12}")
+# a build's temporary folder: .NAME.tmp-PID-HEX (see _temporary)
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
 
 
 def staging_folder(out: str | Path) -> Path:
     """Where the passages and shard embeddings of a build of ``out`` are staged."""
     out = Path(out)
     return out.with_name(out.name + ".staging")
+
+
+def _no_name_of_its_own(out: str) -> str | None:
+    """Why the path ``out`` names no folder of its own (``.``, ``..``, ``/``, empty, ending
+    in ``..``), or None when it does."""
+    name = Path(out).name
+    if out and name not in ("", ".."):
+        return None
+    plain = os.path.normpath(out) if out else ""
+    if not out:
+        return "it is empty"
+    if not plain.strip("/"):
+        return "it is the root folder"
+    return {".": "it is the current folder", "..": "it is the parent folder"}.get(
+        plain, "it ends in '..'")
+
+
+def _check_out(out: str | os.PathLike) -> None:
+    """Refuse an ``--out`` that names no folder of its own: the index directory and its
+    staging folder (``OUT.staging``, beside it) are named after it.
+
+    Raises:
+        ValueError: naming ``--out`` and the value as given.
+    """
+    why = _no_name_of_its_own(os.fspath(out))
+    if why is not None:
+        raise ValueError(f"--out {os.fspath(out)!r} names no folder of its own ({why}); give a "
+                         "new folder's path such as work/kb")
+
+
+def _check_staging_path(staging: Path) -> None:
+    """Refuse a staging folder that is a symbolic link or no folder: the build writes into it
+    and removes it, which must never reach what a link points to.
+
+    Raises:
+        FileExistsError: naming the staging folder of ``--out``.
+    """
+    if staging.is_symlink():
+        raise FileExistsError(f"--out's staging folder {str(staging)!r} is a symbolic link (to "
+                              f"{os.readlink(staging)!r}); refused (the build writes and removes "
+                              "that folder itself): remove the link or choose another --out")
+    if staging.exists() and not staging.is_dir():
+        raise FileExistsError(f"--out's staging folder {str(staging)!r} exists and is not a "
+                              "folder; refused: move it away or choose another --out")
+
+
+@contextlib.contextmanager
+def _temporary(staging: Path, name: str) -> Iterator[Path]:
+    """A private folder ``staging/.NAME.tmp-PID-HEX`` in which ``name`` is written before it is
+    moved into place, removed on every way out. A build's temporaries are folders holding
+    only ``name`` and its writers' own temporaries, so that a file of the user's named like
+    one is never taken for one (:func:`_is_leftover`)."""
+    tmp = staging / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _encoder_fingerprint(name: str) -> str | None:
@@ -73,60 +154,229 @@ def _staging_key(passages: str, split: int | None, dedupe: bool, encoder: str, p
             "normalize": None, "max_length": max_length}
 
 
-def _staging_leftovers_only(staging: Path) -> bool:
-    """Whether ``staging`` holds only what a staging of rag_fast holds (passages, shard
-    embeddings and their temporaries): one whose key file was lost may be discarded."""
-    names = re.compile(r"(passages|\.passages\.tmp-.*|\.?embeddings-\d+-of-\d+\.npy(\.tmp-.*)?|"
-                       rf"\.?{re.escape(STAGING_KEY)}(\.tmp-.*)?)")
+def _shard_name(i: int | str, n: int | str) -> str:
+    return f"embeddings-{i}-of-{n}.npy"
+
+
+def _record_name(i: int | str, n: int | str) -> str:
+    return f"shard-{i}-of-{n}.json"
+
+
+def _read_key(path: Path) -> dict | None:
+    """The staging key in ``path``; None when it is missing, no regular file, or no key."""
     try:
-        return all(names.fullmatch(p.name) for p in staging.iterdir())
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        key = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return key if isinstance(key, dict) and "passages_sha256" in key else None
+
+
+def _read_record(path: Path) -> dict | None:
+    """``{"bytes", "sha256"}`` of the embeddings file the shard record ``path`` lists; None
+    when ``path`` is no such record (no regular file, no sealed JSON of
+    :data:`SHARD_RECORD_KIND`, or listing anything but its own shard's file)."""
+    m = _SHARD_RECORD.fullmatch(path.name)
+    try:
+        if m is None or not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(payload, dict) or payload.get("kind") != SHARD_RECORD_KIND:
+            return None
+        files = check_seal(path, payload).get("files")
+    except (OSError, ValueError, RecursionError):
+        return None
+    name = _shard_name(*m.groups())
+    meta = files.get(name) if isinstance(files, dict) and list(files) == [name] else None
+    valid = (isinstance(meta, dict) and type(meta.get("bytes")) is int
+             and isinstance(meta.get("sha256"), str))
+    return meta if valid else None
+
+
+def _matches_record(path: Path, verify: bool) -> bool:
+    """Whether the staged embeddings file ``path`` is the one its record lists: a regular file
+    of the recorded size and, with ``verify``, SHA-256."""
+    i, n = _SHARD_FILE.fullmatch(path.name).groups()
+    meta = _read_record(path.with_name(_record_name(i, n)))
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (meta is not None and stat.S_ISREG(st.st_mode) and st.st_size == meta["bytes"]
+            and (not verify or sha256_file(path) == meta["sha256"]))
+
+
+def _staged_name(name: str) -> bool:
+    """Whether ``name`` is one of a staging folder's own: the key, the passages, a shard's
+    embeddings file or its record, a shard index sharded training cached."""
+    return (name in (STAGING_KEY, "passages") or any(
+        pattern.fullmatch(name) for pattern in (_SHARD_FILE, _SHARD_RECORD, _CACHED_INDEX)))
+
+
+def _is_leftover(entry: Path, name: str) -> bool:
+    """Whether ``entry``, named like a temporary of a build whose process is gone, is one: a
+    folder (not a link) made for one of the staging folder's own names
+    (:func:`_staged_name`), holding only ``name`` and the temporaries of its writers
+    (``.NAME.*``), none of them a link."""
+    if not _staged_name(name) or entry.is_symlink() or not entry.is_dir():
+        return False
+    try:
+        return all((e.name == name or e.name.startswith(f".{name}.")) and not e.is_symlink()
+                   for e in entry.iterdir())
     except OSError:
         return False
 
 
-def _claim_staging(staging: Path, key: dict, sharded: bool, log: Callable[[str], None]) -> None:
-    """Make ``staging`` hold data made with ``key``: reuse it if its key matches; else discard
-    it (one line says so) and start afresh. The key is published atomically (a hard link of a
-    complete file), so concurrent shard processes agree on one staging.
+def _unlisted(folder: Path, kind: str) -> list[str]:
+    """What in ``folder``, a rag_fast folder of ``kind``, its manifests do not list (as
+    ``'FOLDER/FILE'``); the folder itself when it is none (its manifest missing, broken or
+    sized otherwise than its files)."""
+    try:
+        read_manifest(folder, kind, verify=False)
+    except (StorageError, OSError):
+        return [repr(folder.name)]
+    return [repr(f"{folder.name}/{name}") for name in unlisted_files(folder)]
+
+
+def _unstaged(entry: Path, verify: bool) -> list[str]:
+    """The names (quoted, relative to the staging folder) of what in ``entry``, one entry of a
+    staging folder, no build staged; empty when all of it is a build's."""
+    name = entry.name
+    if entry.is_symlink():
+        return [repr(name)]
+    if name == "passages":
+        return _unlisted(entry, STORE_KIND)
+    if _CACHED_INDEX.fullmatch(name):
+        return _unlisted(entry, INDEX_KIND)
+    if name == STAGING_KEY:
+        ours = _read_key(entry) is not None
+    elif _SHARD_FILE.fullmatch(name):
+        ours = _matches_record(entry, verify)
+    elif _SHARD_RECORD.fullmatch(name):
+        ours = _read_record(entry) is not None
+    else:
+        temporary = _TEMPORARY.fullmatch(name)
+        ours = temporary is not None and _is_leftover(entry, temporary["name"])
+    return [] if ours else [repr(name)]
+
+
+class _Staged(NamedTuple):
+    """What a staging folder holds (:func:`_staging_entries`)."""
+
+    ours: list[Path]  # what builds staged there: what may be removed
+    others: list[str]  # what they did not (quoted names): never removed
+    writers: list[str]  # temporaries of builds still running ("'NAME', process PID")
+
+
+def _staging_entries(staging: Path, verify: bool) -> _Staged:
+    """Sort what ``staging`` holds into what builds staged there and what they did not.
+
+    A build's: ``key.json`` (a staging key); ``passages/`` holding only what its manifests
+    list (sharded training adds token caches there); each ``embeddings-i-of-n.npy`` that is
+    the file its record ``shard-i-of-n.json`` lists (its size and, with ``verify``, SHA-256),
+    and each such record; the shard indexes sharded training caches (``index-i-of-n-TAG/``,
+    holding only what their manifests list); the temporary folders of builds whose process is
+    gone (:func:`_is_leftover`). Anything else is named in ``others``: files, folders and
+    symbolic links of the user's (a link is never a build's, whatever its name), a shard file
+    its record does not vouch for, a file named like a temporary. A temporary folder of a
+    process still alive is named in ``writers``. Nothing is read through a link.
+    """
+    ours, others, writers = [], [], []
+    for entry in sorted(staging.iterdir()):
+        temporary = _TEMPORARY.fullmatch(entry.name)
+        if (temporary and _staged_name(temporary["name"]) and not entry.is_symlink()
+                and entry.is_dir() and _pid_alive(int(temporary["pid"]))):
+            writers.append(f"{entry.name!r}, process {temporary['pid']}")
+            continue
+        unstaged = _unstaged(entry, verify)
+        others += unstaged
+        if not unstaged:
+            ours.append(entry)
+    return _Staged(ours, others, writers)
+
+
+def _refuse_unless_ours(staging: Path, staged: _Staged, subject: str, advice: str) -> None:
+    """Raise when ``staging`` holds what no build staged there (the first named, and how many
+    more) or a build is still writing it. ``subject`` names the folder's role (with the
+    flag), ``advice`` the way out (its ``{them}``: "it" or "them", as many as are named).
 
     Raises:
-        ValueError: ``sharded`` and ``staging`` holds another key (another build with other
-            settings is in progress there): shards never mix.
+        ValueError: one line naming ``staging``.
     """
+    if staged.writers:
+        raise ValueError(f"{subject} {staging} is refused: another build is still writing it "
+                         f"({staged.writers[0]}); wait for it to finish, then run again")
+    if staged.others:
+        more = f" and {len(staged.others) - 1} more" if len(staged.others) > 1 else ""
+        them = "them" if more else "it"
+        raise ValueError(f"{subject} {staging} holds {staged.others[0]}{more} that rag_fast did "
+                         f"not write; {advice.format(them=them)}")
+
+
+def _publish_key(staging: Path, key: dict) -> bool:
+    """Publish ``key`` as ``staging/key.json`` atomically (a hard link of a complete file);
+    False when another process published one first."""
+    with _temporary(staging, STAGING_KEY) as tmp:
+        write_json(tmp / STAGING_KEY, key)
+        try:
+            os.link(tmp / STAGING_KEY, staging / STAGING_KEY)
+        except FileExistsError:
+            return False
+    return True
+
+
+def _await_key(staging: Path, seconds: float = 60.0) -> None:
+    """Wait (at most ``seconds``) while another process publishes the staging key: its
+    temporary folder of ``key.json`` is there, the key not yet (shard processes started
+    together race for the first key)."""
+    deadline = time.monotonic() + seconds
+    while not os.path.lexists(staging / STAGING_KEY) and time.monotonic() < deadline:
+        publishing = (_TEMPORARY.fullmatch(e.name) for e in staging.iterdir())
+        if not any(m and m["name"] == STAGING_KEY and _pid_alive(int(m["pid"]))
+                   for m in publishing):
+            return
+        time.sleep(0.05)
+
+
+def _claim_staging(staging: Path, key: dict, sharded: bool, log: Callable[[str], None]) -> bool:
+    """Make ``staging`` hold data made with ``key``: reuse it if its key matches; else discard
+    it (one line says so) and start afresh, only while everything in it is what builds
+    staged (:func:`_staging_entries`). The key is published atomically, so concurrent shard
+    processes agree on one staging.
+
+    Returns:
+        Whether a stale staging was discarded (the folder is then this build's own).
+    Raises:
+        ValueError: ``sharded`` and ``staging`` holds another key (another build with other
+            settings is in progress there): shards never mix; or ``staging`` is to be
+            discarded but holds what no build staged there, or a build is still writing it.
+    """
+    fresh = False
     for _ in range(3):
         staging.mkdir(parents=True, exist_ok=True)
         path = staging / STAGING_KEY
-        if not path.exists() and not any(staging.iterdir()):
-            fd, tmp = tempfile.mkstemp(prefix=f".{STAGING_KEY}.tmp-", dir=staging)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(key, f, indent=2, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.link(tmp, path)  # atomic, fails if another process published first
-                return
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(tmp)
-        try:
-            staged = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-            staged = None
-        if staged is None and not path.exists() and not _staging_leftovers_only(staging):
-            raise ValueError(
-                f"{staging} (the staging folder of --out) holds files rag_fast did not write (no "
-                f"{STAGING_KEY}); refused: move them away or choose another --out")
+        if not os.path.lexists(path) and not any(staging.iterdir()) and _publish_key(staging, key):
+            return fresh
+        _await_key(staging)
+        staged = _read_key(path)
         if staged == key:
-            return
-        differ = (sorted(k for k in key if staged.get(k) != key[k]) if isinstance(staged, dict)
+            return fresh
+        differ = (sorted(k for k in key if staged.get(k) != key[k]) if staged is not None
                   else ["settings (no key: an older version's staging)"])
+        other_settings = ValueError(
+            f"--shard: {staging} holds passages or embeddings made with other settings "
+            f"({', '.join(differ)} differ): another build with other settings is in progress, "
+            f"or a stale one failed; finish it or delete {staging}")
+        if sharded and staged is not None:
+            raise other_settings
+        _refuse_unless_ours(staging, _staging_entries(staging, verify=False),
+                            "--out's staging folder",
+                            f"refused (a staging made with other settings, or without a readable "
+                            f"{STAGING_KEY}, is discarded only while it holds nothing else): "
+                            "move {them} away or choose another --out")
         if sharded:
-            raise ValueError(
-                f"--shard: {staging} holds passages or embeddings made with other settings "
-                f"({', '.join(differ)} differ): another build with other settings is in progress, "
-                f"or a stale one failed; finish it or delete {staging}"
-            )
+            raise other_settings
         log(f"discarding stale staging {staging} (made with other {', '.join(differ)})")
         trash = Path(tempfile.mkdtemp(prefix=f".{staging.name}.old-", dir=staging.parent))
         try:
@@ -134,6 +384,7 @@ def _claim_staging(staging: Path, key: dict, sharded: bool, log: Callable[[str],
         except FileNotFoundError:
             pass
         shutil.rmtree(trash, ignore_errors=True)
+        fresh = True
     raise ValueError(f"could not claim the staging folder {staging}: other builds keep changing it")
 
 
@@ -143,26 +394,71 @@ def _staged_store(passages: str, split: int | None, dedupe: bool, staging: Path,
     processes build their own copy and the first rename wins)."""
     path = staging / "passages"
     if not (path / "manifest.json").exists():
-        tmp = Path(tempfile.mkdtemp(prefix=".passages.tmp-", dir=staging))
-        try:
-            PassageStore.from_file(passages, tmp / "store", split=split, dedupe=bool(dedupe),
+        with _temporary(staging, "passages") as tmp:
+            PassageStore.from_file(passages, tmp / "passages", split=split, dedupe=bool(dedupe),
                                    progress=progress)
             try:
-                os.rename(tmp / "store", path)
+                os.rename(tmp / "passages", path)
             except OSError:
                 if not (path / "manifest.json").exists():  # not another shard process's store
                     raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return PassageStore.load(path)
+
+
+def _stage_embeddings(encoder: Encoder, store: PassageStore, staging: Path,
+                      shard: tuple[int, int], batch_size: int, progress: bool) -> Path:
+    """Encode shard ``(i, n)`` of ``store`` into ``staging/embeddings-i-of-n.npy`` with its
+    record ``shard-i-of-n.json`` (the file's size and SHA-256, sealed): encoded in a
+    temporary folder, the record published first and the file moved beside it after, so
+    that a staged file never lacks its record (a kill between leaves a record alone).
+
+    Raises:
+        NoSpaceError: naming the staged file, as :func:`encode_passages` does.
+    """
+    name = _shard_name(*shard)
+    path = staging / name
+    with _temporary(staging, name) as tmp:
+        try:
+            encode_passages(encoder, store, tmp / name, shard, batch_size, progress)
+        except NoSpaceError as e:
+            raise NoSpaceError(path, e.needed, e.free, e.errno) from None
+        record = _record_name(*shard)
+        with _temporary(staging, record) as held:
+            write_manifest(held / record, {"kind": SHARD_RECORD_KIND, "format": 1,
+                                           "files": describe_files(tmp, [name])})
+            os.replace(held / record, staging / record)
+        fsync_dir(staging)
+        os.replace(tmp / name, path)
+    return path
+
+
+def _check_staging_removable(staging: Path, remove: bool) -> None:
+    """Before a build without shards does any work: when it will remove ``staging`` at the end
+    (``remove``, or no ``--shard`` set is staged there), refuse a staging holding what no
+    build staged (checked against the records' SHA-256), naming it, so that nothing is
+    encoded or merged in vain and nothing of the user's is removed.
+
+    Raises:
+        ValueError: naming ``--remove-staging`` or ``--out`` and the staging folder.
+    """
+    if _shard_sets(staging) and not remove:
+        return  # kept: at most the build's own embeddings-0-of-1.npy goes
+    staged = _staging_entries(staging, verify=True)
+    if remove:
+        _refuse_unless_ours(staging, staged, "--remove-staging: the staging folder",
+                            "refused before the merge, nothing was removed: move {them} away, or "
+                            "run without --remove-staging to keep the folder")
+    _refuse_unless_ours(staging, staged, "--out's staging folder",
+                        "refused before any work (a build without --shard removes its staging "
+                        "folder when done): move {them} away or choose another --out")
 
 
 def _complete_shards(staging: Path, count: int) -> list[Path] | None:
     """The shard files of the largest n for which all n are staged, else None."""
-    found = {}
-    for f in staging.glob("embeddings-*-of-*.npy"):
-        i, n = (int(v) for v in f.stem.removeprefix("embeddings-").split("-of-"))
-        found.setdefault(n, {})[i] = f
+    found: dict[int, dict[int, Path]] = {}
+    for f in staging.iterdir():
+        if (m := _SHARD_FILE.fullmatch(f.name)):
+            found.setdefault(int(m[2]), {})[int(m[1])] = f
     for n in sorted(found, reverse=True):
         if len(found[n]) == n:
             files = [found[n][i] for i in range(n)]
@@ -257,7 +553,8 @@ def build_index_bundle(
         passages: DPR .tsv, .jsonl, .txt or a directory of .txt documents.
         encoder: Hugging Face passage encoder (name or local folder).
         out: the index directory to write: only ever an empty or missing folder, or (with
-            ``overwrite``) an index directory, is replaced.
+            ``overwrite``) an index directory, is replaced. It must name a folder of its own
+            (not ``.``, ``..``, ``/``): its staging folder ``OUT.staging`` lies beside it.
         query_encoder: question encoder recorded for search (default: ``encoder``); it must
             give vectors of the same dimension.
         preset: one of ``PRESETS`` or a faiss factory string; small corpora get exact search.
@@ -279,7 +576,11 @@ def build_index_bundle(
         remove_staging: after a build that used shards staged by ``shard`` builds (sets of
             2 or more), remove ``OUT.staging/`` with them; by default it is kept, as training
             on a sharded index reads it. The staging of a build without shards is removed
-            either way, and a set of shards it did not use is kept either way.
+            either way, and a set of shards it did not use is kept either way. Only what
+            builds staged there is ever removed: a staging folder the build would remove that
+            holds anything else is refused before any work (:func:`_staging_entries`). A
+            build that fails removes the staging folder it created (never one of ``shard``
+            builds).
         log: where the lines on progress and the result go (default ``print``).
         warn: where warnings go (default: stderr, after ``warning: ``): ``--queries`` fewer
             than the target needs to be shown with the tuner's confidence
@@ -288,11 +589,13 @@ def build_index_bundle(
         ``out`` as a Path; with ``shard``, the shard's embeddings file.
     Raises:
         ValueError: a bad setting, an unknown encoder, a factory string faiss cannot parse,
-            encoders of different dimensions, a staging folder another build holds.
+            encoders of different dimensions, a staging folder another build holds, or one
+            the build would remove that holds what no build staged there.
         OSError, rag_fast.storage.StorageError: unreadable inputs, a full disk, an output
             folder that is not ours to replace.
     """
-    out = Path(out)
+    _check_out(out)
+    shown, out = os.fspath(out), Path(out)  # paths in messages as given
     if not 0.0 < target_recall <= 1.0:
         raise ValueError(f"--target-recall must be in (0, 1], got {target_recall}")
     if batch_size < 1:
@@ -302,9 +605,10 @@ def build_index_bundle(
     inputs = {"--passages": passages, "--encoder": encoder, "--query-encoder": query_encoder,
               "--queries": queries}
     staging = staging_folder(out)
-    check_apart(out, "--out", inputs)
+    check_apart(shown, "--out", inputs)
     check_apart(staging, "--out's staging folder", inputs)
-    check_output_folder(out, BUNDLE_KIND, overwrite=overwrite, flag="--out")
+    check_output_folder(shown, BUNDLE_KIND, overwrite=overwrite, flag="--out")
+    _check_staging_path(staging)
     shard = parse_shard(shard) if shard is not None else None
     if shard is not None and remove_staging:
         raise ValueError("--remove-staging: only for the build without --shard (the one that "
@@ -320,90 +624,144 @@ def build_index_bundle(
     if preset not in PRESETS:  # a factory string faiss cannot parse fails here too
         _factory_index(preset, preset, passage_encoder.dim)
     key = _staging_key(passages, split, dedupe, encoder, pooling, max_length)
-    _claim_staging(staging, key, sharded=shard is not None, log=log)
-    store = _staged_store(passages, split, dedupe, staging, progress)
-    # every check on sizes and settings before the (long) encoding
-    factory = plan_factory(preset, len(store), passage_encoder.dim, on_disk=on_disk)
-    if preset in ("ivfpq", "hnsw") and factory == "Flat":
-        log(f"preset {preset}: {len(store)} passages are fewer than {SMALL_CORPUS}, where "
-            "exact search takes well under a millisecond and a quantiser has too little to "
-            "train on, so the index is exact search (Flat)")
-    if question_encoder.dim != passage_encoder.dim:
-        raise ValueError(f"--query-encoder has dimension {question_encoder.dim}, --encoder "
-                         f"{passage_encoder.dim}")
-    if shard is not None:
-        i, n = shard
-        path = encode_passages(passage_encoder, store, staging / f"embeddings-{i}-of-{n}.npy",
-                               shard, batch_size, progress)
-        log(f"encoded shard {i}/{n} -> {path}. Once all {n} shards exist, either train on "
-            f"them: under torchrun with {n} processes, with the training config's index set to "
-            f"{{\"path\": {json.dumps(os.path.abspath(staging))}, \"sharded\": true}} "
-            "(docs/distributed.md); "
-            f"or merge them into one index directory {out}: run this command without --shard "
-            f"(it keeps {staging} unless given --remove-staging)")
-        return path
-    shards = _complete_shards(staging, len(store))
-    if shards is None:
-        shards = [encode_passages(passage_encoder, store, staging / "embeddings-0-of-1.npy",
-                                  None, batch_size, progress)]
-    embeddings = [np.load(f, mmap_mode="r") for f in shards]
-    vectors, source = None, None
-    if factory != "Flat":  # exact search needs no measuring
-        if questions is None:
-            questions = stand_in_questions(store, TUNING_QUESTIONS)
-            source = f"one sentence from each of {len(questions)} sampled passages"
-        else:
-            source = f"{len(questions)} questions from {queries}"
-            if (message := small_sample_message(len(questions), target_recall, "--queries")):
-                (warn or _warn_stderr)(message)
-        if progress:
-            log(f"encoding {len(questions)} questions to measure the index on ({source})")
-        vectors = question_encoder.encode_queries(questions).numpy()
-    with warnings.catch_warnings():  # a small --queries is said above, naming the flag
-        warnings.simplefilter("ignore", SmallSampleWarning)
-        index = DenseIndex.build(embeddings, preset, progress=progress, on_disk=on_disk,
-                                 target_recall=target_recall, queries=vectors, query_source=source)
-    with atomic_directory(out, overwrite=overwrite, kind=BUNDLE_KIND) as tmp:
-        shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
-        index.save(tmp / "index")
-        files = ["passages/manifest.json", "index/manifest.json"]
-        write_manifest(tmp / "manifest.json", {
-            "parts": part_digests(tmp, files),
-            "kind": BUNDLE_KIND, "format": 1, "passages_source": str(passages),
-            "passages_sha256": key["passages_sha256"],
-            "encoder": passage_encoder.describe(), "query_encoder": question_encoder.describe(),
-            "files": describe_files(tmp, files),
-        })
+    created = not os.path.lexists(staging)
+    try:
+        created = _claim_staging(staging, key, sharded=shard is not None, log=log) or created
+        if shard is None:  # before any work: a staging it would remove holds only what builds staged
+            _check_staging_removable(staging, remove_staging)
+        store = _staged_store(passages, split, dedupe, staging, progress)
+        # every check on sizes and settings before the (long) encoding
+        factory = plan_factory(preset, len(store), passage_encoder.dim, on_disk=on_disk)
+        if preset in ("ivfpq", "hnsw") and factory == "Flat":
+            log(f"preset {preset}: {len(store)} passages are fewer than {SMALL_CORPUS}, where "
+                "exact search takes well under a millisecond and a quantiser has too little to "
+                "train on, so the index is exact search (Flat)")
+        if question_encoder.dim != passage_encoder.dim:
+            raise ValueError(f"--query-encoder has dimension {question_encoder.dim}, --encoder "
+                             f"{passage_encoder.dim}")
+        if shard is not None:
+            i, n = shard
+            path = _stage_embeddings(passage_encoder, store, staging, shard, batch_size, progress)
+            log(f"encoded shard {i}/{n} -> {path}. Once all {n} shards exist, either train on "
+                f"them: under torchrun with {n} processes, with the training config's index set "
+                f"to {{\"path\": {json.dumps(os.path.abspath(staging))}, \"sharded\": true}} "
+                "(docs/distributed.md); "
+                f"or merge them into one index directory {shown}: run this command without "
+                f"--shard (it keeps {staging} unless given --remove-staging)")
+            return path
+        shards = _complete_shards(staging, len(store))
+        if shards is None:
+            shards = [_stage_embeddings(passage_encoder, store, staging, (0, 1), batch_size,
+                                        progress)]
+        embeddings = [np.load(f, mmap_mode="r") for f in shards]
+        vectors, source = None, None
+        if factory != "Flat":  # exact search needs no measuring
+            if questions is None:
+                questions = stand_in_questions(store, TUNING_QUESTIONS)
+                source = f"one sentence from each of {len(questions)} sampled passages"
+            else:
+                source = f"{len(questions)} questions from {queries}"
+                if (message := small_sample_message(len(questions), target_recall, "--queries")):
+                    (warn or _warn_stderr)(message)
+            if progress:
+                log(f"encoding {len(questions)} questions to measure the index on ({source})")
+            vectors = question_encoder.encode_queries(questions).numpy()
+        with warnings.catch_warnings():  # a small --queries is said above, naming the flag
+            warnings.simplefilter("ignore", SmallSampleWarning)
+            index = DenseIndex.build(embeddings, preset, progress=progress, on_disk=on_disk,
+                                     target_recall=target_recall, queries=vectors,
+                                     query_source=source)
+        with atomic_directory(out, overwrite=overwrite, kind=BUNDLE_KIND) as tmp:
+            shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
+            index.save(tmp / "index")
+            files = ["passages/manifest.json", "index/manifest.json"]
+            write_manifest(tmp / "manifest.json", {
+                "parts": part_digests(tmp, files),
+                "kind": BUNDLE_KIND, "format": 1, "passages_source": str(passages),
+                "passages_sha256": key["passages_sha256"],
+                "encoder": passage_encoder.describe(),
+                "query_encoder": question_encoder.describe(),
+                "files": describe_files(tmp, files),
+            })
+    except BaseException:  # KeyboardInterrupt too: the staging this build made goes with it
+        if created and shard is None:  # never a staging --shard builds made (training reads it)
+            with contextlib.suppress(OSError):
+                _discard_staging(staging, remove=False)
+        raise
     kept = _discard_staging(staging, remove_staging)
     quality = index.describe()["search_quality"]
     settings = ", ".join(f"{k}={v}" for k, v in index.params.items() if k != "rerank" or
                          index.factory != "Flat")
     where = " (inverted lists memory-mapped when opened)" if index.on_disk else ""
-    log(f"built {factory}{where} over {len(index)} passages ({index.dim}-d) -> {out}; "
+    log(f"built {factory}{where} over {len(index)} passages ({index.dim}-d) -> {shown}; "
         + describe_quality(quality, index.factory)
         + (f"; search defaults {settings}" if settings else ""))
     if kept:
-        log(f"kept the staging folder {staging} with its {kept}, which training on a sharded "
-            "index reads (\"sharded\": true); run with --remove-staging to remove it")
+        log(kept)
     return out
 
 
-def _discard_staging(staging: Path, remove: bool) -> str | None:
-    """After a build: remove the staging folder, unless it holds shards of a ``--shard`` set
-    (n >= 2; ``embeddings-0-of-1.npy`` is the single-process build's own) and ``remove`` is
-    False. Then only the single-process embeddings are removed, and the return value says what
-    was kept (e.g. ``"2 shards (embeddings-i-of-2.npy)"``); None when the folder is gone."""
+def _shard_sets(staging: Path) -> dict[int, int]:
+    """{n: shards staged} of the ``--shard`` sets (n >= 2) in ``staging``
+    (``embeddings-0-of-1.npy`` is the build without shards' own)."""
     sets: dict[int, int] = {}
-    for f in staging.glob("embeddings-*-of-*.npy"):
-        n = int(f.stem.rsplit("-of-", 1)[1])
-        if n >= 2:
-            sets[n] = sets.get(n, 0) + 1
-    if remove or not sets:
-        shutil.rmtree(staging, ignore_errors=True)
+    for entry in staging.iterdir():
+        m = _SHARD_FILE.fullmatch(entry.name)
+        if m and int(m[2]) >= 2:
+            sets[int(m[2])] = sets.get(int(m[2]), 0) + 1
+    return sets
+
+
+def _remove_entry(staging: Path, entry: Path) -> None:
+    """Remove ``entry``, one of what builds staged in ``staging``. A folder is first moved
+    into a temporary folder (:func:`_temporary`), so that a kill part-way leaves a leftover
+    the next build removes, never a broken folder it would have to refuse."""
+    if entry.is_symlink() or not entry.is_dir():
+        entry.unlink(missing_ok=True)
+    elif _TEMPORARY.fullmatch(entry.name):
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        with _temporary(staging, entry.name) as tmp:
+            os.rename(entry, tmp / entry.name)
+
+
+def _discard_staging(staging: Path, remove: bool) -> str | None:
+    """After a build, or a failed one that created ``staging``: remove what builds staged there
+    (:func:`_staging_entries`), entry by entry and ``key.json`` last, then the folder. One that
+    holds shards of a ``--shard`` set is kept unless ``remove``: only the single build's own
+    ``embeddings-0-of-1.npy`` (and its record) goes. What no build staged stays, and with it
+    the folder; so does everything while a build is still writing there.
+
+    Returns:
+        A line on what was kept and why; None when the folder is gone.
+    """
+    if staging.is_symlink() or not staging.is_dir():
         return None
-    (staging / "embeddings-0-of-1.npy").unlink(missing_ok=True)
-    return ", ".join(f"{count} of {n} shards (embeddings-i-of-{n}.npy)"
-                     for n, count in sorted(sets.items()))
+    sets = _shard_sets(staging)
+    if sets and not remove:
+        own = staging / _shard_name(0, 1)
+        if own.exists() and _matches_record(own, verify=False):
+            own.unlink()
+        record = staging / _record_name(0, 1)
+        if not os.path.lexists(own) and _read_record(record) is not None:
+            record.unlink()
+        kept = ", ".join(f"{count} of {n} shards (embeddings-i-of-{n}.npy)"
+                         for n, count in sorted(sets.items()))
+        return (f"kept the staging folder {staging} with its {kept}, which training on a "
+                "sharded index reads (\"sharded\": true); run with --remove-staging to remove it")
+    staged = _staging_entries(staging, verify=False)
+    if staged.writers:
+        return (f"kept the staging folder {staging}: another build is still writing it "
+                f"({staged.writers[0]})")
+    for entry in sorted(staged.ours, key=lambda e: e.name == STAGING_KEY):
+        _remove_entry(staging, entry)
+    if staged.others:
+        more = f" and {len(staged.others) - 1} more" if len(staged.others) > 1 else ""
+        return (f"kept the staging folder {staging}: it holds {staged.others[0]}{more} that "
+                "rag_fast did not write (what the builds staged there is removed)")
+    with contextlib.suppress(OSError):  # something new there: kept
+        staging.rmdir()
+    return None
 
 
 def load_index_bundle(directory: str | Path, verify: bool = False):
