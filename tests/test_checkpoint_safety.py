@@ -252,7 +252,8 @@ def test_metrics_file_after_a_run_and_after_resume(tmp_path):
     lines = metrics_lines(tmp_path)
     steps = [r for r in lines if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]  # no duplicates
-    assert all(set(r) == {"step", "loss", "lr", "examples_per_s", "elapsed_s", "threads"}
+    assert all(set(r) == {"step", "loss", "loss_per_token", "lr", "examples_per_s", "elapsed_s",
+                          "threads"}
                for r in steps)
     factor = lr_lambda(trainer.config)
     assert [r["lr"] for r in steps] == [1e-2 * factor(s - 1) for s in range(1, 7)]
