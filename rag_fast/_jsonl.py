@@ -1,11 +1,40 @@
 """Line-numbered reading of the text files users hand us (datasets, questions, passages):
-UTF-8 with a leading BOM dropped, errors naming the file and the line."""
+UTF-8 with a leading BOM dropped, errors naming the file and the line; and the bounds on what
+one line may cost (:data:`MAX_LINE_BYTES`, :data:`MAX_TEXT_CHARS`)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
+import warnings
 from pathlib import Path
 from typing import Iterator
+
+# A line longer than this (its bytes before the "\n") is refused, naming the file and the line,
+# after reading no more than this much of it: whatever a file holds, one line costs at most its
+# bytes, its decoded text and what JSON makes of it, a few hundred MiB. 64 MiB is far more than
+# a passage, a question or a line of a document needs (their texts are cut to MAX_TEXT_CHARS).
+MAX_LINE_BYTES = 64 << 20
+
+# Tokenizers tokenise a whole text before truncating it, at about 150 bytes of memory per
+# character: a 20 MB passage took about 3 GB and 30 s to keep its first 256 tokens, and a
+# 200 MB one asks for allocations of several GiB at once, which abort the process. So every
+# text read (a passage's title and text, a question, an answer, a label) is cut to its first
+# MAX_TEXT_CHARS characters before a tokenizer sees it. The bound is generous enough never to
+# change the tokens a model keeps:
+#   MAX_TEXT_TOKENS: more tokens than a model keeps of one text (an encoder's --max-length is
+#     at most its positions: 512 for BERT-family encoders, 8192 for the longest; BART has 1024
+#     positions, and a decoder-only generator shares its own among a prompt's passages);
+#   MAX_CHARS_PER_TOKEN: more characters than a token covers in text whose whitespace runs are
+#     one space (vocabulary entries are words and pieces of words: the longest of MiniLM's
+#     WordPiece has 18 characters, of the example's byte-level BPE 16; English averages 4 to 5
+#     characters a token, so the first 1 Mi characters hold over 200,000 tokens).
+# At `index build`'s default of 256 tokens, the cut changes the tokens kept only for a text
+# averaging more than 4,096 characters a token.
+MAX_TEXT_TOKENS = 32768
+MAX_CHARS_PER_TOKEN = 32
+MAX_TEXT_CHARS = MAX_TEXT_TOKENS * MAX_CHARS_PER_TOKEN  # 1 Mi characters
 
 _BOM = b"\xef\xbb\xbf"
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
@@ -13,18 +42,41 @@ _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def line_too_long(path: str | Path, number: int) -> str:
+    """The message refusing line ``number`` of ``path``, longer than :data:`MAX_LINE_BYTES`."""
+    return (f"{path}:{number}: a line longer than {MAX_LINE_BYTES:,} bytes (64 MiB), the most one "
+            "line may hold; refused without reading the rest of it (expected one passage, "
+            "question or example per line; rag_fast._jsonl.MAX_LINE_BYTES)")
+
+
+def _raw_lines(f, path: str | Path, error: type[Exception]) -> Iterator[bytes]:
+    """The lines of the binary file ``f`` (with their ``\\n``), each read in one bounded call.
+
+    Raises:
+        error: a line longer than :data:`MAX_LINE_BYTES` (not counting its ``\\n``), as soon as
+            its first ``MAX_LINE_BYTES + 1`` bytes are read.
+    """
+    number = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            raise error(line_too_long(path, number))
+        yield raw
+
+
 def decoded_lines(path: str | Path, error: type[Exception] = ValueError) -> Iterator[tuple[int, str]]:
     """``(line number from 1, line with its ending)`` of a UTF-8 file; a BOM at the start is
-    dropped. Lines end at ``\\n`` only.
+    dropped. Lines end at ``\\n`` only, and hold at most :data:`MAX_LINE_BYTES` bytes before it.
 
     Raises:
         error: bytes that are not UTF-8 (naming the file, line, column and byte offset, and a
             UTF-16 byte order mark if the file starts with one), or a NUL byte (text saved as
-            UTF-16 without a byte order mark reads as UTF-8 with a NUL after each letter).
+            UTF-16 without a byte order mark reads as UTF-8 with a NUL after each letter), or
+            a line longer than :data:`MAX_LINE_BYTES` (read no further than that).
     """
     offset = 0  # bytes of the file before this line
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(_raw_lines(f, path, error), start=1):
             start = offset
             offset += len(raw)
             if number == 1 and raw.startswith(_BOM):
@@ -46,6 +98,54 @@ def decoded_lines(path: str | Path, error: type[Exception] = ValueError) -> Iter
                     "file (a file saved as UTF-16 has a NUL beside each ASCII letter)"
                 )
             yield number, text
+
+
+_NOT_FILES = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+              (stat.S_ISSOCK, "a socket"))
+
+
+def check_regular_file(path: str | os.PathLike, name: str,
+                       expected: str = "a file to read") -> None:
+    """Refuse ``path`` unless it is a regular file or a symbolic link to one, before anything
+    opens it: a device is read forever (/dev/zero) or as empty (/dev/null), and opening a named
+    pipe waits for a writer.
+
+    Raises:
+        FileNotFoundError: ``"{name}: '{path}' does not exist (expected ...)"``.
+        ValueError: ``"{name}: '{path}' is a named pipe, not a regular file; expected ..."``
+            (a device, a folder or a socket likewise; a symbolic link names its target).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{name}: {os.fspath(path)!r} does not exist (expected "
+                                f"{expected})") from None
+    if stat.S_ISREG(mode):
+        return
+    what = next((kind for test, kind in _NOT_FILES if test(mode)), "not a file")
+    link = f" (a symbolic link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    raise ValueError(f"{name}: {os.fspath(path)!r} is {what}{link}, not a regular file; "
+                     f"expected {expected}")
+
+
+class TextCutWarning(UserWarning):
+    """Texts of a file longer than :data:`MAX_TEXT_CHARS` were cut (said once per file)."""
+
+
+def cut_text(text: str) -> tuple[str, bool]:
+    """``text``'s first :data:`MAX_TEXT_CHARS` characters, and whether that left any out."""
+    return (text, False) if len(text) <= MAX_TEXT_CHARS else (text[:MAX_TEXT_CHARS], True)
+
+
+def warn_cut(where: str | os.PathLike, count: int, noun: str) -> None:
+    """Say once for the file ``where`` how many of its passages or examples (``noun``) held a
+    text cut to :data:`MAX_TEXT_CHARS` characters: ``count``, nothing when it is 0."""
+    if count:
+        warnings.warn(
+            f"{os.fspath(where)}: cut {count:,} {noun}{'' if count == 1 else 's'} longer than "
+            f"{MAX_TEXT_CHARS:,} characters to their first {MAX_TEXT_CHARS:,} (no model keeps "
+            "more of one text; rag_fast._jsonl.MAX_TEXT_CHARS)", TextCutWarning, stacklevel=2)
 
 
 def json_type(value: object) -> str:

@@ -25,6 +25,16 @@ The folder is what ``transformers.AutoTokenizer.from_pretrained`` opens
 atomically and marked as rag_fast's (``rag_fast-output.json``, kind ``rag_fast.tokenizer``,
 with the size and SHA-256 of each file and what it was fitted on): it is replaced only with
 ``overwrite`` and only when it is such a folder (:func:`rag_fast.storage.check_output_folder`).
+A full disk is one :class:`~rag_fast.storage.NoSpaceError` naming the file and the bytes it
+needs, and leaves nothing at the folder's path.
+
+What a fit reads costs bounded memory: every text fitted on (a passage's title and text, a
+question, an answer, a label) is at most ``MAX_TEXT_CHARS`` characters (1 Mi,
+``rag_fast._jsonl``): the passage and QA readers cut longer ones as they read them, saying so
+once per file, and :func:`fit_tokenizer` cuts what it is given likewise (the fit counts
+pairs over the whole corpus: the rest of one text longer than that moves few counts). A line
+longer than ``MAX_LINE_BYTES`` (64 MiB) is refused, naming the file and the line, and inputs
+are regular files: a device or a named pipe is refused before it is opened.
 """
 from __future__ import annotations
 
@@ -35,16 +45,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+from rag_fast._jsonl import MAX_TEXT_CHARS, check_regular_file
 from rag_fast.evaluation.data import load_qa
-from rag_fast.retrieval.passages import read_passages
+from rag_fast.retrieval.passages import passage_files, read_passages
 from rag_fast.storage import (
     OUTPUT_MARKER,
     TOKENIZER_KIND,
+    NoSpaceError,
     atomic_directory,
     atomic_write_bytes,
     check_apart,
     check_output_folder,
     describe_files,
+    disk_errors,
+    reserve_space,
 )
 
 # (token, role) in id order: BART's ids for start, padding and end
@@ -77,7 +91,9 @@ def special_tokens_map() -> dict[str, str]:
 def fit_tokenizer(texts: Iterable[str], vocab_size: int, *, progress: bool = False) -> Any:
     """A byte-level BPE tokenizer (``transformers.PreTrainedTokenizerFast``) of at most
     ``vocab_size`` tokens fitted to ``texts`` (see the module docstring); fewer when the texts
-    allow no more merges. The same texts in the same order give the same tokenizer.
+    allow no more merges. The same texts in the same order give the same tokenizer. Each text
+    is fitted on by its first ``MAX_TEXT_CHARS`` characters (1 Mi): the library tokenises a
+    whole text at once, so a longer one would cost memory in proportion to its length.
     ``progress``: the ``tokenizers`` library's progress bars, where stderr is a terminal.
 
     Raises:
@@ -96,7 +112,7 @@ def fit_tokenizer(texts: Iterable[str], vocab_size: int, *, progress: bool = Fal
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   # (its bars print blank lines where stderr is no terminal)
                                   show_progress=progress and sys.stderr.isatty())
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator((text[:MAX_TEXT_CHARS] for text in texts), trainer)
     for i, (token, _) in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(token) == i, (token, tok.token_to_id(token))
     bos, eos = SPECIAL_TOKENS[0][0], SPECIAL_TOKENS[2][0]
@@ -127,19 +143,21 @@ class FitSummary:
 
 def _read_data(data: Sequence[str | os.PathLike]) -> tuple[list[str], int]:
     """The questions, answers and labels of every example of the QA files ``data`` (read, and
-    so checked, before the passages), and the number of examples."""
+    so checked, before the passages), and the number of examples. Every file is checked to be
+    a regular file before any is read."""
+    for path in data:
+        check_regular_file(path, "data", "a QA file: JSONL lines with 'question' and "
+                                         "'answers', or TSV")
     texts, examples = [], 0
     for path in data:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"data: {os.fspath(path)!r} does not exist (expected a QA "
-                                    "file: JSONL lines with 'question' and 'answers', or TSV)")
         for e in load_qa(os.fspath(path)):
             texts += [e.question, *e.answers] + ([e.label] if e.label is not None else [])
             examples += 1
     return texts, examples
 
 
-def save_tokenizer(tokenizer: Any, folder: str | os.PathLike, record: dict | None = None) -> None:
+def save_tokenizer(tokenizer: Any, folder: str | os.PathLike, record: dict | None = None, *,
+                   shown: str | os.PathLike | None = None) -> None:
     """Write ``tokenizer`` (from :func:`fit_tokenizer`) into the folder ``folder`` as
     ``transformers`` reads it, and mark the folder as rag_fast's tokenizer (``record``: what
     it was fitted on, kept in the marker). Used inside :func:`fit_tokenizer_folder`'s atomic
@@ -148,23 +166,53 @@ def save_tokenizer(tokenizer: Any, folder: str | os.PathLike, record: dict | Non
     ``tokenizer_config.json`` names the class ``PreTrainedTokenizerFast``, which every
     ``transformers`` from 4.40 on opens, and ``special_tokens_map.json`` is written for those
     that read the special tokens from it.
+
+    Raises:
+        NoSpaceError: the disk is full, naming the file in ``shown`` (the folder named in
+            messages, default ``folder``: the final path of a temporary folder) and, for
+            ``tokenizer.json`` (all but a few KiB of the folder, allocated before anything is
+            written) and the files written here, the bytes it needs.
     """
     folder = Path(folder)
+    shown = Path(shown) if shown is not None else folder
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(folder))
+    # the tokenizers library's error on a full disk names neither the file nor the size
+    _reserve(folder / "tokenizer.json", shown / "tokenizer.json",
+             len(tokenizer.backend_tokenizer.to_str(pretty=True).encode("utf-8")))
+    with disk_errors(shown):
+        tokenizer.save_pretrained(str(folder))
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config["clean_up_tokenization_spaces"] = False
     config["split_special_tokens"] = True
-    atomic_write_bytes(config_path, _json_bytes(config))
-    atomic_write_bytes(folder / "special_tokens_map.json", _json_bytes(special_tokens_map()))
+    _write(folder, shown, "tokenizer_config.json", _json_bytes(config))
+    _write(folder, shown, "special_tokens_map.json", _json_bytes(special_tokens_map()))
     # every file save_pretrained wrote (a transformers that writes more than TOKENIZER_FILES
     # included) is listed, so that only this folder's own files count as rag_fast's
     names = sorted(p.name for p in folder.iterdir() if p.name != OUTPUT_MARKER)
     marker = {"kind": TOKENIZER_KIND, "format": 1, **(record or {}),
               "files": describe_files(folder, names)}
-    atomic_write_bytes(folder / OUTPUT_MARKER, _json_bytes(marker))
+    _write(folder, shown, OUTPUT_MARKER, _json_bytes(marker))
+
+
+def _reserve(path: Path, shown: Path, nbytes: int) -> None:
+    """Allocate ``nbytes`` for the file ``path`` (``shown`` in messages), which is written in
+    full next: a disk without room says so now (:func:`rag_fast.storage.reserve_space`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        reserve_space(fd, shown, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _write(folder: Path, shown: Path, name: str, data: bytes) -> None:
+    """``data`` written atomically as ``folder/name``; a full disk names ``shown/name`` and
+    the bytes it needs."""
+    try:
+        atomic_write_bytes(folder / name, data)
+    except NoSpaceError as e:
+        raise NoSpaceError(shown / name, len(data), e.free, e.errno) from None
 
 
 def _json_bytes(payload: dict) -> bytes:
@@ -181,22 +229,25 @@ def fit_tokenizer_folder(passages: str | os.PathLike, out: str | os.PathLike, *,
 
     Everything is checked before the fit: ``vocab_size``, ``out`` (missing, empty, or with
     ``overwrite`` a tokenizer folder of this function's holding nothing else; never one of the
-    inputs), that ``passages`` exists, and every ``data`` file in full.
+    inputs), that ``passages`` and every ``data`` file are regular files, and every ``data``
+    file in full.
 
     Raises:
-        ValueError: a bad ``vocab_size``; ``out`` overlapping an input; a malformed passages
-            or QA file (naming it and the line); passages and QA files without any text.
+        ValueError: a bad ``vocab_size``; ``out`` overlapping an input; a ``passages`` or
+            ``data`` path that is a device, a named pipe or (``data``) a folder (the message
+            starts with ``passages:`` or ``data:``); a malformed passages or QA file (naming
+            it and the line); passages and QA files without any text.
         FileNotFoundError: a missing ``passages`` or ``data`` file (the message starts with
             ``passages:`` or ``data:``).
         FileExistsError: ``out`` exists and may not be replaced.
+        NoSpaceError: the disk is full (nothing is left at ``out``).
     """
     check_vocab_size(vocab_size)
     data = list(data)
     inputs = {"passages": passages, **{f"data[{i}]": d for i, d in enumerate(data)}}
     check_apart(out, "out", inputs)
     check_output_folder(out, TOKENIZER_KIND, overwrite=overwrite, flag="out")
-    if not os.path.exists(passages):
-        raise FileNotFoundError(f"passages: {os.fspath(passages)!r} does not exist")
+    passage_files(passages)
     qa_texts, questions = _read_data(data)
     counts = {"passages": 0, "characters": 0}
 
@@ -221,6 +272,6 @@ def fit_tokenizer_folder(passages: str | os.PathLike, out: str | os.PathLike, *,
               "passages": os.fspath(passages), "data": [os.fspath(d) for d in data],
               "method": "byte-level BPE (tokenizers), rag_fast.tokenization.fit_tokenizer"}
     with atomic_directory(out, overwrite=overwrite, kind=TOKENIZER_KIND) as tmp:
-        save_tokenizer(tokenizer, tmp, record)
+        save_tokenizer(tokenizer, tmp, record, shown=out)
     return FitSummary(Path(out), len(tokenizer), counts["passages"], questions,
                       counts["characters"])

@@ -189,9 +189,9 @@ def run_build(args: argparse.Namespace) -> int:
             max_length=args.max_length, batch_size=args.batch_size, device=args.device,
             overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress,
             warn=warn, remove_staging=args.remove_staging)
-    except FileNotFoundError as e:  # the passage reader names its argument: say the flag
+    except (FileNotFoundError, ValueError) as e:  # the reader names it: say the flag
         if str(e).startswith("passages: "):
-            raise FileNotFoundError("--passages: " + str(e).removeprefix("passages: ")) from None
+            raise type(e)("--passages: " + str(e).removeprefix("passages: ")) from None
         raise
     return 0
 

@@ -7,16 +7,21 @@ columns, one answer each; a first non-blank line ``question<TAB>answers...`` is 
 skipped.
 
 Both are UTF-8 (a BOM at the start is dropped). Errors name the file and the line: bytes that
-are not UTF-8, a malformed line, a missing field, a string that is not valid Unicode (a lone
-surrogate from a JSON escape), an empty dataset.
+are not UTF-8, a malformed line, a line longer than ``MAX_LINE_BYTES`` (64 MiB), a missing
+field, a string that is not valid Unicode (a lone surrogate from a JSON escape), an empty
+dataset. A question, answer or label longer than ``MAX_TEXT_CHARS`` (1 Mi characters, more
+than any model keeps) is cut to it as its line is read, said once per file
+(``rag_fast._jsonl``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Iterator
 
-from rag_fast._jsonl import check_unicode, decoded_lines, read_objects
+from rag_fast._jsonl import check_unicode, cut_text, decoded_lines, read_objects, warn_cut
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,25 @@ def _answers(value, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _from_jsonl(path: str) -> list[QAExample]:
-    examples = []
+def _cut(example: QAExample) -> tuple[QAExample, bool]:
+    """``example`` with its question, answers and label cut to ``MAX_TEXT_CHARS`` characters,
+    and whether any was cut."""
+    (question, cut), answers = cut_text(example.question), []
+    for answer in example.answers:
+        answer, answer_cut = cut_text(answer)
+        answers.append(answer)
+        cut |= answer_cut
+    label = example.label
+    if label is not None:
+        label, label_cut = cut_text(label)
+        cut |= label_cut
+    if not cut:
+        return example, False
+    return dataclasses.replace(example, question=question, answers=tuple(answers),
+                               label=label), True
+
+
+def _from_jsonl(path: str) -> Iterator[QAExample]:
     for _, where, obj in read_objects(path, DatasetError):
         question = obj.get("question")
         if not isinstance(question, str) or not question.strip():
@@ -56,12 +78,10 @@ def _from_jsonl(path: str) -> list[QAExample]:
             raise DatasetError(f"{where}: missing 'answers'")
         answers = _answers(raw if raw is not None else str(label), where)
         extra = {k: v for k, v in obj.items() if k not in ("question", "answers", "answer", "label")}
-        examples.append(QAExample(question, answers, None if label is None else str(label), extra))
-    return examples
+        yield QAExample(question, answers, None if label is None else str(label), extra)
 
 
-def _from_tsv(path: str) -> list[QAExample]:
-    examples = []
+def _from_tsv(path: str) -> Iterator[QAExample]:
     header_checked = False
     for number, line in decoded_lines(path, DatasetError):
         line = line.rstrip("\n\r")
@@ -92,18 +112,20 @@ def _from_tsv(path: str) -> list[QAExample]:
             check_unicode(raw, where, '"answers"', DatasetError)
         else:
             raw = [c for c in cols[1:] if c.strip()]
-        examples.append(QAExample(cols[0], _answers(raw, where)))
-    return examples
+        yield QAExample(cols[0], _answers(raw, where))
 
 
 def load_qa(path: str, fmt: str | None = None) -> list[QAExample]:
     """Questions and answers from ``path`` (format from ``fmt`` or the extension: .jsonl/.json
     -> JSONL, .tsv/.txt -> TSV).
 
+    Questions, answers and labels longer than ``MAX_TEXT_CHARS`` characters are cut as each
+    line is read (one ``TextCutWarning`` for the file), so no example costs more.
+
     Raises:
-        DatasetError: unreadable format, a malformed line (with its line number), bytes that
-            are not UTF-8 or a string that is not valid Unicode (file, line and field), no
-            examples, or a directory.
+        DatasetError: unreadable format, a malformed line (with its line number), a line
+            longer than ``MAX_LINE_BYTES``, bytes that are not UTF-8 or a string that is not
+            valid Unicode (file, line and field), no examples, or a directory.
         FileNotFoundError: no such file.
     """
     if os.path.isdir(path):
@@ -120,7 +142,12 @@ def load_qa(path: str, fmt: str | None = None) -> list[QAExample]:
             raise DatasetError(f"{path}: cannot tell the format from '{ext}'; use .jsonl or .tsv")
     if fmt not in ("jsonl", "tsv"):
         raise DatasetError(f"unknown dataset format {fmt!r} (jsonl or tsv)")
-    examples = _from_jsonl(path) if fmt == "jsonl" else _from_tsv(path)
+    examples, cut = [], 0
+    for example in _from_jsonl(path) if fmt == "jsonl" else _from_tsv(path):
+        example, was_cut = _cut(example)
+        examples.append(example)
+        cut += was_cut
+    warn_cut(path, cut, "example")
     if not examples:
         raise DatasetError(f"{path}: empty dataset (no examples)")
     return examples

@@ -9,13 +9,17 @@ row numbers. Per-tokenizer pre-tokenised copies (ragged int32 token ids) live un
 Inputs: DPR-style TSV (``id, text, title``, as ``psgs_w100.tsv``), JSONL passages
 (``{"id", "title", "text"}``, id and title optional), or raw documents (``.txt`` files, or
 JSONL/TSV with ``split_words``) split into disjoint ``split_words``-word passages (the
-paper's 100-word split).
+paper's 100-word split). Inputs are regular files (a device or a named pipe is refused before
+it is opened), read a line at a time: a line longer than ``MAX_LINE_BYTES`` (64 MiB) is
+refused, and a passage's title or text longer than ``MAX_TEXT_CHARS`` (1 Mi characters, more
+than any model keeps) is cut to it, said once per file (``rag_fast._jsonl``).
 """
 from __future__ import annotations
 
 import contextlib
 import csv
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -30,7 +34,17 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm.auto import tqdm
 
-from rag_fast._jsonl import decoded_lines, json_type, lone_surrogate, read_objects
+from rag_fast._jsonl import (
+    MAX_LINE_BYTES,
+    MAX_TEXT_CHARS,
+    check_regular_file,
+    decoded_lines,
+    json_type,
+    line_too_long,
+    lone_surrogate,
+    read_objects,
+    warn_cut,
+)
 from rag_fast.storage import (
     MANIFEST,
     RaggedArray,
@@ -61,10 +75,48 @@ class Passage:
 def split_words(text: str, words: int = PAPER_PASSAGE_WORDS) -> list[str]:
     """Split ``text`` into disjoint passages of ``words`` whitespace-separated words (the
     last one may be shorter); an empty text gives no passages."""
+    return list(_runs(_word_lists(text), _check_words(words)))
+
+
+_WORD = re.compile(r"\S+")  # a word as str.split() finds them (the same whitespace)
+_WORDS_AT_ONCE = 1 << 16
+
+
+def _words(text: str) -> Iterator[str]:
+    """The words of ``text`` as ``text.split()`` finds them, one at a time."""
+    return (m.group() for m in _WORD.finditer(text))
+
+
+def _word_lists(text: str) -> Iterator[list[str]]:
+    """The words of ``text`` (``text.split()``) in lists: one for a text of at most
+    ``MAX_TEXT_CHARS`` characters, else lists of ``_WORDS_AT_ONCE`` words, so that a long
+    text is never held as a list of all its words (a word costs about 50 bytes)."""
+    if len(text) <= MAX_TEXT_CHARS:
+        yield text.split()
+        return
+    words = _words(text)
+    while batch := list(itertools.islice(words, _WORDS_AT_ONCE)):
+        yield batch
+
+
+def _check_words(words: object) -> int:
     if not isinstance(words, int) or words < 1:
         raise ValueError(f"words must be a positive int, got {words!r}")
-    tokens = text.split()
-    return [" ".join(tokens[i : i + words]) for i in range(0, len(tokens), words)]
+    return words
+
+
+def _runs(word_lists: Iterable[list[str]], n: int) -> Iterator[str]:
+    """Disjoint runs of ``n`` of the words of ``word_lists``, in order, each joined by one
+    space (the last may be shorter)."""
+    run: list[str] = []
+    for words in word_lists:
+        run += words
+        whole = len(run) - len(run) % n
+        for start in range(0, whole, n):
+            yield " ".join(run[start : start + n])
+        del run[:whole]
+    if run:
+        yield " ".join(run)
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
@@ -89,28 +141,117 @@ def stand_in_questions(store: "PassageStore", n: int, seed: int = 0) -> list[str
     return out
 
 
-def _clean(s: object) -> str:
-    return " ".join(str(s).split()) if s is not None else ""
+def _clean(s: object) -> tuple[str, bool]:
+    """``s`` with its whitespace runs made one space and cut to its first ``MAX_TEXT_CHARS``
+    characters (None: empty), and whether the cut left anything out. A longer text is read a
+    word at a time up to the bound, never split whole."""
+    if s is None:
+        return "", False
+    s = str(s)
+    if len(s) <= MAX_TEXT_CHARS:
+        return " ".join(s.split()), False
+    kept, length = [], -1  # the words so far, and their length joined by one space
+    for word in _words(s):
+        kept.append(word)
+        length += 1 + len(word)
+        if length > MAX_TEXT_CHARS:
+            break
+    return " ".join(kept)[:MAX_TEXT_CHARS], length > MAX_TEXT_CHARS
 
 
 class PassageFormatError(ValueError):
     """A passages file is malformed (naming the file and line): the readers never guess."""
 
 
+_EXPECTED = "a passages file (.tsv, .jsonl or .txt) or a folder of .txt documents"
+
+
+def passage_files(path: str | Path) -> list[Path]:
+    """The files :func:`read_passages` reads at ``path``: the file itself, or a folder's
+    ``*.txt`` files (sorted), each checked to be a regular file (or a symbolic link to one)
+    before any is opened.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path``, or a ``*.txt`` of the folder, is a device, a named pipe, a socket
+            or (in a folder) a folder; the message starts with ``passages:`` and names it.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"passages: {str(path)!r} does not exist")
+    files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+    for f in files:
+        check_regular_file(f, "passages", _EXPECTED)
+    return files
 
 
 def _decoded_lines(path: str | Path) -> Iterator[tuple[int, str]]:
     """Line-numbered UTF-8 lines, BOM dropped (see ``rag_fast._jsonl.decoded_lines``).
 
     Raises:
-        PassageFormatError: bytes that are not UTF-8, naming the file, line and column.
+        PassageFormatError: bytes that are not UTF-8, naming the file, line and column; a line
+            longer than ``MAX_LINE_BYTES``, naming the file and the line.
     """
     return decoded_lines(path, PassageFormatError)
 
 
-def _read_text(path: Path) -> str:
-    """The whole UTF-8 text of ``path``, BOM dropped (see :func:`_decoded_lines`)."""
-    return "".join(line for _, line in _decoded_lines(path))
+def _bounded_lines(path: Path, chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """``chunks`` (the bytes of ``path`` in order, each shorter than ``MAX_LINE_BYTES``),
+    refusing a line longer than ``MAX_LINE_BYTES`` as soon as its length shows: what
+    :func:`_decoded_lines` refuses, found without decoding anything.
+
+    Raises:
+        PassageFormatError: naming the file and the line.
+    """
+    ended, run = 0, 0  # lines ended before this chunk; bytes of the line read so far
+    for chunk in chunks:
+        first = chunk.find(b"\n")
+        if first < 0 or run + first > MAX_LINE_BYTES:
+            run += len(chunk) if first < 0 else first
+        else:  # the other lines ending in the chunk are shorter than it
+            ended += chunk.count(b"\n")
+            run = len(chunk) - chunk.rfind(b"\n") - 1
+        if run > MAX_LINE_BYTES:
+            raise PassageFormatError(line_too_long(path, ended + 1))
+        yield chunk
+
+
+def _pieces(path: Path) -> Iterator[str]:
+    """The text of ``path`` in pieces of whole lines, each of at most ``MAX_TEXT_CHARS``
+    characters unless it is one longer line: split word by word, they give the words of the
+    whole text (a line ends in whitespace)."""
+    piece: list[str] = []
+    size = 0
+    for _, line in _decoded_lines(path):
+        if piece and size + len(line) > MAX_TEXT_CHARS:
+            yield "".join(piece)
+            piece, size = [], 0
+        piece.append(line)
+        size += len(line)
+    if piece:
+        yield "".join(piece)
+
+
+def _document(path: Path, words: int) -> Iterator[Passage]:
+    """The passages of the raw document ``path``: its words in disjoint runs of ``words``
+    (:func:`split_words` of its whole text), read a piece at a time, with ids ``<stem>-<j>``
+    and the stem as their title."""
+    name, title = _document_name(path), path.stem.replace("_", " ")
+    document = (batch for piece in _pieces(path) for batch in _word_lists(piece))
+    for j, run in enumerate(_runs(document, words)):
+        yield Passage(f"{name}-{j}", title, run)
+
+
+def _bounded(path: str | Path, passages: Iterable[Passage]) -> Iterator[Passage]:
+    """``passages`` as a store keeps them (see :func:`_as_passage`: whitespace runs made one
+    space, titles and texts cut to ``MAX_TEXT_CHARS`` characters); once they are all read,
+    how many were cut is said in one ``TextCutWarning`` naming ``path``."""
+    cut = 0
+    for row, item in enumerate(passages):
+        passage, was_cut = _as_passage(item, row)
+        cut += was_cut
+        yield passage
+    warn_cut(path, cut, "passage")
 
 
 def _document_name(path: Path) -> str:
@@ -202,7 +343,7 @@ def _tsv_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
                 "not an id; if it is the id, start the file with the header row id<TAB>text, "
                 "else give every passage an id (id<TAB>text<TAB>title)")
         title = row[columns["title"]] if "title" in columns else ""
-        yield start, Passage(row[columns["id"]].strip(), _clean(title), _clean(row[columns["text"]]))
+        yield start, Passage(row[columns["id"]].strip(), title, row[columns["text"]])
 
 
 def _preview(value: str, limit: int = 40) -> str:
@@ -223,14 +364,19 @@ def read_dpr_tsv(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
     Without a header the first row fixes the columns: ``id, text, title`` or ``id, text`` (an
     id with spaces is refused there, most likely a ``text, title`` row: a header row
     ``id<TAB>text`` allows it). A header of known names needs ``id`` and ``text``.
-    Blank lines are skipped; a UTF-8 BOM is dropped.
+    Blank lines are skipped; a UTF-8 BOM is dropped. Titles and texts longer than
+    ``MAX_TEXT_CHARS`` are cut (one ``TextCutWarning`` for the file).
 
     Raises:
         PassageFormatError: (a ValueError) naming the file and line: a row with another number
             of columns, a quoted field spanning lines or otherwise malformed quoting, bytes that
-            are not UTF-8, a duplicate id (unless ``dedupe``: keep the first).
+            are not UTF-8, a line longer than ``MAX_LINE_BYTES``, a duplicate id (unless
+            ``dedupe``: keep the first).
+        FileNotFoundError, ValueError: ``path`` is missing or not a regular file (a folder,
+            a device, a named pipe), naming ``passages``.
     """
-    return _unique(path, _tsv_rows(path), dedupe)
+    check_regular_file(path, "passages", _EXPECTED)
+    return _bounded(path, _unique(path, _tsv_rows(path), dedupe))
 
 
 def _jsonl_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
@@ -245,28 +391,33 @@ def _jsonl_rows(path: str | Path) -> Iterator[tuple[int, Passage]]:
             raise PassageFormatError(f'{where}: "title" must be a string or null, got {json_type(title)}')
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
             raise PassageFormatError(f'{where}: "id" must be a string or an integer, got {json_type(pid)}')
-        yield number, Passage(str(pid), _clean(title), _clean(text))
+        yield number, Passage(str(pid), title or "", text)
 
 
 def read_jsonl(path: str | Path, dedupe: bool = False) -> Iterator[Passage]:
     """Passages of a JSONL file: one object per line with ``text`` and optional ``title``,
     ``id`` (default: the line number, from 0). ``text`` and ``title`` are strings (a null
     ``title`` is empty), ``id`` a string or an integer. Blank lines are skipped; a UTF-8 BOM
-    is dropped.
+    is dropped. Titles and texts longer than ``MAX_TEXT_CHARS`` are cut (one
+    ``TextCutWarning`` for the file).
 
     Raises:
         PassageFormatError: (a ValueError) naming the file and line: a line that is not a JSON
             object with a string ``text``, a field of another type, bytes that are not UTF-8,
             a string that is not valid Unicode (a lone surrogate from a JSON escape such as
-            ``"\\ud800"``, naming the field), a duplicate id (unless ``dedupe``: keep the first).
+            ``"\\ud800"``, naming the field), a line longer than ``MAX_LINE_BYTES``, a
+            duplicate id (unless ``dedupe``: keep the first).
+        FileNotFoundError, ValueError: ``path`` is missing or not a regular file (a folder,
+            a device, a named pipe), naming ``passages``.
     """
-    return _unique(path, _jsonl_rows(path), dedupe)
+    check_regular_file(path, "passages", _EXPECTED)
+    return _bounded(path, _unique(path, _jsonl_rows(path), dedupe))
 
 
 def _split_all(passages: Iterable[Passage], words: int) -> Iterator[Passage]:
     for p in passages:
-        for j, chunk in enumerate(split_words(p.text, words)):
-            yield Passage(f"{p.id}-{j}", p.title, chunk)
+        for j, run in enumerate(_runs(_word_lists(p.text), words)):
+            yield Passage(f"{p.id}-{j}", p.title, run)
 
 
 def read_passages(path: str | Path, split: int | None = None, dedupe: bool = False) -> Iterator[Passage]:
@@ -276,44 +427,51 @@ def read_passages(path: str | Path, split: int | None = None, dedupe: bool = Fal
     file's stem; a directory: every ``*.txt`` in it (sorted), as raw documents. Raw documents
     are split into ``split`` words (default 100); TSV and JSONL rows are split only when
     ``split`` is given. Ids must be unique; ``dedupe`` keeps the first passage of each id.
+    Every input is a regular file, read a line at a time (a line holds at most
+    ``MAX_LINE_BYTES``); titles and texts longer than ``MAX_TEXT_CHARS`` characters are cut
+    after splitting, said once per file (a ``TextCutWarning``), so no passage costs more.
 
     Raises:
-        ValueError: an unknown extension or a malformed file (:class:`PassageFormatError`,
-            naming the file and line), naming ``passages``.
+        ValueError: an unknown extension, a path that is not a regular file (see
+            :func:`passage_files`) or a malformed file (:class:`PassageFormatError`, naming the
+            file and line), naming ``passages``.
         FileNotFoundError: ``path`` does not exist.
     """
+    files = passage_files(path)
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"passages: {str(path)!r} does not exist")
     if path.is_dir() or path.suffix == ".txt":
-        files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
-        docs = (Passage(_document_name(f), f.stem.replace("_", " "), _read_text(f)) for f in files)
-        return _split_all(docs, split or PAPER_PASSAGE_WORDS)
-    readers = {".tsv": read_dpr_tsv, ".jsonl": read_jsonl, ".json": read_jsonl}
+        words = _check_words(split or PAPER_PASSAGE_WORDS)
+        return itertools.chain.from_iterable(_bounded(f, _document(f, words)) for f in files)
+    readers = {".tsv": _tsv_rows, ".jsonl": _jsonl_rows, ".json": _jsonl_rows}
     if path.suffix not in readers:
         raise ValueError(
             f"passages: cannot tell the format of {str(path)!r}; expected .tsv (DPR: id, text, "
             "title), .jsonl, .txt or a directory of .txt documents"
         )
-    rows = readers[path.suffix](path, dedupe=dedupe)
-    return _split_all(rows, split) if split else rows
+    rows = _unique(path, readers[path.suffix](path), dedupe)
+    return _bounded(path, _split_all(rows, _check_words(split)) if split else rows)
+
+
+_DIGEST_CHUNK = 1 << 23
 
 
 def passages_digest(path: str | Path) -> str:
     """SHA-256 of what :func:`read_passages` reads at ``path``: the file's bytes, or for a
-    directory each ``*.txt`` file's name and bytes (sorted).
+    directory each ``*.txt`` file's name and bytes (sorted). Reading every byte anyway, it
+    refuses a line longer than ``MAX_LINE_BYTES`` as the readers would, so that ``index
+    build`` refuses one before it stages anything.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ValueError: a path that is not a regular file (see :func:`passage_files`); a line
+            longer than ``MAX_LINE_BYTES`` (:class:`PassageFormatError`, naming the file and
+            the line).
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"passages: {str(path)!r} does not exist")
     h = hashlib.sha256()
-    for f in sorted(path.glob("*.txt")) if path.is_dir() else [path]:
+    for f in passage_files(path):
         h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
         with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 23):
+            for chunk in _bounded_lines(f, iter(lambda: fh.read(_DIGEST_CHUNK), b"")):
                 h.update(chunk)
     return h.hexdigest()
 
@@ -372,10 +530,11 @@ class PassageStore:
         """
         with atomic_directory(out, overwrite, kind=STORE_KIND) as tmp:
             writers = {name: RaggedWriter(tmp, name, np.uint8) for name in _FIELDS}
-            count = 0
+            count = cut = 0
             try:
                 for item in tqdm(passages, desc="passages", unit=" psg", disable=not progress):
-                    p = _as_passage(item, count)
+                    p, was_cut = _as_passage(item, count)
+                    cut += was_cut
                     writers["ids"].append(p.id.encode())
                     writers["titles"].append(p.title.encode())
                     writers["texts"].append(p.text.encode())
@@ -383,6 +542,7 @@ class PassageStore:
             finally:  # also on a reader's error: no open file is left behind
                 for w in writers.values():
                     w.close()
+            warn_cut(source or "passages", cut, "passage")
             if count == 0:
                 raise ValueError(
                     f"passages: the corpus is empty{f' ({source})' if source else ''}; "
@@ -424,7 +584,27 @@ class PassageStore:
         return self.manifest["count"]
 
     def _str(self, field: str, i: int) -> str:
-        return bytes(self._arrays[field][self._check_row(i)]).decode()
+        """Row ``i`` of ``field``, its offsets checked against the data first: a store loaded
+        without verification may hold offsets that slicing would quietly clamp.
+
+        Raises:
+            IndexError: ``i`` out of range.
+            StorageError: offsets outside the data or a row that is not UTF-8, naming the
+                file and the row.
+        """
+        array, i = self._arrays[field], self._check_row(i)
+        start, end, size = int(array.offsets[i]), int(array.offsets[i + 1]), len(array.values)
+        if not 0 <= start <= end <= size:
+            raise StorageError(
+                f"{self.root / f'{field}.offsets.npy'}: row {i} gives bytes {start}..{end} of "
+                f"{field}.values.bin, which holds {size}; the passage store is corrupt (loaded "
+                "without verification: its checksums refuse it)")
+        try:
+            return bytes(array.values[start:end]).decode()
+        except UnicodeDecodeError:
+            raise StorageError(f"{self.root / f'{field}.values.bin'}: row {i} is not valid UTF-8; "
+                               "the passage store is corrupt (loaded without verification: its "
+                               "checksums refuse it)") from None
 
     def _check_row(self, i: int) -> int:
         i = int(i)
@@ -527,14 +707,19 @@ class PassageStore:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _as_passage(item: Passage | dict | tuple, row: int) -> Passage:
+def _as_passage(item: Passage | dict | tuple, row: int) -> tuple[Passage, bool]:
+    """``item`` (passage ``row``) as a store keeps it: whitespace runs made one space, title
+    and text cut to ``MAX_TEXT_CHARS`` characters; and whether either was cut."""
     if isinstance(item, Passage):
-        return Passage(item.id, _clean(item.title), _clean(item.text))
-    if isinstance(item, dict) and "text" in item:
-        return Passage(str(item.get("id", row)), _clean(item.get("title")), _clean(item["text"]))
-    if isinstance(item, tuple) and len(item) == 3:
-        return Passage(str(item[0]), _clean(item[1]), _clean(item[2]))
-    raise ValueError(
-        f"passages[{row}] must be a Passage, a dict with 'text' (and 'id', 'title') or an "
-        f"(id, title, text) tuple, got {type(item).__name__}"
-    )
+        pid, title, text = item.id, item.title, item.text
+    elif isinstance(item, dict) and "text" in item:
+        pid, title, text = str(item.get("id", row)), item.get("title"), item["text"]
+    elif isinstance(item, tuple) and len(item) == 3:
+        pid, title, text = str(item[0]), item[1], item[2]
+    else:
+        raise ValueError(
+            f"passages[{row}] must be a Passage, a dict with 'text' (and 'id', 'title') or an "
+            f"(id, title, text) tuple, got {type(item).__name__}"
+        )
+    (title, title_cut), (text, text_cut) = _clean(title), _clean(text)
+    return Passage(pid, title, text), title_cut or text_cut
