@@ -141,8 +141,9 @@ def test_load_jsonl_and_tsv(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     ('{"question": "q", "answers": ["a"]}\n{"question": "q2", "answers": [\n', r"d.jsonl:2: malformed JSON"),
-    ('{"question": "q"}\n', r"d.jsonl:1: missing 'answers'"),
-    ('{"answers": ["a"]}\n', r"d.jsonl:1: missing or empty 'question'"),
+    ('{"question": "q"}\n', r"d.jsonl:1: no answers: looked for 'answers', 'answer', 'label'"),
+    ('{"answers": ["a"]}\n', r"d.jsonl:1: no 'question' field"),
+    ('{"question": " ", "answers": ["a"]}\n', r"d.jsonl:1: an empty 'question'"),
     ('[1, 2]\n', r"d.jsonl:1: expected a JSON object"),
     ('\n\n', r"empty dataset"),
 ])

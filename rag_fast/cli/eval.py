@@ -25,6 +25,7 @@ from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_p
                                  decoding_settings, describe_decoding, load_model,
                                  resolve_device)
 from rag_fast.evaluation import answer_metrics, evaluate, label_accuracy, load_qa
+from rag_fast.evaluation.data import fields_read
 from rag_fast.evaluation.report import EVAL_FILES, round_metrics, write_evaluation
 from rag_fast.storage import EVAL_KIND, check_apart, check_output_folder, folder_kind
 
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     settings, record = decoding_settings(args, model)
     if not args.json:
         print(describe_decoding(record))
+        print(f"read {fields_read(args.data, examples)}")
     result = evaluate(model, examples, batch_size=args.batch_size,
                       progress=not args.no_progress, **settings)
     metrics, count = write_evaluation(out, examples, result, data=args.data, model=args.model,

@@ -30,6 +30,7 @@ class QAExample:
     answers: tuple[str, ...]
     label: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
+    source: str | None = field(default=None, compare=False)  # the field the answers came from
 
     @property
     def target(self) -> str:
@@ -67,18 +68,58 @@ def _cut(example: QAExample) -> tuple[QAExample, bool]:
                                label=label), True
 
 
+QUESTION_FIELDS = ("question",)
+ANSWER_FIELDS = ("answers", "answer", "label")  # the first present is the answers' source
+# keys that hold a question or answers under another name, and the field each was meant to be
+_MEANT = {"query": "question", "q": "question", "questions": "question", "prompt": "question",
+          "input": "question", "answer_text": "answers", "answers_text": "answers",
+          "gold_answers": "answers", "target": "answers", "targets": "answers",
+          "output": "answers", "ans": "answers", "labels": "label"}
+
+
+def _did_you_mean(obj: dict, wanted: tuple[str, ...]) -> str:
+    """`` ('query': did you mean 'question'?)`` for the keys of ``obj`` that look like one of
+    ``wanted``, else ""."""
+    import difflib
+
+    hints = []
+    for key in obj:
+        meant = _MEANT.get(key.lower()) or next(
+            iter(difflib.get_close_matches(key.lower(), wanted, n=1, cutoff=0.75)), None)
+        if meant in wanted and key not in wanted:
+            hints.append(f"{key!r}: did you mean {meant!r}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
 def _from_jsonl(path: str) -> Iterator[QAExample]:
     for _, where, obj in read_objects(path, DatasetError):
         question = obj.get("question")
         if not isinstance(question, str) or not question.strip():
-            raise DatasetError(f"{where}: missing or empty 'question'")
+            found = "an empty 'question'" if "question" in obj else "no 'question' field"
+            raise DatasetError(f"{where}: {found} (the field read for the question; this line "
+                               f"has {sorted(obj)}){_did_you_mean(obj, QUESTION_FIELDS)}")
+        source = next((f for f in ANSWER_FIELDS if obj.get(f) is not None), None)
+        if source is None:
+            raise DatasetError(f"{where}: no answers: looked for "
+                               f"{', '.join(repr(f) for f in ANSWER_FIELDS)} (this line has "
+                               f"{sorted(obj)}){_did_you_mean(obj, ANSWER_FIELDS)}")
         raw = obj.get("answers", obj.get("answer"))
         label = obj.get("label")
-        if raw is None and label is None:
-            raise DatasetError(f"{where}: missing 'answers'")
         answers = _answers(raw if raw is not None else str(label), where)
         extra = {k: v for k, v in obj.items() if k not in ("question", "answers", "answer", "label")}
-        yield QAExample(question, answers, None if label is None else str(label), extra)
+        yield QAExample(question, answers, None if label is None else str(label), extra, source)
+
+
+def fields_read(path: str, examples: list[QAExample]) -> str:
+    """One line saying what ``load_qa`` read: ``PATH: 60 examples (answers from 'answers')``
+    (a TSV file: its two columns)."""
+    counts: dict[str, int] = {}
+    for e in examples:
+        counts[e.source or "the answers column"] = counts.get(e.source or "the answers column",
+                                                              0) + 1
+    sources = ", ".join(name if name.startswith("the ") else f"{name!r}" +
+                        (f" ({n})" if len(counts) > 1 else "") for name, n in counts.items())
+    return f"{path}: {len(examples)} examples (answers from {sources})"
 
 
 def _from_tsv(path: str) -> Iterator[QAExample]:

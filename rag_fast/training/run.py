@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from rag_fast._validation import IMPLS, not_a_file
 from rag_fast.evaluation import evaluate, load_qa
+from rag_fast.evaluation.data import fields_read
 from rag_fast.models import RagModel
 from rag_fast.models.checkpoint import SIDE_FILE, resolve_model_dir
 from rag_fast.models.rag_model import LM_HEAD_LOSSES, MODES, POOLINGS, check_arguments
@@ -457,9 +458,14 @@ def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
     model.to(device).train()
 
     train_data = load_qa(config["data"]["train"])
+    say = os.environ.get("RANK", "0") == "0"  # rank 0 says what it read
+    if say:
+        print(f"data.train: {fields_read(config['data']['train'], train_data)}")
     eval_fn = None
     if config["data"].get("eval"):
         eval_data = load_qa(config["data"]["eval"])
+        if say:
+            print(f"data.eval: {fields_read(config['data']['eval'], eval_data)}")
         eval_fn = lambda m: evaluate(m, eval_data, progress=False).metrics  # noqa: E731
     trainer = Trainer(model, train_data, rag_collate(model), rag_loss, tc, eval_fn,
                       origin=run_origin(model_dir))

@@ -59,3 +59,38 @@ def test_no_warning_when_a_gold_field_is_there(tmp_path, recwarn):
         {"question": "q", "gold": "p1", "doc_id": "x"}])))
     assert not [w for w in recwarn if "gold passage ids" in str(w.message)]
     assert fields_used(examples) == "gold ids from 'gold' (1 of 1 questions)."
+
+
+# ---- the QA reader of eval and train ---------------------------------------------------------
+@pytest.mark.parametrize("row,words", [
+    ({"query": "which river is paris on", "answers": ["seine"]},
+     ["no 'question' field", "'query': did you mean 'question'?"]),
+    ({"question": "which river is paris on", "answer_text": "seine"},
+     ["no answers: looked for 'answers', 'answer', 'label'",
+      "'answer_text': did you mean 'answers'?"]),
+])
+def test_eval_and_train_name_the_fields_they_looked_for(world, tmp_path, row, words):
+    data = _lines(tmp_path / "q.jsonl", [row])
+    for args in (["eval", "--data", data, "--model", world["model"], "--out", tmp_path / "e"],
+                 ["train", "--config", world["config"], "--model", world["model"],
+                  "--output-dir", tmp_path / "r", "--set", f"data.train={data}"]):
+        code, err = run_cli(*args)
+        assert code == 2, err
+        for word in words:
+            assert word in err, err
+
+
+def test_eval_and_train_say_which_fields_they_read(world, tmp_path, capsys):
+    data = _lines(tmp_path / "q.jsonl", [
+        {"question": "which river is paris on", "answers": ["seine"]},
+        {"question": "which river is rome on", "answer": "tiber"}])
+    code, err = run_cli("eval", "--data", data, "--model", world["model"], "--out",
+                        tmp_path / "e", "--no-progress", "--max-new-tokens", "2")
+    assert code == 0, err
+    assert (f"read {data}: 2 examples (answers from 'answers' (1), 'answer' (1))"
+            in capsys.readouterr().out)
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", tmp_path / "r", "--set", f"data.train={data}")
+    assert code == 0, err
+    assert (f"data.train: {data}: 2 examples (answers from 'answers' (1), 'answer' (1))"
+            in capsys.readouterr().out)
