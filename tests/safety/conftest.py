@@ -53,6 +53,17 @@ def start_command(*args, env: dict | None = None, **kwargs) -> subprocess.Popen:
                             env={**os.environ, **(env or {})}, **kwargs)
 
 
+def one_error(code: int, err: str, *words: str) -> str:
+    """The one ``rag-fast: error:`` line of a command that exited 2 (asserted), holding every
+    one of ``words``."""
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rag-fast: error: "), err
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
 def one_line(err: str) -> str:
     """The one line a command printed on stderr (asserted: one line, no traceback)."""
     lines = err.strip().splitlines()

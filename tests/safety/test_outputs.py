@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import TOKENIZER, run_cli
+from conftest import TOKENIZER, one_error, run_cli
 
 
 def _init_args(world, out, *extra):
@@ -27,15 +27,6 @@ def _build_args(world, passages, out, *extra):
             "--no-progress", "--max-length", "32", *extra]
 
 
-def _one_error(code, err, *words):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rag-fast: error: "), err
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
-
-
 # ---- train -------------------------------------------------------------------------------
 def test_train_refuses_a_folder_holding_foreign_files(world, tmp_path):
     """Probe 1: `rag-fast train --output-dir out` replaced out/model/ (deleting notes.txt) and
@@ -46,7 +37,7 @@ def test_train_refuses_a_folder_holding_foreign_files(world, tmp_path):
     (out / "metrics.jsonl").write_text("my line\n")
     code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
                         "--output-dir", out)
-    _one_error(code, err, "--output-dir", "holds files rag_fast did not write")
+    one_error(code, err, "--output-dir", "holds files rag_fast did not write")
     assert (out / "model" / "notes.txt").read_text() == "notes"
     assert (out / "metrics.jsonl").read_text() == "my line\n"
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "model"]
@@ -57,7 +48,7 @@ def test_train_refuses_a_folder_of_another_kind(world, tmp_path, copy_of):
     before = sorted(p.name for p in model.iterdir())
     code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
                         "--output-dir", model)
-    _one_error(code, err, "is a model directory", "not a training run")
+    one_error(code, err, "is a model directory", "not a training run")
     assert sorted(p.name for p in model.iterdir()) == before
 
 
@@ -67,7 +58,7 @@ def test_train_refuses_an_output_that_is_contains_or_lies_inside_an_input(world,
     before = sorted(p.name for p in world["root"].rglob("*"))
     code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
                         "--index", world["kb"], "--output-dir", out)
-    _one_error(code, err, "--output-dir")
+    one_error(code, err, "--output-dir")
     assert sorted(p.name for p in world["root"].rglob("*")) == before
 
 
@@ -111,7 +102,7 @@ def test_config_output_dir_empty_string_is_refused(world, tmp_path):
     path.write_text(json.dumps({**config, "data": {
         "train": str(world["train"]), "eval": str(world["dev"])}}))
     code, err = run_cli("train", "--config", path, "--model", world["model"])
-    _one_error(code, err, "train.output_dir")
+    one_error(code, err, "train.output_dir")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
 
 
@@ -123,11 +114,11 @@ def test_index_build_overwrite_never_deletes_its_inputs(world, tmp_path):
     shutil.copy(world["passages"], data / "p.jsonl")
     (data / "notes.txt").write_text("notes")
     code, err = run_cli(*_build_args(world, data / "p.jsonl", data, "--overwrite"))
-    _one_error(code, err, "--out", "contains --passages")
+    one_error(code, err, "--out", "contains --passages")
     assert sorted(p.name for p in data.iterdir()) == ["notes.txt", "p.jsonl"]
     # the output inside the encoder's folder
     code, err = run_cli(*_build_args(world, world["passages"], world["encoder"] / "kb"))
-    _one_error(code, err, "lies inside --encoder")
+    one_error(code, err, "lies inside --encoder")
     assert not (world["encoder"] / "kb").exists()
 
 
@@ -136,15 +127,15 @@ def test_index_build_overwrite_replaces_only_an_index_directory(world, tmp_path)
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("years of work")
     code, err = run_cli(*_build_args(world, world["passages"], foreign, "--overwrite"))
-    _one_error(code, err, "holds files rag_fast did not write", "even with --overwrite")
+    one_error(code, err, "holds files rag_fast did not write", "even with --overwrite")
     assert (foreign / "thesis.tex").read_text() == "years of work"
     code, err = run_cli(*_build_args(world, world["passages"], world["model"], "--overwrite"))
-    _one_error(code, err, "is a model directory")
+    one_error(code, err, "is a model directory")
     # an empty folder is taken; an index directory is replaced with --overwrite only
     (tmp_path / "empty").mkdir()
     assert run_cli(*_build_args(world, world["passages"], tmp_path / "empty"))[0] == 0
     code, err = run_cli(*_build_args(world, world["passages"], tmp_path / "empty"))
-    _one_error(code, err, "already exists", "--overwrite")
+    one_error(code, err, "already exists", "--overwrite")
     assert run_cli(*_build_args(world, world["passages"], tmp_path / "empty", "--overwrite"))[0] == 0
 
 
@@ -153,7 +144,7 @@ def test_index_build_keeps_a_staging_folder_it_did_not_write(world, tmp_path):
     staging.mkdir()
     (staging / "mine.txt").write_text("mine")
     code, err = run_cli(*_build_args(world, world["passages"], tmp_path / "kb"))
-    _one_error(code, err, "kb.staging", "did not write")
+    one_error(code, err, "kb.staging", "did not write")
     assert (staging / "mine.txt").read_text() == "mine"
 
 
@@ -165,18 +156,18 @@ def test_init_overwrite_never_deletes_the_index_it_reads(world, tmp_path, copy_o
     args = _init_args(world, kb, "--overwrite")
     args[args.index("--index") + 1] = kb
     code, err = run_cli(*args)
-    _one_error(code, err, "--out", "is --index")
+    one_error(code, err, "--out", "is --index")
     assert sorted(str(p.relative_to(kb)) for p in kb.rglob("*")) == before
 
 
 def test_init_overwrite_replaces_only_a_model_directory(world, tmp_path, copy_of):
     kb = copy_of(world["kb"])
     code, err = run_cli(*_init_args(world, kb, "--overwrite"))
-    _one_error(code, err, "is an index directory", "not a model directory")
+    one_error(code, err, "is an index directory", "not a model directory")
     assert (kb / "manifest.json").is_file()
     model = copy_of(world["model"])
     code, err = run_cli(*_init_args(world, model))
-    _one_error(code, err, "already exists")
+    one_error(code, err, "already exists")
     assert run_cli(*_init_args(world, model, "--overwrite"))[0] == 0
 
 
@@ -198,11 +189,11 @@ def test_eval_out_refuses_foreign_folders_and_inputs(world, tmp_path):
     (out / "paper.md").write_text("mine")
     code, err = run_cli("eval", "--data", world["dev"], "--model", world["model"], "--out", out,
                         "--no-progress")
-    _one_error(code, err, "--out", "did not write")
+    one_error(code, err, "--out", "did not write")
     assert (out / "predictions.jsonl").read_text() == "mine\n"
     code, err = run_cli("eval", "--data", world["dev"], "--model", world["model"], "--out",
                         world["model"], "--no-progress")
-    _one_error(code, err, "--out", "is --model")
+    one_error(code, err, "--out", "is --model")
     ok = tmp_path / "ok"
     for _ in range(2):  # written, then written again into its own folder
         code, err = run_cli("eval", "--data", world["dev"], "--model", world["model"], "--out",
@@ -220,10 +211,10 @@ def test_generate_out_never_replaces_a_file_it_did_not_write(world, tmp_path):
     base = ["generate", "--model", world["model"], "--num-beams", "1", "--max-new-tokens", "2",
             "--no-progress"]
     code, err = run_cli(*base, "--questions", questions, "--out", mine)
-    _one_error(code, err, "--out", "not an answers file")
+    one_error(code, err, "--out", "not an answers file")
     assert mine.read_text() == "my data\n"
     code, err = run_cli(*base, "--questions", questions, "--out", questions)
-    _one_error(code, err, "--out", "is --questions")
+    one_error(code, err, "--out", "is --questions")
     assert json.loads(questions.read_text()) == {"question": "which river is paris on"}
     answers = tmp_path / "a.jsonl"
     for _ in range(2):  # written, then replaced: it is rag-fast generate's own
@@ -243,9 +234,9 @@ def test_a_symbolic_link_as_an_output_folder_is_refused(world, tmp_path):
     link = tmp_path / "link"
     link.symlink_to(target)
     code, err = run_cli(*_build_args(world, world["passages"], link))
-    _one_error(code, err, "--out", "symbolic link")
+    one_error(code, err, "--out", "symbolic link")
     code, err = run_cli(*_init_args(world, link, "--overwrite"))
-    _one_error(code, err, "--out", "symbolic link")
+    one_error(code, err, "--out", "symbolic link")
     with pytest.raises(FileExistsError, match="symbolic link"):
         RagModel.load(str(world["model"])).save(str(link))
     assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
@@ -258,7 +249,7 @@ def test_generate_out_keeps_a_question_answer_file_of_the_user(world, tmp_path):
     gold.write_text(json.dumps({"question": "capital of france?", "answer": "paris"}) + "\n")
     code, err = run_cli("generate", "--model", world["model"], "--question", "q", "--out", gold,
                         "--num-beams", "1", "--max-new-tokens", "1", "--no-progress")
-    _one_error(code, err, "not an answers file")
+    one_error(code, err, "not an answers file")
     assert json.loads(gold.read_text()) == {"question": "capital of france?", "answer": "paris"}
 
 
@@ -270,7 +261,7 @@ def test_a_marker_vouches_only_for_the_kinds_its_file_holds(world, tmp_path):
     (folder / "rag_fast-output.json").write_text(json.dumps({"kind": "rag_fast.model"}))
     (folder / "thesis.txt").write_text("years of work")
     code, err = run_cli(*_init_args(world, folder, "--overwrite"))
-    _one_error(code, err, "did not write")
+    one_error(code, err, "did not write")
     assert (folder / "thesis.txt").read_text() == "years of work"
 
 
@@ -283,7 +274,7 @@ def test_overwrite_keeps_files_added_to_a_folder_of_its_kind(world, copy_of, whi
     args = (_build_args(world, world["passages"], folder, "--overwrite") if which == "kb" else
             _init_args(world, folder, "--overwrite"))
     code, err = run_cli(*args)
-    _one_error(code, err, "NOTES.md", "did not write")
+    one_error(code, err, "NOTES.md", "did not write")
     assert (folder / "NOTES.md").read_text() == "mine"
 
 
@@ -296,7 +287,7 @@ def test_train_marks_nothing_it_then_refuses(world, tmp_path):
     (out / "training.png").write_text("my plot")
     code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
                         "--output-dir", out)
-    _one_error(code, err, "did not write")
+    one_error(code, err, "did not write")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-last.json", "training.png"]
     (out / "model").mkdir()
     (out / "checkpoint-last.json").unlink()
@@ -305,7 +296,7 @@ def test_train_marks_nothing_it_then_refuses(world, tmp_path):
     (out / "rag_fast-output.json").write_text(json.dumps({"kind": "rag_fast.train_run"}))
     code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
                         "--output-dir", out)
-    _one_error(code, err, "model/")
+    one_error(code, err, "model/")
     assert sorted(p.name for p in out.rglob("*")) == ["model", "notes.txt", "rag_fast-output.json"]
 
 
@@ -327,6 +318,6 @@ def test_overwrite_takes_no_lookalike_for_its_own_file(world, copy_of, added):
         else:
             (kb / name).write_text(text)
     code, err = run_cli(*_build_args(world, world["passages"], kb, "--overwrite"))
-    _one_error(code, err, "did not write")
+    one_error(code, err, "did not write")
     for name, text in added.items():
         assert (kb / name).is_symlink() if text is None else (kb / name).read_text() == text

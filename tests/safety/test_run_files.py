@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from conftest import run_cli
+from conftest import one_error, run_cli
 
 from rag_fast.training.checkpoint import CheckpointError, load_checkpoint
 
@@ -23,14 +23,6 @@ from rag_fast.training.checkpoint import CheckpointError, load_checkpoint
 def _train(world, out, *extra):
     return run_cli("train", "--config", world["config"], "--model", world["model"],
                    "--output-dir", out, *extra)
-
-
-def _one_error(code, err, *words):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rag-fast: error: "), err
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("key,value", [
@@ -48,7 +40,7 @@ def test_a_config_path_out_of_the_run_is_refused(world, tmp_path, key, value):
     value = str(mine / "a.txt") if value == "PLACEHOLDER_ABS" else value
     os.chdir(tmp_path)  # ../mine from the run folder r/ is tmp_path/mine
     code, err = _train(world, "r", "--set", f"{key}={value}")
-    _one_error(code, err, key, "inside output_dir")
+    one_error(code, err, key, "inside output_dir")
     assert (mine / "photo.png").read_bytes() == b"my photo"
     assert (mine / "a.txt").read_text() == "my text\n"
     assert not (tmp_path / "r").exists()  # refused before anything was written
@@ -65,14 +57,14 @@ def test_a_config_path_out_of_the_run_is_refused(world, tmp_path, key, value):
 ])
 def test_a_config_path_onto_the_runs_own_files_is_refused(world, tmp_path, key, value, clash):
     code, err = _train(world, tmp_path / "r", "--set", f"{key}={value}")
-    _one_error(code, err, key, "would overwrite what the run itself writes", clash)
+    one_error(code, err, key, "would overwrite what the run itself writes", clash)
     assert not (tmp_path / "r").exists()
 
 
 def test_metrics_and_plot_may_not_be_one_file(world, tmp_path):
     code, err = _train(world, tmp_path / "r", "--set", "train.metrics_file=logs/run.png",
                        "--set", "train.plot_file=./logs//run.png")
-    _one_error(code, err, "train.plot_file", "same file as metrics_file")
+    one_error(code, err, "train.plot_file", "same file as metrics_file")
 
 
 def test_a_config_file_naming_a_path_out_of_the_run_is_refused(world, tmp_path):
@@ -83,7 +75,7 @@ def test_a_config_file_naming_a_path_out_of_the_run_is_refused(world, tmp_path):
     path.write_text(json.dumps(config))
     code, err = run_cli("train", "--config", path, "--model", world["model"],
                         "--output-dir", tmp_path / "r")
-    _one_error(code, err, "metrics_file", str(path))
+    one_error(code, err, "metrics_file", str(path))
 
 
 def test_a_subfolder_of_the_run_is_allowed(world, tmp_path):
@@ -103,7 +95,7 @@ def test_a_symbolic_link_in_the_run_folder_leading_out_is_refused(world, tmp_pat
     (out / "metrics.jsonl").unlink()
     (out / "metrics.jsonl").symlink_to(target)
     code, err = _train(world, out, "--max-steps", "3")
-    _one_error(code, err, "metrics.jsonl", "leads out of it")
+    one_error(code, err, "metrics.jsonl", "leads out of it")
     assert target.read_text() == "mine\n"
 
 
@@ -114,7 +106,7 @@ def test_a_symbolic_link_to_a_folder_in_the_run_is_refused(world, tmp_path):
     elsewhere.mkdir()
     (out / "logs").symlink_to(elsewhere, target_is_directory=True)
     code, err = _train(world, out, "--max-steps", "3", "--set", "train.metrics_file=logs/m.jsonl")
-    _one_error(code, err, "logs/m.jsonl", "leads out of it")
+    one_error(code, err, "logs/m.jsonl", "leads out of it")
     assert list(elsewhere.iterdir()) == []
 
 
@@ -141,7 +133,7 @@ def test_an_edited_checkpoint_manifest_is_refused(world, tmp_path, edit):
     with pytest.raises(CheckpointError):
         load_checkpoint(str(out / "checkpoint-last.pt"))
     code, err = _train(world, out, "--max-steps", "3")
-    _one_error(code, err, "checkpoint")
+    one_error(code, err, "checkpoint")
     if pure is not None:  # the untouched manifest is accepted again
         manifest.write_text(json.dumps(pure))
         load_checkpoint(str(out / "checkpoint-last.pt"))
