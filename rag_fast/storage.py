@@ -370,7 +370,7 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, f"cannot swap {str(a)!r} and {str(b)!r}: {os.strerror(err)}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
     try:
@@ -396,7 +396,7 @@ def _leftovers(out: Path) -> list[tuple[str, Path]]:
         return []
     for entry in entries:
         m = pattern.fullmatch(entry.name)
-        if m and not _pid_alive(int(m.group(2))):
+        if m and not pid_alive(int(m.group(2))):
             found.append((m.group(1), entry))
     return found
 

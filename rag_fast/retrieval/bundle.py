@@ -47,7 +47,7 @@ from rag_fast.retrieval.index import (INDEX_KIND, PRESETS, SMALL_CORPUS, DenseIn
                                       small_sample_message)
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
                                          stand_in_questions)
-from rag_fast.storage import (NoSpaceError, StorageError, _pid_alive, atomic_directory,
+from rag_fast.storage import (NoSpaceError, StorageError, pid_alive, atomic_directory,
                               check_apart, check_output_folder, check_seal,
                               describe_files, fsync_dir, part_digests, read_manifest,
                               sha256_file, unlisted_files, write_json, write_manifest)
@@ -286,7 +286,7 @@ def _staging_entries(staging: Path, verify: bool) -> _Staged:
     for entry in sorted(staging.iterdir()):
         temporary = _TEMPORARY.fullmatch(entry.name)
         if (temporary and _staged_name(temporary["name"]) and not entry.is_symlink()
-                and entry.is_dir() and _pid_alive(int(temporary["pid"]))):
+                and entry.is_dir() and pid_alive(int(temporary["pid"]))):
             writers.append(f"{entry.name!r}, process {temporary['pid']}")
             continue
         unstaged = _unstaged(entry, verify)
@@ -333,7 +333,7 @@ def _await_key(staging: Path, seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while not os.path.lexists(staging / STAGING_KEY) and time.monotonic() < deadline:
         publishing = (_TEMPORARY.fullmatch(e.name) for e in staging.iterdir())
-        if not any(m and m["name"] == STAGING_KEY and _pid_alive(int(m["pid"]))
+        if not any(m and m["name"] == STAGING_KEY and pid_alive(int(m["pid"]))
                    for m in publishing):
             return
         time.sleep(0.05)
