@@ -38,9 +38,10 @@ def _main_thread() -> bool:
 
 def exit_on_interrupt(said: str) -> None:
     """From now on, SIGINT writes ``rag-fast: interrupted SAID`` and exits 130 (main thread
-    only: signal handlers are the main thread's)."""
+    only: signal handlers are the main thread's). A process that ignores SIGINT (started in
+    the background by a shell) keeps ignoring it."""
     global _said, _exiting
-    if not _main_thread():
+    if not _main_thread() or (not _exiting and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         return
     _said = f"rag-fast: interrupted {said}\n".encode("utf-8", "replace")
     signal.signal(signal.SIGINT, _exit_130)
