@@ -288,4 +288,29 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001  (a bug: said in one line, traceback kept)
         _end_progress_bars()
+        if _out_of_memory(exc):  # a request too large for the machine: the user's to change
+            print(f"rag-fast: error: out of memory ({_allocation(exc)}): ask for less (a "
+                  "smaller --batch-size, --num-beams, --max-new-tokens, --n-docs or model), "
+                  "or use a machine with more memory", file=sys.stderr)
+            return 2
         return _report_unexpected(exc, args.verbose)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed for want of memory: Python's MemoryError,
+    torch's CPU allocator ("can't allocate memory") or its CUDA OutOfMemoryError."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in text or type(exc).__name__ == "OutOfMemoryError")
+
+
+def _allocation(exc: BaseException) -> str:
+    """The bytes the failed allocation asked for, as the allocator said, or its first line."""
+    import re
+
+    found = re.search(r"tried to allocate (\d+) bytes", str(exc))
+    if found:
+        return f"an allocation of {int(found.group(1)):,} bytes failed"
+    return one_line(exc)[:200] or type(exc).__name__

@@ -40,6 +40,27 @@ def test_an_unexpected_exception_is_one_line_and_a_traceback_file(world, monkeyp
     assert code == 1 and "Traceback" in err and "broken" in err, err
 
 
+@pytest.mark.parametrize("error,said", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                  "allocate memory: you tried to allocate 42096353280 bytes. Error code 12 "
+                  "(Cannot allocate memory)"), "an allocation of 42,096,353,280 bytes failed"),
+    (MemoryError(), "MemoryError"),
+])
+def test_a_request_too_large_for_the_memory_is_one_line_not_a_bug(world, monkeypatch, error,
+                                                                   said):
+    """The hostile pass: generate with thousands of beams and passages asked torch for 42 GB
+    and took the "unexpected error, please report it" path."""
+    import rag_fast.cli.generate as generate
+
+    def too_large(args):
+        raise error
+
+    monkeypatch.setattr(generate, "read_questions", too_large)
+    code, err = run_cli("generate", "--model", world["model"], "--question", "q")
+    line = _one_line(code, err, status=2)
+    assert line.startswith(f"rag-fast: error: out of memory ({said})") and "--num-beams" in line
+
+
 def test_a_multi_line_library_error_is_folded_into_one_line(world, monkeypatch):
     import rag_fast.cli.generate as generate
 
