@@ -817,8 +817,13 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
     except OSError as e:
         if is_no_space(e):
             raise NoSpaceError(path, None, disk_free(path), e.errno) from None
+        if e.errno == errno.EFBIG:
+            raise _too_large(path) from None
         raise
     except Exception as e:
+        if isinstance(e, RuntimeError) and _file_size_limit() is not None:
+            # torch.save's writer met the process's file size limit (EFBIG, no reason given)
+            raise _too_large(path) from None
         text = str(e)
         free = disk_free(path)
         says_so = "No space left" in text or "os error 28" in text or "ENOSPC" in text
@@ -827,6 +832,22 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
         if says_so or guess:
             raise NoSpaceError(path, None, free) from None
         raise
+
+
+def _file_size_limit() -> int | None:
+    """The most bytes this process may write to one file (``ulimit -f``), None: no limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _too_large(path: str | os.PathLike) -> OSError:
+    """The one-line error of a write stopped by the file size limit (``ulimit -f``)."""
+    limit = _file_size_limit()
+    most = f" of {limit} bytes ({_mib(limit)})" if limit is not None else ""
+    return OSError(errno.EFBIG, f"file too large writing {os.fspath(path)}: this process may "
+                   f"write files{most} at most (ulimit -f); raise the limit")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from conftest import one_error, run_cli
+from conftest import one_error, run_cli, start_command
 
 from rag_fast.training.checkpoint import CheckpointError, load_checkpoint
 
@@ -144,3 +144,22 @@ def test_the_run_s_last_line_states_the_loss_unit(world, tmp_path, capsys):
     assert _train(world, tmp_path / "r")[0] == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.search(r"loss \d+\.\d{4} per question, \d+\.\d{4} per token", line), line
+
+
+def test_a_checkpoint_past_the_file_size_limit_is_one_line(world, tmp_path):
+    """The hostile pass: under `ulimit -f`, torch.save's writer failed with "unexpected pos"
+    and the command took the "unexpected error, please report it" path."""
+    import resource
+
+
+    limit = 200 << 10  # bytes: less than the tiny model's checkpoint
+    proc = start_command(
+        "train", "--config", world["config"], "--model", world["model"], "--output-dir",
+        tmp_path / "r",
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    _, err = proc.communicate(timeout=300)
+    line = one_error(proc.returncode, err.strip().splitlines()[-1] if err.strip() else err,
+                     "file too large writing", "checkpoint-last.pt", f"{limit} bytes",
+                     "ulimit -f")
+    assert "unexpected" not in err, line
+    assert not list((tmp_path / "r").glob("*.tmp-*"))  # no temporary left behind
