@@ -821,6 +821,8 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
             raise _too_large(path) from None
         raise
     except Exception as e:
+        if _interrupted(e):  # Ctrl-C inside the library's write, hidden by its own error
+            raise KeyboardInterrupt from None
         if isinstance(e, RuntimeError) and _file_size_limit() is not None:
             # torch.save's writer met the process's file size limit (EFBIG, no reason given)
             raise _too_large(path) from None
@@ -832,6 +834,19 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
         if says_so or guess:
             raise NoSpaceError(path, None, free) from None
         raise
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a KeyboardInterrupt was being handled (torch.save's
+    zip writer, interrupted mid-write, raises "unexpected pos" on its way out)."""
+    seen: set[int] = set()
+    cause = exc.__context__ or exc.__cause__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__context__ or cause.__cause__
+    return False
 
 
 def _file_size_limit() -> int | None:

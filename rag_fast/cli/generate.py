@@ -77,6 +77,9 @@ def _check_out(args) -> None:
         return
     if not path.is_file():
         raise FileExistsError(f"--out {args.out!r} exists and is not a file; refused")
+    if path.stat().st_size == 0:  # never an answers file (those hold one line per question)
+        raise FileExistsError(f"--out {args.out!r} exists (an empty file rag-fast generate did "
+                              "not write); refused: choose another path")
     try:
         with open(path, encoding="utf-8") as f:
             ours = all(isinstance(row := json.loads(line), dict)

@@ -229,9 +229,11 @@ def _check_run_files(*files: tuple[str, str | None]) -> None:
                              f"output_dir ({clash.rstrip('.') + ('*' if clash.endswith('.') else '')}"
                              f"); choose another name")
         key = "/".join(parts).casefold()
-        if key in seen:
-            raise ValueError(f"{name} {value!r} is the same file as {seen[key]}; give each "
-                             "its own name")
+        for other, other_name in seen.items():  # the same file, or one inside the other
+            if key == other or key.startswith(other + "/") or other.startswith(key + "/"):
+                how = "the same file as" if key == other else "a folder path crossing"
+                raise ValueError(f"{name} {value!r} is {how} {other_name}; give each its own "
+                                 "name")
         seen[key] = name
 
 

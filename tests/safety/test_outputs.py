@@ -321,3 +321,13 @@ def test_overwrite_takes_no_lookalike_for_its_own_file(world, copy_of, added):
     one_error(code, err, "did not write")
     for name, text in added.items():
         assert (kb / name).is_symlink() if text is None else (kb / name).read_text() == text
+
+
+def test_generate_out_keeps_an_empty_file_of_the_user(world, tmp_path):
+    """The hostile pass: an empty file passed the answers-file check vacuously and was
+    replaced."""
+    mine = tmp_path / "user_empty.txt"
+    mine.write_text("")
+    code, err = run_cli("generate", "--model", world["model"], "--question", "q", "--out", mine)
+    one_error(code, err, "--out", "empty file")
+    assert mine.read_text() == ""

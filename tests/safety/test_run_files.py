@@ -163,3 +163,25 @@ def test_a_checkpoint_past_the_file_size_limit_is_one_line(world, tmp_path):
                      "ulimit -f")
     assert "unexpected" not in err, line
     assert not list((tmp_path / "r").glob("*.tmp-*"))  # no temporary left behind
+
+
+def test_one_run_file_inside_a_folder_named_like_the_other_is_refused(world, tmp_path):
+    """The hostile pass: metrics_file p.png/m.jsonl beside plot_file p.png trained, then lost
+    the plot to an IsADirectoryError."""
+    code, err = _train(world, tmp_path / "r", "--set", "train.metrics_file=p.png/m.jsonl",
+                       "--set", "train.plot_file=p.png")
+    one_error(code, err, "plot_file", "metrics_file")
+    assert not (tmp_path / "r").exists()
+
+
+def test_ctrl_c_inside_a_library_write_stays_an_interrupt(tmp_path):
+    """The hostile pass: Ctrl-C while torch.save wrote a checkpoint surfaced as torch's own
+    RuntimeError ("unexpected pos") and an "unexpected error" (exit 1), not exit 130."""
+    from rag_fast import storage
+
+    with pytest.raises(KeyboardInterrupt):
+        with storage.disk_errors(tmp_path / "x.pt"):
+            try:
+                raise KeyboardInterrupt
+            finally:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
