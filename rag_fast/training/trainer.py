@@ -338,9 +338,10 @@ class Trainer:
                 with self._autocast():
                     loss = self.loss_fn(module, batch)
                 self.scaler.scale(loss / config.grad_accum).backward()
-            total += float(loss.detach()) / config.grad_accum
+            value = float(loss.detach())  # (one read of the loss from the device)
+            total += value / config.grad_accum
             if count is not None and isinstance(batch, dict) and "labels" in batch:
-                summed += float(loss.detach()) * len(indices)
+                summed += value * len(indices)
                 tokens += count(batch["labels"])
         self.last_token_loss = summed / tokens if tokens else None
         if self.world_size > 1 and self.ddp is None:
