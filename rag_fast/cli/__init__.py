@@ -68,7 +68,9 @@ class _Parser(argparse.ArgumentParser):
                        if a.startswith("--") and a.split("=", 1)[0] not in known]
             if unknown:
                 _unknown_options(self, unknown)
-        super().error(message)
+        # one line, as every other error of the command (not argparse's usage block)
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see `{self.prog} "
+                     "--help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,8 +143,8 @@ def _give_argv(parser: argparse.ArgumentParser, argv: list[str], top: frozenset[
 
 
 def _unknown_options(parser: argparse.ArgumentParser, extra: list[str]) -> None:
-    """Exit as argparse does (status 2, the command's usage), naming the unknown arguments and
-    the command's closest option."""
+    """Exit as a usage error does (status 2, one line), naming the unknown arguments and the
+    command's closest option."""
     import difflib
 
     known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
