@@ -66,17 +66,24 @@ SPECIAL_TOKENS = (("<s>", "bos"), ("<pad>", "pad"), ("</s>", "eos"), ("<unk>", "
                   ("<mask>", "mask"))
 BYTES = 256  # the byte-level alphabet: one token per byte value
 MIN_VOCAB_SIZE = BYTES + len(SPECIAL_TOKENS)
+# 4x the largest vocabularies in use (about 256k tokens): the tokenizers library sets aside
+# memory for every token asked for before it reads a text (70 GB for 10**9, then an abort)
+MAX_VOCAB_SIZE = 1 << 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def check_vocab_size(vocab_size: object, name: str = "vocab_size") -> int:
     """``vocab_size`` as an int of at least :data:`MIN_VOCAB_SIZE` (the 256 bytes and the 5
-    special tokens), else a ValueError naming ``name``."""
+    special tokens) and at most :data:`MAX_VOCAB_SIZE`, else a ValueError naming ``name``."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise ValueError(f"{name} must be an int, got {vocab_size!r}")
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"{name} must be at least {MIN_VOCAB_SIZE} (one token per byte value "
                          f"and {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"{name} must be at most {MAX_VOCAB_SIZE:,} (four times the largest "
+                         f"vocabularies in use; the fit sets memory aside for every token asked "
+                         f"for), got {vocab_size:,}")
     return vocab_size
 
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 
 from rag_fast.storage import TOKENIZER_KIND, check_apart, check_output_folder
-from rag_fast.tokenization import MIN_VOCAB_SIZE, check_vocab_size, fit_tokenizer_folder
+from rag_fast.tokenization import (
+    MAX_VOCAB_SIZE,
+    MIN_VOCAB_SIZE,
+    check_vocab_size,
+    fit_tokenizer_folder,
+)
 
 # the library names its arguments; the command says the flags that gave them
 _FLAGS = {"passages": "--passages", "data": "--data"}
@@ -39,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "option once per file.")
     fit.add_argument("--vocab-size", type=int, required=True, metavar="N",
                      help=f"The number of tokens, at least {MIN_VOCAB_SIZE} (the 256 byte "
-                          "values and 5 special tokens). The tokenizer has fewer when the text "
+                          f"values and 5 special tokens), at most {MAX_VOCAB_SIZE:,}. The tokenizer has fewer when the text "
                           "allows no more merges.")
     fit.add_argument("--out", required=True, metavar="DIR",
                      help="The folder to write. It must not exist, be empty, or (with "
