@@ -40,7 +40,7 @@ from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from rag_fast._jsonl import decoded_lines, read_objects
+from rag_fast._jsonl import check_regular_file, decoded_lines, read_objects
 from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard, shard_rows
 from rag_fast.retrieval.index import (INDEX_KIND, PRESETS, SMALL_CORPUS, DenseIndex,
                                       SmallSampleWarning, _factory_index, plan_factory,
@@ -492,8 +492,7 @@ def read_tuning_questions(path: str) -> list[str]:
     Raises:
         FileNotFoundError, ValueError: naming ``--queries``, the file and line.
     """
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--queries: no such file {path}")
+    check_regular_file(path, "--queries", "a .txt or JSONL file of questions")
     if Path(path).suffix.lower() == ".txt":
         questions = [line.strip() for _, line in decoded_lines(path) if line.strip()]
     else:

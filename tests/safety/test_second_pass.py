@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import one_error
+from conftest import one_error, run_cli
 
 
 
@@ -49,3 +49,25 @@ def test_tokenizer_fit_refuses_a_vocabulary_too_large_to_set_aside(world, tmp_pa
     line = one_error(done.returncode, done.stderr, "--vocab-size must be at most 1,048,576")
     assert f"{int(vocab_size):,}" in line
     assert not (tmp_path / "tok").exists()
+
+
+@pytest.mark.parametrize("kind", ["device", "folder", "fifo"])
+@pytest.mark.parametrize("command", ["search", "build"])
+def test_queries_that_are_not_a_file_are_named_as_what_they_are(world, tmp_path, kind, command):
+    """`--queries /dev/zero`, a folder or a FIFO said "no such file"."""
+    import os
+
+    path, what = {"device": ("/dev/zero", "is a character device"),
+                  "folder": (tmp_path / "questions", "is a folder"),
+                  "fifo": (tmp_path / "questions.fifo", "is a named pipe")}[kind]
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    if command == "search":
+        code, err = run_cli("index", "search", world["kb"], "--queries", path)
+    else:
+        code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
+                            world["encoder"], "--out", tmp_path / "kb", "--queries", path)
+    one_error(code, err, f"--queries: {str(path)!r} {what}, not a regular file")
+    assert not (tmp_path / "kb").exists() and not (tmp_path / "kb.staging").exists()
