@@ -377,6 +377,14 @@ def _claim_staging(staging: Path, key: dict, sharded: bool, log: Callable[[str],
                             "move {them} away or choose another --out")
         if sharded:
             raise other_settings
+        staged_shards = sorted(e.name for e in staging.iterdir() if any(
+            pattern.fullmatch(e.name) for pattern in (_SHARD_FILE, _SHARD_RECORD, _CACHED_INDEX)))
+        if staged_shards:  # --shard builds' work: never discarded for a setting that differs
+            raise ValueError(
+                f"--out's staging folder {staging} holds shards staged by --shard builds with "
+                f"other settings ({_settings_differ(staged, key)}; first: {staged_shards[0]}): "
+                "run this build with the settings the shards were built with to merge them, or "
+                "remove the staging folder to start over")
         log(f"discarding stale staging {staging} (made with other {', '.join(differ)})")
         trash = Path(tempfile.mkdtemp(prefix=f".{staging.name}.old-", dir=staging.parent))
         try:
@@ -386,6 +394,23 @@ def _claim_staging(staging: Path, key: dict, sharded: bool, log: Callable[[str],
         shutil.rmtree(trash, ignore_errors=True)
         fresh = True
     raise ValueError(f"could not claim the staging folder {staging}: other builds keep changing it")
+
+
+def _settings_differ(staged: dict | None, key: dict) -> str:
+    """The settings in which a staging's key differs from this build's, with both values
+    (``max_length 128 there, 256 here``); the passages by their file's contents."""
+    if staged is None:
+        return f"no readable {STAGING_KEY}: an older version's staging"
+    said = []
+    for name in sorted(k for k in set(key) | set(staged) if staged.get(k) != key.get(k)):
+        if name == "passages_sha256":
+            said.append("--passages (another file, or the file changed)")
+        elif name == "encoder_fingerprint":
+            said.append("--encoder's weights or configuration")
+        else:
+            flag = "--" + name.replace("_", "-")
+            said.append(f"{flag} {staged.get(name)!r} there, {key.get(name)!r} here")
+    return "; ".join(said)
 
 
 def _staged_store(passages: str, split: int | None, dedupe: bool, staging: Path,
@@ -599,6 +624,8 @@ def build_index_bundle(
         raise ValueError(f"--target-recall must be in (0, 1], got {target_recall}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
+        raise ValueError(f"--split must be a number of words >= 1, got {split!r}")
     # before anything is read: the output (and its staging folder) apart from every input, and
     # only ever an empty folder or an index directory (replaced with overwrite)
     inputs = {"--passages": passages, "--encoder": encoder, "--query-encoder": query_encoder,

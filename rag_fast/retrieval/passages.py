@@ -440,7 +440,7 @@ def read_passages(path: str | Path, split: int | None = None, dedupe: bool = Fal
     files = passage_files(path)
     path = Path(path)
     if path.is_dir() or path.suffix == ".txt":
-        words = _check_words(split or PAPER_PASSAGE_WORDS)
+        words = _check_words(PAPER_PASSAGE_WORDS if split is None else split)
         return itertools.chain.from_iterable(_bounded(f, _document(f, words)) for f in files)
     readers = {".tsv": _tsv_rows, ".jsonl": _jsonl_rows, ".json": _jsonl_rows}
     if path.suffix not in readers:
@@ -449,7 +449,7 @@ def read_passages(path: str | Path, split: int | None = None, dedupe: bool = Fal
             "title), .jsonl, .txt or a directory of .txt documents"
         )
     rows = _unique(path, readers[path.suffix](path), dedupe)
-    return _bounded(path, _split_all(rows, _check_words(split)) if split else rows)
+    return _bounded(path, _split_all(rows, _check_words(split)) if split is not None else rows)
 
 
 _DIGEST_CHUNK = 1 << 23

@@ -71,3 +71,43 @@ def test_queries_that_are_not_a_file_are_named_as_what_they_are(world, tmp_path,
                             world["encoder"], "--out", tmp_path / "kb", "--queries", path)
     one_error(code, err, f"--queries: {str(path)!r} {what}, not a regular file")
     assert not (tmp_path / "kb").exists() and not (tmp_path / "kb.staging").exists()
+
+
+def test_a_merge_with_other_settings_than_its_shards_keeps_them_and_says_which(world, tmp_path):
+    """Two `--shard i/2 --max-length 16` builds, then the merge without --max-length: it said
+    "discarding stale staging" and deleted both shards; it refuses, naming the setting."""
+    import hashlib
+
+    build = ("index", "build", "--passages", world["passages"], "--encoder", world["encoder"],
+             "--out", tmp_path / "kb", "--no-progress")
+    for i in range(2):
+        code, err = run_cli(*build, "--shard", f"{i}/2", "--max-length", "16")
+        assert code == 0, err
+    staging = tmp_path / "kb.staging"
+
+    def contents() -> dict:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(staging.iterdir()) if p.is_file()}
+
+    before = contents()
+    assert {"embeddings-0-of-2.npy", "embeddings-1-of-2.npy", "shard-0-of-2.json"} <= set(before)
+    for extra in ((), ("--remove-staging",), ("--max-length", "32"), ("--split", "5")):
+        code, err = run_cli(*build, *extra)
+        line = one_error(code, err, "holds shards staged by --shard builds with other settings")
+        assert "discarding" not in err and contents() == before, extra
+        if not extra or extra[0] == "--remove-staging":
+            assert "--max-length 16 there, 256 here" in line
+        assert not (tmp_path / "kb").exists()
+    code, err = run_cli(*build, "--max-length", "16")  # the shards' settings: merged
+    assert code == 0, err
+    assert (tmp_path / "kb").is_dir() and contents() == before
+
+
+@pytest.mark.parametrize("split", ["0", "-5"])
+def test_split_must_be_a_number_of_words(world, tmp_path, split):
+    """`--split 0` meant the default 100 words, silently (`--split -5` was refused without
+    naming the flag)."""
+    code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
+                        world["encoder"], "--out", tmp_path / "kb", "--split", split)
+    one_error(code, err, f"--split must be a number of words >= 1, got {split}")
+    assert not (tmp_path / "kb").exists() and not (tmp_path / "kb.staging").exists()
