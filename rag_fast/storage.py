@@ -815,8 +815,8 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
     except NoSpaceError:
         raise
     except OSError as e:
-        if is_no_space(e):
-            raise NoSpaceError(path, None, disk_free(path), e.errno) from None
+        if is_no_space(e) or _copies_found_no_space(e):
+            raise NoSpaceError(path, None, disk_free(path), e.errno or errno.ENOSPC) from None
         if e.errno == errno.EFBIG:
             raise _too_large(path) from None
         raise
@@ -834,6 +834,16 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
         if says_so or guess:
             raise NoSpaceError(path, None, free) from None
         raise
+
+
+def _copies_found_no_space(exc: OSError) -> bool:
+    """Whether ``exc`` is ``shutil.copytree``'s list of failed copies (a ``shutil.Error``,
+    whose errno is None) holding one that found the disk full."""
+    if not isinstance(exc, shutil.Error) or not exc.args or not isinstance(exc.args[0], list):
+        return False
+    return any(isinstance(failed, tuple) and any(
+        f"[Errno {code}]" in str(part) for part in failed for code in (errno.ENOSPC, errno.EDQUOT))
+        for failed in exc.args[0])
 
 
 def _interrupted(exc: BaseException) -> bool:
@@ -971,6 +981,12 @@ class RaggedWriter:
         data = row if isinstance(row, bytes) else np.ascontiguousarray(row, self.dtype).tobytes()
         self._values.write(data)
         self._offsets.append(self._offsets[-1] + len(data) // self.dtype.itemsize)
+
+    def abandon(self) -> None:
+        """Close the values file after a failure, dropping what it buffered (the folder it
+        lies in is discarded): a full disk is said once, by the write that found it."""
+        with contextlib.suppress(OSError):
+            self._values.close()  # (once closed, a second close does nothing)
 
     def close(self) -> int:
         """Flush the values and write the offsets; returns the number of rows."""

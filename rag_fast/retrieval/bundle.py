@@ -47,8 +47,8 @@ from rag_fast.retrieval.index import (INDEX_KIND, PRESETS, SMALL_CORPUS, DenseIn
                                       small_sample_message)
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
                                          stand_in_questions)
-from rag_fast.storage import (NoSpaceError, StorageError, pid_alive, atomic_directory,
-                              check_apart, check_output_folder, check_seal,
+from rag_fast.storage import (NoSpaceError, StorageError, atomic_directory, check_apart,
+                              disk_errors, pid_alive, check_output_folder, check_seal,
                               describe_files, fsync_dir, part_digests, read_manifest,
                               sha256_file, unlisted_files, write_json, write_manifest)
 
@@ -420,8 +420,11 @@ def _staged_store(passages: str, split: int | None, dedupe: bool, staging: Path,
     path = staging / "passages"
     if not (path / "manifest.json").exists():
         with _temporary(staging, "passages") as tmp:
-            PassageStore.from_file(passages, tmp / "passages", split=split, dedupe=bool(dedupe),
-                                   progress=progress)
+            try:
+                PassageStore.from_file(passages, tmp / "passages", split=split,
+                                       dedupe=bool(dedupe), progress=progress)
+            except NoSpaceError as e:  # named as the staged store, not its temporary
+                raise NoSpaceError(path, e.needed, e.free, e.errno) from None
             try:
                 os.rename(tmp / "passages", path)
             except OSError:
@@ -448,7 +451,7 @@ def _stage_embeddings(encoder: Encoder, store: PassageStore, staging: Path,
         except NoSpaceError as e:
             raise NoSpaceError(path, e.needed, e.free, e.errno) from None
         record = _record_name(*shard)
-        with _temporary(staging, record) as held:
+        with _temporary(staging, record) as held, disk_errors(staging / record):
             write_manifest(held / record, {"kind": SHARD_RECORD_KIND, "format": 1,
                                            "files": describe_files(tmp, [name])})
             os.replace(held / record, staging / record)
@@ -652,7 +655,8 @@ def build_index_bundle(
     key = _staging_key(passages, split, dedupe, encoder, pooling, max_length)
     created = not os.path.lexists(staging)
     try:
-        created = _claim_staging(staging, key, sharded=shard is not None, log=log) or created
+        with disk_errors(staging):  # its key, a few hundred bytes, may not fit either
+            created = _claim_staging(staging, key, sharded=shard is not None, log=log) or created
         if shard is None:  # before any work: a staging it would remove holds only what builds staged
             _check_staging_removable(staging, remove_staging)
         store = _staged_store(passages, split, dedupe, staging, progress)
@@ -697,9 +701,14 @@ def build_index_bundle(
             index = DenseIndex.build(embeddings, preset, progress=progress, on_disk=on_disk,
                                      target_recall=target_recall, queries=vectors,
                                      query_source=source)
-        with atomic_directory(out, overwrite=overwrite, kind=BUNDLE_KIND) as tmp:
+        with atomic_directory(out, overwrite=overwrite, kind=BUNDLE_KIND) as tmp, \
+                disk_errors(shown):
             shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))
-            index.save(tmp / "index")
+            try:
+                index.save(tmp / "index")
+            except NoSpaceError as e:  # named in --out, not in its temporary
+                raise NoSpaceError(os.path.join(shown, "index"), e.needed, e.free,
+                                   e.errno) from None
             files = ["passages/manifest.json", "index/manifest.json"]
             write_manifest(tmp / "manifest.json", {
                 "parts": part_digests(tmp, files),

@@ -1583,15 +1583,24 @@ def _write_faiss(index, dest: Path, shown: Path) -> None:
     errors as ``OSError``: a full disk (faiss's ``RuntimeError`` ending in "No space left on
     device") is one :class:`~rag_fast.retrieval.NoSpaceError` naming the file, the
     bytes it needs (counted then, by a second serialisation that writes nothing) and the
-    bytes free."""
+    bytes free. The bytes go through our own writes, not faiss's file: faiss prints a
+    "close error" line of its own on stderr when the disk fills under its file."""
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        faiss.write_index(index, str(dest))
+        faiss.write_index(index, faiss.PyCallbackIOWriter(lambda chunk: _write_all(fd, chunk)))
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpaceError(shown, _serialized_bytes(index), disk_free(dest),
+                               exc.errno) from None
+        raise
     except RuntimeError as exc:
         reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", str(exc).strip().splitlines()[-1])
         for code in (errno.ENOSPC, errno.EDQUOT):
             if os.strerror(code) in reason:
                 raise NoSpaceError(shown, _serialized_bytes(index), disk_free(dest), code) from None
         raise OSError(f"faiss could not write {shown}: {reason}") from None
+    finally:
+        os.close(fd)
 
 
 def _serialized_bytes(index) -> int:

@@ -52,6 +52,7 @@ from rag_fast.storage import (
     StorageError,
     atomic_directory,
     describe_files,
+    disk_errors,
     read_manifest,
     write_manifest,
 )
@@ -528,7 +529,7 @@ class PassageStore:
             ValueError: ``passages`` is empty, or an item has the wrong form.
             FileExistsError: ``out`` exists and ``overwrite`` is False.
         """
-        with atomic_directory(out, overwrite, kind=STORE_KIND) as tmp:
+        with atomic_directory(out, overwrite, kind=STORE_KIND) as tmp, disk_errors(out):
             writers = {name: RaggedWriter(tmp, name, np.uint8) for name in _FIELDS}
             count = cut = 0
             try:
@@ -539,9 +540,12 @@ class PassageStore:
                     writers["titles"].append(p.title.encode())
                     writers["texts"].append(p.text.encode())
                     count += 1
-            finally:  # also on a reader's error: no open file is left behind
                 for w in writers.values():
                     w.close()
+            except BaseException:  # also a reader's error: no open file is left behind
+                for w in writers.values():
+                    w.abandon()
+                raise
             warn_cut(source or "passages", cut, "passage")
             if count == 0:
                 raise ValueError(

@@ -111,3 +111,38 @@ def test_split_must_be_a_number_of_words(world, tmp_path, split):
                         world["encoder"], "--out", tmp_path / "kb", "--split", split)
     one_error(code, err, f"--split must be a number of words >= 1, got {split}")
     assert not (tmp_path / "kb").exists() and not (tmp_path / "kb.staging").exists()
+
+
+@pytest.mark.parametrize("shard", [None, "0/2"])
+def test_index_build_on_a_disk_filled_to_any_level_fails_in_one_line_naming_a_file(
+        world, real_disk, shard, capfd):
+    """A 300-passage build onto a nearly full tmpfs printed the repr of copytree's list of
+    failed copies; a `--shard 0/2` build printed "No space left on device" and no file. Swept
+    over the room left, 4 KiB at a time, until the build fits: every failure is the one line
+    naming a file under the disk, and leaves nothing but a --shard build's staging."""
+    import os
+    import shutil
+
+    root = real_disk.path
+    stats = os.statvfs(root)
+    room = stats.f_bavail * stats.f_frsize
+    args = ["index", "build", "--passages", world["passages"], "--encoder", world["encoder"],
+            "--out", root / "kb", "--no-progress"] + (["--shard", shard] if shard else [])
+    failures = 0
+    for left in range(0, room, 4096):
+        for entry in root.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        (root / "filler").write_bytes(b"\0" * (room - left))
+        code, err = run_cli(*args)
+        # nothing else on the process's stderr (faiss printed "close error" lines of its own)
+        assert capfd.readouterr().err == "", left
+        if code == 0:
+            break
+        failures += 1
+        one_error(code, err, f"no space left on device writing {root}{os.sep}kb")
+        assert "Errno" not in err and "[(" not in err, err
+        assert {p.name for p in root.iterdir()} <= {"filler", "kb.staging"} if shard else \
+            {p.name for p in root.iterdir()} == {"filler"}, left
+    else:
+        pytest.fail(f"the build never fit in {room} bytes")
+    assert failures >= 3  # the sweep met the full disk at several stages
