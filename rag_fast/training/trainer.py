@@ -392,9 +392,14 @@ class Trainer:
         elif self.device_type == "cpu":
             auto = _threads.AutoThreads()
         if _threads.COMMAND_POLICY and self.device_type == "cpu" and self.rank == 0:
-            self._say("other processes were keeping the cores busy as this command started: "
-                      "OpenMP threads sleep at barriers instead of spinning in this run "
-                      "(OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose)", bar, None)
+            # on stdout with the run's log: a run that then fails says so in one line on stderr
+            notice = ("rag_fast: other processes were keeping the cores busy as this command "
+                      "started: OpenMP threads sleep at barriers instead of spinning in this run "
+                      "(OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose)")
+            if bar is not None:
+                bar.write(notice, file=sys.stdout)
+            else:
+                print(notice)
         self._threads_fixed = fixed is not None  # what the slow-step warning suggests
         try:
             return self._train_loop(bar, watch, auto, start, seen, before_session)

@@ -146,3 +146,17 @@ def test_index_build_on_a_disk_filled_to_any_level_fails_in_one_line_naming_a_fi
     else:
         pytest.fail(f"the build never fit in {room} bytes")
     assert failures >= 3  # the sweep met the full disk at several stages
+
+
+def test_a_run_on_a_busy_machine_that_fails_says_so_in_one_line(world, tmp_path, monkeypatch,
+                                                                 capsys):
+    """On a machine other processes kept busy, the wait-policy notice went to stderr before a
+    train error: two lines. The notice is the run's log (stdout); the error is the one line."""
+    from rag_fast import _threads
+
+    monkeypatch.setattr(_threads, "COMMAND_POLICY", "PASSIVE")
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", tmp_path / "run", "--set", "train.progress=false",
+                        "--set", f"train.metrics_file={'m' * 300}")
+    one_error(code, err, "File name too long")
+    assert "OMP_WAIT_POLICY=PASSIVE" in capsys.readouterr().out
