@@ -19,6 +19,7 @@ from typing import Iterator
 
 _said = b""  # the line the handler writes, set by exit_on_interrupt
 _exiting = False  # whether the handler below is this process's SIGINT handler
+_ended = False  # whether say_last said the command's last line (a Ctrl-C after it says none)
 
 
 def _exit_130(signum, frame) -> None:
@@ -27,7 +28,8 @@ def _exit_130(signum, frame) -> None:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os.write(2, _said)
+        if _said:
+            os.write(2, _said)
     finally:
         os._exit(130)
 
@@ -43,9 +45,26 @@ def exit_on_interrupt(said: str) -> None:
     global _said, _exiting
     if not _main_thread() or (not _exiting and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         return
-    _said = f"rag-fast: interrupted {said}\n".encode("utf-8", "replace")
+    _said = b"" if _ended else f"rag-fast: interrupted {said}\n".encode("utf-8", "replace")
     signal.signal(signal.SIGINT, _exit_130)
     _exiting = True
+
+
+def say_last(line: str) -> None:
+    """Print the command's last line on stderr; when :func:`exit_on_interrupt` is active, a
+    Ctrl-C from then on exits 130 without a line of its own (a second Ctrl-C after the first's
+    line adds none). SIGINT is held while the line is written, so the line is whole and said
+    once."""
+    global _said, _ended
+    if not _exiting or not _main_thread() or not hasattr(signal, "pthread_sigmask"):
+        print(line, file=sys.stderr)
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        print(line, file=sys.stderr, flush=True)
+        _said, _ended = b"", True
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def active() -> bool:

@@ -286,7 +286,7 @@ def _run(args: argparse.Namespace) -> int:
                 said = on_interrupt()
             except Exception:  # noqa: BLE001  (the general line is still true)
                 pass
-        print(f"rag-fast: interrupted; {said}", file=sys.stderr)
+        _interrupt.say_last(f"rag-fast: interrupted; {said}")  # a second Ctrl-C adds nothing
         return 130
     except Exception as exc:  # noqa: BLE001  (a bug: said in one line, traceback kept)
         _end_progress_bars()

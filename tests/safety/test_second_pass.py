@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import one_error, run_cli
+from conftest import one_error, one_line, run_cli
 
 
 
@@ -160,3 +160,34 @@ def test_a_run_on_a_busy_machine_that_fails_says_so_in_one_line(world, tmp_path,
                         "--set", f"train.metrics_file={'m' * 300}")
     one_error(code, err, "File name too long")
     assert "OMP_WAIT_POLICY=PASSIVE" in capsys.readouterr().out
+
+
+def test_more_ctrl_c_add_no_line(world, tmp_path):
+    """Two Ctrl-C during an index build printed "interrupted; nothing was written ..." and then
+    "interrupted while reporting the command's end" (or "... while exiting"). Once the command
+    said its line, more Ctrl-C (here one every 20 ms until it ends) end it without another."""
+    import json
+    import signal
+    import time
+
+    from conftest import start_command
+
+    passages = tmp_path / "p.jsonl"
+    passages.write_text("".join(json.dumps({"id": f"p{i}", "title": "paris",
+                                            "text": "the city of paris lies on the seine " * 8})
+                                + "\n" for i in range(20000)))
+    proc = start_command("index", "build", "--passages", passages, "--encoder", world["encoder"],
+                         "--out", tmp_path / "kb", "--threads", "1", "--no-progress")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "kb.staging").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=120)
+    # 130, or killed by a SIGINT in the last moments of the interpreter's exit (where Python
+    # has put the default handler back): a shell says 130 for both
+    assert proc.returncode in (130, -signal.SIGINT), err
+    assert one_line(err).startswith("rag-fast: interrupted"), err
+    assert not (tmp_path / "kb").exists()
