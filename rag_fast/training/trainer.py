@@ -82,7 +82,7 @@ from rag_fast._threads import SlowStepWatch
 from rag_fast.storage import atomic_write
 from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, _json_default, claim_run_folder,
                                           restore_checkpoint, save_checkpoint)
-from rag_fast.training.config import PRECISIONS, TrainConfig
+from rag_fast.training.config import CHECKPOINT_MANIFEST, PRECISIONS, TrainConfig
 from rag_fast.training import heap
 from rag_fast.training.distributed import average_gradients, broadcast_module, world
 from rag_fast.training.optim import _question_encoder, lr_lambda, make_optimizer
@@ -224,7 +224,9 @@ class Trainer:
         self.last_token_loss: float | None = None  # the last step's loss per target token
         if config.output_dir:
             claim_run_folder(config.output_dir, self.rank, self.world_size)
-            for name in (config.metrics_file, config.plot_file):  # inside it, before any step
+            # what the run writes and resumes from, inside it (a link planted there that leads
+            # out is refused), before any step
+            for name in (config.metrics_file, config.plot_file, CHECKPOINT, CHECKPOINT_MANIFEST):
                 self._output_file(name)
         self.refresher = None
         if config.refresh_index_every:

@@ -191,3 +191,23 @@ def test_more_ctrl_c_add_no_line(world, tmp_path):
     assert proc.returncode in (130, -signal.SIGINT), err
     assert one_line(err).startswith("rag-fast: interrupted"), err
     assert not (tmp_path / "kb").exists()
+
+
+@pytest.mark.parametrize("name", ["checkpoint-last.pt", "checkpoint-last.json"])
+def test_a_checkpoint_link_planted_in_the_run_leading_out_is_refused(world, tmp_path, name):
+    """A checkpoint-last.pt moved out of the run and replaced by a link to it was read on
+    resume and the link then replaced; a link planted where the run resumes from is refused
+    before any step, and the file it leads to is neither read for the resume nor changed."""
+    import hashlib
+
+    from test_run_files import _train
+
+    out = tmp_path / "r"
+    assert _train(world, out)[0] == 0
+    outside = tmp_path / name
+    (out / name).rename(outside)
+    (out / name).symlink_to(outside)
+    before = hashlib.sha256(outside.read_bytes()).hexdigest()
+    code, err = _train(world, out, "--max-steps", "3")
+    one_error(code, err, name, "leads out of it")
+    assert (out / name).is_symlink() and hashlib.sha256(outside.read_bytes()).hexdigest() == before
