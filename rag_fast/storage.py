@@ -27,7 +27,7 @@ import re
 import secrets
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -611,6 +611,25 @@ def write_marker(folder: str | os.PathLike, kind: str, **extra) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(folder / OUTPUT_MARKER, json.dumps(
         {"kind": kind, "format": 1, **extra}, indent=1, sort_keys=True).encode("utf-8"))
+
+
+@contextlib.contextmanager
+def new_folder_removed_on_failure(folder: str | os.PathLike, names: Iterable[str]) -> Iterator[None]:
+    """When ``folder`` does not exist yet and the block fails (a full disk, Ctrl-C), remove
+    what the block may have written there (``names``, and the marker) and then the folder if
+    it is empty: a failed command leaves no folder it made. A folder that existed is left."""
+    folder = Path(folder)
+    existed = os.path.lexists(folder)
+    try:
+        yield
+    except BaseException:
+        if not existed and folder.is_dir() and not folder.is_symlink():
+            for name in (*names, OUTPUT_MARKER):
+                with contextlib.suppress(OSError):
+                    (folder / name).unlink()
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

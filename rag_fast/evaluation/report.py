@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Sequence
 
 from rag_fast.evaluation.data import QAExample
 from rag_fast.evaluation.metrics import exact_match_one, f1_one
-from rag_fast.storage import EVAL_KIND, atomic_write_bytes, write_marker
+from rag_fast.storage import (
+    EVAL_KIND,
+    atomic_write_bytes,
+    new_folder_removed_on_failure,
+    write_marker,
+)
 
 if TYPE_CHECKING:
     from rag_fast.evaluation.evaluate import EvalResult
@@ -65,15 +70,16 @@ def write_evaluation(out: str | Path, examples: Sequence[QAExample], result: Eva
     docstring); ``data``, ``model`` and the ``decoding`` settings (when given) are recorded in
     ``metrics.json``. Returns the rounded metrics and the number of predictions written."""
     out = Path(out)
-    write_marker(out, EVAL_KIND)
-    rows = prediction_rows(examples, result)
-    atomic_write_bytes(out / "predictions.jsonl", "".join(
-        json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8"))
-    metrics = round_metrics(result.metrics)
-    atomic_write_bytes(out / "metrics.json", (json.dumps({
-        "data": str(data), "model": str(model), "examples": len(examples),
-        **({"decoding": decoding} if decoding is not None else {}),
-        "metrics": metrics}, indent=1) + "\n").encode("utf-8"))
+    with new_folder_removed_on_failure(out, EVAL_FILES):
+        write_marker(out, EVAL_KIND)
+        rows = prediction_rows(examples, result)
+        atomic_write_bytes(out / "predictions.jsonl", "".join(
+            json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8"))
+        metrics = round_metrics(result.metrics)
+        atomic_write_bytes(out / "metrics.json", (json.dumps({
+            "data": str(data), "model": str(model), "examples": len(examples),
+            **({"decoding": decoding} if decoding is not None else {}),
+            "metrics": metrics}, indent=1) + "\n").encode("utf-8"))
     return metrics, len(rows)
 
 

@@ -36,7 +36,12 @@ import numpy as np
 from rag_fast._jsonl import json_type, read_objects
 from rag_fast.evaluation.data import DatasetError, _answers, load_qa
 from rag_fast.evaluation.metrics import _passage_text, answer_in_passage, match_tokens
-from rag_fast.storage import RETRIEVAL_EVAL_KIND, atomic_write_bytes, write_marker
+from rag_fast.storage import (
+    RETRIEVAL_EVAL_KIND,
+    atomic_write_bytes,
+    new_folder_removed_on_failure,
+    write_marker,
+)
 
 GOLD_FIELDS = ("positive_ids", "gold", "passage_id", "positive_ctxs")
 CORPUS_SAMPLE = 100_000  # passages read to count each answer's passages (a seeded sample beyond)
@@ -396,15 +401,16 @@ def write_retrieval_report(out: str | Path, report: RetrievalReport, *, data: st
     and index, the counts, the metrics rounded to 4 digits, their definitions, the answers'
     leniency) and ``retrieval.jsonl`` (one object per question), each atomically."""
     out = Path(out)
-    write_marker(out, RETRIEVAL_EVAL_KIND)
-    atomic_write_bytes(out / "retrieval.jsonl", "".join(
-        json.dumps(row, ensure_ascii=False) + "\n" for row in report.rows).encode("utf-8"))
-    summary = dict(report.summary)
-    atomic_write_bytes(out / "metrics.json", (json.dumps({
-        "data": str(data), "index": str(index), "k": report.ks,
-        "questions": summary.pop("questions"),
-        "metrics": {key: round(float(v), 4) for key, v in report.metrics.items()},
-        **summary}, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+    with new_folder_removed_on_failure(out, RETRIEVAL_FILES):
+        write_marker(out, RETRIEVAL_EVAL_KIND)
+        atomic_write_bytes(out / "retrieval.jsonl", "".join(
+            json.dumps(row, ensure_ascii=False) + "\n" for row in report.rows).encode("utf-8"))
+        summary = dict(report.summary)
+        atomic_write_bytes(out / "metrics.json", (json.dumps({
+            "data": str(data), "index": str(index), "k": report.ks,
+            "questions": summary.pop("questions"),
+            "metrics": {key: round(float(v), 4) for key, v in report.metrics.items()},
+            **summary}, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
 __all__ = ["ANSWER_FIELDS", "CORPUS_SAMPLE", "GOLD_FIELDS", "RETRIEVAL_FILES",

@@ -211,3 +211,37 @@ def test_a_checkpoint_link_planted_in_the_run_leading_out_is_refused(world, tmp_
     code, err = _train(world, out, "--max-steps", "3")
     one_error(code, err, name, "leads out of it")
     assert (out / name).is_symlink() and hashlib.sha256(outside.read_bytes()).hexdigest() == before
+
+
+@pytest.mark.filterwarnings("ignore:.*has gold passage ids")  # (the dev file has none)
+@pytest.mark.parametrize("command", ["eval", "index eval"])
+def test_an_evaluation_onto_a_full_disk_leaves_no_folder(world, real_disk, command):
+    """`eval --out` and `index eval --out` on a full disk said so in one line but left the
+    (empty, or marked) folder they had made. Swept over the room left, 4 KiB at a time, until
+    the evaluation fits."""
+    import os
+    import shutil
+
+    root = real_disk.path
+    stats = os.statvfs(root)
+    room = stats.f_bavail * stats.f_frsize
+    out = root / "e"
+    if command == "eval":
+        args = ["eval", "--data", world["dev"], "--model", world["model"], "--out", out,
+                "--num-beams", "1", "--max-new-tokens", "2", "--no-progress"]
+    else:
+        args = ["index", "eval", "--data", world["dev"], "--index", world["kb"], "--out", out]
+    failures = 0
+    for left in range(0, room, 4096):
+        for entry in root.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        (root / "filler").write_bytes(b"\0" * (room - left))
+        code, err = run_cli(*args)
+        if code == 0:
+            break
+        failures += 1
+        one_error(code, err, "no space left on device writing")
+        assert [p.name for p in root.iterdir()] == ["filler"], (left, err)
+    else:
+        pytest.fail(f"the evaluation never fit in {room} bytes")
+    assert failures >= 2 and (out / "metrics.json").is_file()
