@@ -50,7 +50,9 @@ def start_command(*args, env: dict | None = None, **kwargs) -> subprocess.Popen:
     assert script.is_file(), f"no rag-fast script beside {sys.executable}: install the package"
     return subprocess.Popen([str(script), *map(str, args)], cwd=TESTS, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **(env or {})}, **kwargs)
+                            # (offline: a name that is no folder fails at once, not after
+                            # the hub's retries)
+                            env={"HF_HUB_OFFLINE": "1", **os.environ, **(env or {})}, **kwargs)
 
 
 def one_error(code: int, err: str, *words: str) -> str:
