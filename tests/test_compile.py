@@ -364,3 +364,30 @@ def test_decoding_a_compiled_model_is_unchanged(kind):
     got = model.generate(context_input_ids=contexts, context_attention_mask=mask,
                          doc_scores=scores.float(), num_beams=2, max_new_tokens=5).sequences
     assert torch.equal(got, want) and model._compiled == {}
+
+
+def test_rag_fast_marks_constant_results_as_torch_compiler_does():
+    """rag_fast.ops.backend marks its two constant functions itself, so that importing it does
+    not import torch._dynamo (1.2 s of every command's start-up): the mark must be the one
+    ``torch.compiler.assume_constant_result`` makes."""
+    from rag_fast.ops import backend
+
+    def theirs():
+        return True
+
+    def ours():
+        return True
+
+    torch.compiler.assume_constant_result(theirs)
+    backend._constant_result(ours)
+    assert vars(theirs) == vars(ours) and vars(ours)
+    assert vars(backend._ext_available) == vars(ours) == vars(backend._triton_usable)
+
+
+def test_the_command_starts_without_torch_dynamo():
+    """Start-up: importing the command imports neither torch._dynamo nor the compiler stack."""
+    from utils import run_python
+
+    done = run_python(["-c", "import sys, rag_fast.cli; print(sorted(m for m in sys.modules if "
+                             "m.startswith(('torch._dynamo', 'torch._inductor'))))"], check=True)
+    assert done.stdout.strip() == "[]", done.stdout

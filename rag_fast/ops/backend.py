@@ -34,14 +34,22 @@ OP_IMPLS = ("auto", "cpp", "triton")
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}  # csrc/kernels.h, enum class DType
 
 
+def _constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (1.2 s of
+    every command's start-up): the decorator only marks the function, with the attribute
+    dynamo reads when it traces (tests/test_compile.py checks the two agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # What is installed cannot change while a program runs: torch.compile evaluates these once,
 # when it traces, instead of tracing the import machinery they use (a graph break).
-@torch.compiler.assume_constant_result
+@_constant_result
 def _ext_available() -> bool:
     return _ext.available()
 
 
-@torch.compiler.assume_constant_result
+@_constant_result
 def _triton_usable(device_type: str) -> bool:
     return triton_usable_for(device_type)
 
