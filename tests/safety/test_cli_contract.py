@@ -239,3 +239,18 @@ def test_only_a_reasonless_runtime_error_on_a_nearly_full_disk_is_taken_for_a_fu
     with pytest.raises(NoSpaceError):  # the message says so, whatever the free space
         with storage.disk_errors(path):
             raise RuntimeError("I/O error: No space left on device (os error 28)")
+
+
+def test_a_command_is_quiet_without_importing_transformers_first(world):
+    """The command silences transformers' and the hub's logs and bars without importing them
+    at start-up (0.8 s of every command): through their environment variables, read when they
+    are imported. Without --verbose a search prints nothing on stderr; with it, the library's
+    "Loading weights" bar is back."""
+    from conftest import start_command
+
+    quiet = start_command("index", "search", world["kb"], "which river is paris on")
+    out, err = quiet.communicate(timeout=120)
+    assert quiet.returncode == 0 and err == "" and "seine" in out, err
+    loud = start_command("--verbose", "index", "search", world["kb"], "which river is paris on")
+    _, err = loud.communicate(timeout=120)
+    assert loud.returncode == 0 and "Loading weights" in err, err
