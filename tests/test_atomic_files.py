@@ -106,27 +106,37 @@ def test_killed_save_leaves_old_or_new_and_no_leftovers(tmp_path, where, n, exch
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
-def test_exception_at_second_rename_keeps_the_index(tmp_path, monkeypatch):
-    """Defect: os.replace failing at the second call left no index at the path."""
+# (n-th rename of a directory that fails, what the path holds after it): without the exchange
+# the swap is tmp -> .new-*, out -> .old-*, .new-* -> out, .old-* -> .trash-*
+SECOND_RENAME_FAILURES = [(1, "old"), (2, "old"), (3, "old"), (4, "new")]
+
+
+@pytest.mark.parametrize("n, holds", SECOND_RENAME_FAILURES, ids=[f"rename{n}" for n, _ in SECOND_RENAME_FAILURES])
+def test_exception_at_second_rename_keeps_the_index(tmp_path, monkeypatch, n, holds):
+    """Defect: os.replace failing at the second call left no index at the path. The renames
+    run only where the OS cannot exchange two directories, so the exchange is made to fail
+    (Linux has it); only the renames of directories beside the index count (not the atomic
+    writes of the files inside the new one)."""
     x = np.random.default_rng(0).standard_normal((100, 8)).astype(np.float32)
     old, new = DenseIndex.build(x, "exact", progress=False), DenseIndex.build(-x, "exact", progress=False)
     path = old.save(tmp_path / "idx")
     real, calls = os.replace, []
 
     def failing(a, b):
-        calls.append((a, b))
-        if len(calls) == 2:
-            raise OSError("simulated failure at the second rename")
+        if os.path.dirname(os.fspath(a)) == os.fspath(tmp_path):
+            calls.append((os.path.basename(a), os.path.basename(b)))
+            if len(calls) == n:
+                raise OSError("simulated failure at a rename")
         return real(a, b)
 
+    monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
     monkeypatch.setattr(os, "replace", failing)
-    try:
+    with pytest.raises(OSError, match="simulated failure at a rename"):
         new.save(path, overwrite=True)
-    except OSError:
-        pass
     monkeypatch.setattr(os, "replace", real)
+    assert len(calls) >= n, calls  # the n-th rename was reached
     loaded = DenseIndex.load(path).embeddings
-    assert np.array_equal(loaded, old.embeddings) or np.array_equal(loaded, new.embeddings)
+    assert np.array_equal(loaded, (old if holds == "old" else new).embeddings), (n, holds, calls)
     assert sorted(os.listdir(tmp_path)) == ["idx"]
 
 

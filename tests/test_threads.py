@@ -303,17 +303,50 @@ def test_auto_threads_keeps_every_thread_when_threads_sleep(monkeypatch):
     assert auto.passive and auto.after_step() is None and auto.changes == []
 
 
+def _machine_busy_s() -> float:
+    """/proc/stat's busy CPU seconds, read here (not with _threads) to check it against."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (
+            int(v) for v in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def test_the_command_measures_other_processes_not_itself():
-    """A real measurement: this process sleeping is not counted; a spinning child is."""
-    idle = _threads.other_cores_now(0.3)
+    """A real measurement: this process is not counted (even while one of its threads keeps a
+    core busy); a spinning child is."""
+    import threading
+    import time
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    stop = threading.Event()
+
+    def burn():
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=burn, daemon=True)
+    spinner.start()
+    try:
+        time.sleep(0.2)  # its start-up
+        machine0, own0, t0 = _machine_busy_s(), time.process_time(), time.perf_counter()
+        idle = _threads.other_cores_now(1.0)
+        wall = time.perf_counter() - t0
+        machine = (_machine_busy_s() - machine0) / wall  # cores busy, this process included
+        own = (time.process_time() - own0) / wall  # cores this process kept busy
+    finally:
+        stop.set()
+        spinner.join()
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        import time
-
         time.sleep(0.5)  # its start-up
         busy = _threads.other_cores_now(0.5)
     finally:
         spin.kill()
         spin.wait()
     assert idle is not None and busy is not None
+    # the spinning thread used a share of a core in the same window; the measurement is the
+    # machine's busy cores less exactly that share (counted, it would be off by all of it)
+    assert own > 0.2, own
+    assert abs(idle - max(0.0, machine - own)) < own / 2, (idle, machine, own)
     assert busy > 0.4  # the child keeps a core busy (a share of one, on a crowded machine)

@@ -141,8 +141,18 @@ def test_accumulation_equals_large_batch():
         torch.testing.assert_close(params(acc)[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def _linear_output_dtypes(model) -> set:
+    """The dtypes the model's Linear layers output while it trains (filled in by hooks)."""
+    seen = set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
+    return seen
+
+
 def test_bf16_autocast_and_gradient_checkpointing_train():
     model = make_model()
+    seen = _linear_output_dtypes(model)
     trainer = Trainer(model, make_dataset(), collate, loss_fn,
                       config(max_steps=4, precision="bf16", gradient_checkpointing=True,
                              log_every=1, lr=3e-3))
@@ -150,6 +160,18 @@ def test_bf16_autocast_and_gradient_checkpointing_train():
     losses = [loss for _, loss in state.history]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert model.generator.is_gradient_checkpointing
+    # autocast really ran: the forward's matrix products were bf16 (fp32 parameters)...
+    assert seen == {torch.bfloat16}, seen
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    # ...and the same run in fp32 (matrix products in fp32) gives other losses
+    fp32 = make_model()
+    seen32 = _linear_output_dtypes(fp32)
+    state32 = Trainer(fp32, make_dataset(), collate, loss_fn,
+                      config(max_steps=4, precision="fp32", gradient_checkpointing=True,
+                             log_every=1, lr=3e-3)).train()
+    losses32 = [loss for _, loss in state32.history]
+    assert seen32 == {torch.float32}, seen32
+    assert len(losses32) == 4 and losses != losses32, (losses, losses32)
 
 
 def test_progress_bar_and_periodic_eval(capsys):
