@@ -53,15 +53,26 @@ def test_only_rag_fast_gets_the_thread_policy(monkeypatch):
 
     from rag_fast import _threads
 
-    made = []
+    made, stepped = [], []  # the provider each AutoThreads was made for / each after_step ran for
     monkeypatch.setattr(bench_training, "_provider_step",
                         lambda *a, **k: (lambda: None))
     real = _threads.AutoThreads
-    monkeypatch.setattr(_threads, "AutoThreads", lambda: made.append(real()) or made[-1])
+
+    class Watched(real):
+        def __init__(self, *a, **k):
+            made.append(provider)
+            super().__init__(*a, **k)
+
+        def after_step(self, *a, **k):
+            stepped.append(provider)
+            return super().after_step(*a, **k)
+
+    monkeypatch.setattr(_threads, "AutoThreads", Watched)
     for provider in bc.PROVIDERS:
         got = bc.timed_steps(provider, 16, steps=2, warmup=1)
         assert len(got["times_ms"]) == 2 and len(got["threads"]) == 2
-    assert len(made) == 1
+    assert made == [bc.OURS]  # rag_fast alone, after every one of its 1 + 2 steps
+    assert stepped == [bc.OURS] * 3
     calls = []
     monkeypatch.setattr(_threads, "other_cores_now", lambda seconds=0.1: 2.0)
     import memory

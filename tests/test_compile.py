@@ -306,22 +306,60 @@ def test_kept_logits_refuse_a_second_backward():
         loss.backward()
 
 
+_BACKEND_GRAPHS: list = []
+
+
+def _recording_backend(gm, example_inputs):
+    """aot_eager, counting the graphs it is handed (module level: a pickled model names it)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    _BACKEND_GRAPHS.append(gm)
+    return aot_eager(gm, example_inputs)
+
+
 def test_compile_survives_copies_and_replace():
     """A deep copy or pickle of a compiled model compiles its own code at its first step (the
     compiled callables are never copied); replace() keeps the compile options."""
     import pickle
 
+    torch._dynamo.reset()
     model = _compile_case("encoder-decoder", "token", "materialized").float()
-    model.compile(backend="aot_eager")
+    eager = _compile_case("encoder-decoder", "token", "materialized").float()  # the same weights
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager.parameters()))
+    model.compile(backend=_recording_backend)
     batch = _case_batch("encoder-decoder")
     contexts, mask, scores, labels = batch
-    model.loss_from_contexts(contexts, mask, scores.float(), labels)
-    assert set(model._compiled) == {"loss"}
-    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)),
-                  model.replace(mode="sequence")):
+
+    def loss_of(m):
+        return m.loss_from_contexts(contexts, mask, scores.float(), labels)
+
+    _BACKEND_GRAPHS.clear()
+    torch.testing.assert_close(loss_of(model), loss_of(eager))
+    assert set(model._compiled) == {"loss"} and _BACKEND_GRAPHS  # compiled, by this backend
+    # replace(): the same modules in another mode, compiled with the same options: its loss is
+    # the sequence loss (not the token loss of model's compiled code)
+    other = model.replace(mode="sequence")
+    assert other.compiled and other._compiled == {}
+    assert other._compile_options == model._compile_options
+    _BACKEND_GRAPHS.clear()
+    loss = loss_of(other)
+    assert torch.isfinite(loss) and set(other._compiled) == {"loss"} and _BACKEND_GRAPHS
+    torch.testing.assert_close(loss, loss_of(eager.replace(mode="sequence")))
+    assert not torch.allclose(loss, loss_of(eager))
+    # copies: their own code, over their own weights (model's are changed after the copy, so
+    # model's compiled code, or its parameters, would give another loss)
+    copies = (copy.deepcopy(model), pickle.loads(pickle.dumps(model)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.25)
+    changed = loss_of(model)
+    for other in copies:
         assert other.compiled and other._compiled == {}
-        loss = other.loss_from_contexts(contexts, mask, scores.float(), labels)
+        assert other._compile_options == model._compile_options
+        loss = loss_of(other)
         assert torch.isfinite(loss) and set(other._compiled) == {"loss"}
+        torch.testing.assert_close(loss, loss_of(eager))
+        assert not torch.allclose(loss, changed)
 
 
 @pytest.mark.parametrize("settings,message", [

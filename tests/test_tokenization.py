@@ -214,6 +214,21 @@ def test_the_passage_formats_of_index_build(tmp_path, capsys, kind):
                               tmp_path / "tok")
     assert code == 0, err
     assert "tokens on " in printed and " passages (" in printed  # no QA files: not named
+    # fitted on every passage's title and text, read as index build reads the format: TSV rows
+    # (the header is no passage) with their titles; a raw document in runs of 100 words, each
+    # titled by the file's stem
+    if kind == "tsv":
+        titles, texts = [f"T{i}" for i in range(len(TEXTS))], TEXTS
+    else:
+        words = " ".join(TEXTS).split()
+        texts = [" ".join(words[i:i + 100]) for i in range(0, len(words), 100)]
+        titles = ["doc one"] * len(texts)
+    characters = sum(map(len, titles)) + sum(map(len, texts))
+    assert f" on {len(texts)} passages ({characters:,} characters) -> " in printed, printed
+    from transformers import AutoTokenizer  # and what it learnt is those texts' tokenizer
+
+    expected = fit_tokenizer([t for pair in zip(titles, texts) for t in pair], 280)
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "tok")).get_vocab() == expected.get_vocab()
 
 
 def _one_error(code, err, *words):
