@@ -181,6 +181,42 @@ KIND_WORDS = {"rag_fast.index_bundle": "an index directory from `rag-fast index 
               "rag_fast.tokenizer": "a tokenizer folder (`rag-fast tokenizer fit`)"}
 
 
+# a manifest, marker or side file larger than this is not one of rag_fast's (they list a few
+# files each: kilobytes); read whole, it could take all the memory (a link to /dev/zero)
+MAX_JSON_FILE_BYTES = 16 << 20
+
+
+def read_json_file(path: str | os.PathLike) -> object:
+    """The JSON value of a manifest-like file, read only when it is a regular file of at most
+    :data:`MAX_JSON_FILE_BYTES`.
+
+    Raises:
+        FileNotFoundError: nothing at ``path`` (a dangling link included).
+        ValueError: naming ``path``: not a regular file (a folder, a device, a pipe), too
+            large, not UTF-8 or not JSON.
+    """
+    import stat
+
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a folder" if stat.S_ISDIR(st.st_mode) else "a named pipe"
+                if stat.S_ISFIFO(st.st_mode) else "a device or a socket")
+        link = f" (a symbolic link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+        raise ValueError(f"{os.fspath(path)} is {what}{link}, not a regular file")
+    size = st.st_size
+    if size > MAX_JSON_FILE_BYTES:
+        raise ValueError(f"{os.fspath(path)} has {size:,} bytes, more than a rag_fast manifest "
+                         f"ever holds ({MAX_JSON_FILE_BYTES:,} at most): not one")
+    with open(path, "rb") as f:
+        data = f.read(MAX_JSON_FILE_BYTES + 1)
+    if len(data) > MAX_JSON_FILE_BYTES:
+        raise ValueError(f"{os.fspath(path)} grew past {MAX_JSON_FILE_BYTES:,} bytes while read")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{os.fspath(path)} is not valid JSON ({exc})") from None
+
+
 def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
     """Read ``root/manifest.json`` of the given ``kind`` and check the files it lists.
 
@@ -197,15 +233,14 @@ def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
         raise StorageError(f"path {str(root)!r} is not a directory (expected "
                            f"{KIND_WORDS.get(kind, f'a saved {kind}')})")
     try:
-        with open(root / MANIFEST) as f:
-            manifest = json.load(f)
+        manifest = read_json_file(root / MANIFEST)
     except FileNotFoundError:
         raise StorageError(
             f"{str(root)!r} has no {MANIFEST}: not {KIND_WORDS.get(kind, f'a saved {kind}')}, or "
             "its build was interrupted"
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StorageError(f"{root / MANIFEST} is corrupt (not valid JSON: {exc})") from None
+    except ValueError as exc:
+        raise StorageError(str(exc)) from None
     except OSError as exc:
         raise StorageError(f"{root / MANIFEST} cannot be read: {exc.strerror or exc}") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != kind:
@@ -236,8 +271,7 @@ def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
 
 def _load_json(path: Path) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            payload = json.load(f)
+        payload = read_json_file(path)
     except (OSError, ValueError) as e:
         raise StorageError(f"{path}: cannot be read as JSON ({e})") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("kind"), str):
@@ -473,8 +507,7 @@ def folder_kind(path: str | os.PathLike) -> str | None:
         if not marker.is_file():
             continue
         try:
-            with open(marker, encoding="utf-8") as f:
-                payload = json.load(f)
+            payload = read_json_file(marker)
         except (OSError, ValueError):
             continue
         kind = payload.get("kind") if isinstance(payload, dict) else None
@@ -503,8 +536,7 @@ def unlisted_files(root: str | os.PathLike) -> list[str]:
             if name not in _MARKER_FILES:
                 continue
             try:
-                with open(here / name, encoding="utf-8") as f:
-                    payload = json.load(f)
+                payload = read_json_file(here / name)
             except (OSError, ValueError):
                 continue
             if not isinstance(payload, dict) or not _names_its_kind(name, payload.get("kind")):

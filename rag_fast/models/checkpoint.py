@@ -47,7 +47,8 @@ from rag_fast._quiet import quiet_transformers
 from rag_fast.models.rag_model import RagModel
 from rag_fast.retrieval.encoders import unloadable
 from rag_fast.storage import (StorageError, atomic_directory, check_files_entry, check_seal,
-                              disk_errors, recover_directory, sealed, sha256_file)
+                              disk_errors, read_json_file, recover_directory, sealed,
+                              sha256_file)
 
 FORMAT = 2
 KIND = "rag_fast.model"
@@ -193,10 +194,12 @@ def _save_causal_models(model: RagModel, root: str) -> None:
 def _read_side_json(side_path: str) -> Any:
     """The parsed ``rag_fast.json`` at ``side_path`` (which exists)."""
     try:
-        with open(side_path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{side_path} is not valid JSON: {e}") from None
+        return read_json_file(side_path)
+    except FileNotFoundError:  # a dangling link: there, but nothing to check against
+        raise CheckpointError(f"{side_path} is a symbolic link to nothing: a model directory's "
+                              f"{SIDE_FILE} must be a file") from None
+    except ValueError as e:  # not a regular file, too large, not JSON
+        raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{side_path} cannot be read: {e.strerror or e}") from None
 
@@ -210,7 +213,7 @@ def read_side_file(path: str) -> dict | None:
     """
 
     side_path = os.path.join(path, SIDE_FILE)
-    if not os.path.isfile(side_path):
+    if not os.path.lexists(side_path):  # anything there (a link, a folder, a device) is read
         return None
     side = _read_side_json(side_path)
     if not isinstance(side, dict) or side.get("kind") != KIND:
@@ -265,7 +268,7 @@ def resolve_model_dir(path: str) -> str:
 
     def is_model(folder: str) -> bool:
         return (os.path.isfile(os.path.join(folder, "config.json"))
-                or os.path.isfile(os.path.join(folder, SIDE_FILE)))
+                or os.path.lexists(os.path.join(folder, SIDE_FILE)))
 
     if not is_model(path) and is_model(os.path.join(path, "model")):
         return os.path.join(path, "model")
@@ -276,7 +279,7 @@ def _side_layout(path: str) -> str:
     """The ``layout`` ``rag_fast.json`` records (``"rag"`` when absent), read before the full
     check so that the right files are looked for."""
     side_path = os.path.join(path, SIDE_FILE)
-    if not os.path.isfile(side_path):
+    if not os.path.lexists(side_path):
         return LAYOUT_RAG
     side = _read_side_json(side_path)
     layout = side.get("layout", LAYOUT_RAG) if isinstance(side, dict) else LAYOUT_RAG

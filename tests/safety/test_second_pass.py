@@ -245,3 +245,49 @@ def test_an_evaluation_onto_a_full_disk_leaves_no_folder(world, real_disk, comma
     else:
         pytest.fail(f"the evaluation never fit in {room} bytes")
     assert failures >= 2 and (out / "metrics.json").is_file()
+
+
+# ---- the third pass ------------------------------------------------------------------------
+@pytest.mark.parametrize("plant", ["dev-zero", "sparse-20g", "folder", "fifo"])
+def test_an_index_manifest_that_is_no_small_file_is_refused_unread(world, copy_of, plant):
+    """An index's manifest.json replaced by a link to /dev/zero was read whole: all the
+    machine's memory, then the kernel's kill (or, capped, "out of memory" naming no file)."""
+    import os
+
+    kb = copy_of(world["kb"])
+    manifest = kb / "manifest.json"
+    manifest.unlink()
+    if plant == "dev-zero":
+        manifest.symlink_to("/dev/zero")
+    elif plant == "sparse-20g":
+        with open(manifest, "wb") as f:
+            f.truncate(20 << 30)
+    elif plant == "folder":
+        manifest.mkdir()
+    else:
+        os.mkfifo(manifest)
+    code, err = run_cli("index", "search", kb, "which river is paris on")
+    line = one_error(code, err, str(manifest))
+    assert ("not a regular file" in line) != (plant == "sparse-20g"), line
+
+
+@pytest.mark.parametrize("plant", ["dangling", "folder", "dev-zero"])
+def test_a_model_s_side_file_that_is_no_file_is_refused_not_skipped(world, copy_of, plant):
+    """A rag_fast.json replaced by a dangling link, a folder or a link to /dev/zero counted as
+    absent: the model loaded unchecked (a corrupted model.safetensors was used)."""
+    model = copy_of(world["model"])
+    side = model / "rag_fast.json"
+    side.unlink()
+    if plant == "dangling":
+        side.symlink_to("nowhere")
+    elif plant == "folder":
+        side.mkdir()
+    else:
+        side.symlink_to("/dev/zero")
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    code, err = run_cli("generate", "--model", model, "--question", "x", "--num-beams", "1",
+                        "--max-new-tokens", "1", "--no-progress")
+    one_error(code, err, str(side))
