@@ -51,16 +51,21 @@ class _Override(argparse.Action):
                 raise argparse.ArgumentError(
                     self, f"expected KEY=VALUE with KEY a dotted path into the training config "
                           f"(such as train.lr=1e-4 or model.n_docs=3), got {values!r}")
-            value, option = parse_value(text), f"{option_string} {values}"
+            value, option = parse_value(text), f"{option_string} {_shown(values)}"
         else:
             try:
                 value = self.kind(values)
             except ValueError:
                 raise argparse.ArgumentError(
                     self, f"invalid {self.kind.__name__} value: {values!r}") from None
-            key, option = self.key, f"{option_string} {values}"
+            key, option = self.key, f"{option_string} {_shown(values)}"
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []),
                                        (key, value, option, [option_string, values])])
+
+
+def _shown(value: str, most: int = 80) -> str:
+    """An option's value as messages name it: a long one cut, its length said."""
+    return value if len(value) <= most else f"{value[:most - 20]}...({len(value)} characters)"
 
 
 def run(args: argparse.Namespace) -> int:

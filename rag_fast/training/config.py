@@ -205,6 +205,10 @@ CHECKPOINT_MANIFEST = "checkpoint-last.json"
 RUN_ENTRIES = ("checkpoint-last.", "rag_fast-output.json", "model", "index", "index-refresh")
 
 
+MAX_NAME_BYTES = 255  # a file name's bytes on Linux's filesystems (NAME_MAX)
+MAX_RUN_FILE_DEPTH = 16  # folders a metrics or plot file may lie in, inside the run
+
+
 def _check_run_files(*files: tuple[str, str | None]) -> None:
     """``metrics_file`` and ``plot_file``: each a relative path that stays inside output_dir,
     names nothing else the run writes, and is not the other one.
@@ -221,6 +225,17 @@ def _check_run_files(*files: tuple[str, str | None]) -> None:
                 or not parts:
             raise ValueError(f"{name} must be a path inside output_dir (relative, without "
                              f"'..', '~' or a leading '/'), got {value!r}")
+        if value.endswith(("/", "\\")):
+            raise ValueError(f"{name} must name a file, not a folder (no trailing '/'), got "
+                             f"{value!r}")
+        longest = max(parts, key=lambda p: len(p.encode("utf-8", "surrogatepass")))
+        if len(longest.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise ValueError(f"{name}: the name {longest[:40]!r}... is "
+                             f"{len(longest.encode('utf-8', 'surrogatepass'))} bytes, more than "
+                             f"the {MAX_NAME_BYTES} a file name may have")
+        if len(parts) > MAX_RUN_FILE_DEPTH:
+            raise ValueError(f"{name}: {len(parts)} folders deep, more than "
+                             f"{MAX_RUN_FILE_DEPTH} (got {value[:60]!r}...)")
         first = parts[0].casefold()
         clash = next((e for e in RUN_ENTRIES if first == e.casefold() or
                       (e.endswith(".") and first.startswith(e.casefold()))), None)

@@ -291,3 +291,20 @@ def test_a_model_s_side_file_that_is_no_file_is_refused_not_skipped(world, copy_
     code, err = run_cli("generate", "--model", model, "--question", "x", "--num-beams", "1",
                         "--max-new-tokens", "1", "--no-progress")
     one_error(code, err, str(side))
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("metrics_file", "d/" * 3000 + "m.jsonl", "3001 folders deep"),   # a RecursionError, exit 1
+    ("metrics_file", "m" * 300, "300 bytes, more than the 255"),      # failed after a step
+    ("metrics_file", "m.jsonl/", "must name a file, not a folder"),   # failed after a step
+    ("plot_file", "p" * 300 + ".png", "304 bytes, more than the 255"),  # trained, plot lost
+])
+def test_run_file_names_the_filesystem_cannot_hold_are_refused_before_the_run(
+        world, tmp_path, key, value, words):
+    """Refused in one line naming the key, before the run folder is made."""
+    from test_run_files import _train
+
+    out = tmp_path / "r"
+    code, err = _train(world, out, "--set", f"train.{key}={value}")
+    line = one_error(code, err, f"--set train.{key}=", words)
+    assert len(line) < 400 and not out.exists(), line
