@@ -203,6 +203,38 @@ def save_tokenizer(tokenizer: Any, folder: str | os.PathLike, record: dict | Non
     _write(folder, shown, OUTPUT_MARKER, _json_bytes(marker))
 
 
+def verify_tokenizer_folder(folder: str | os.PathLike, what: str) -> bool:
+    """When ``folder`` is one ``tokenizer fit`` wrote (its marker names the kind), check every
+    file its marker lists against the size and SHA-256 recorded: a hand edit is refused before
+    ``transformers`` reads it. Returns whether the folder was such a folder (False: not ours,
+    nothing checked).
+
+    Raises:
+        StorageError: naming ``what``, the folder and the first file that differs.
+    """
+    from rag_fast.storage import (StorageError, check_files_entry, read_json_file,
+                                  sha256_file)
+
+    marker = Path(folder) / OUTPUT_MARKER
+    if not Path(folder).is_dir() or not os.path.lexists(marker):
+        return False
+    try:
+        record = read_json_file(marker)
+    except (OSError, ValueError) as exc:
+        raise StorageError(f"{what} {os.fspath(folder)!r}: {exc}") from None
+    if not isinstance(record, dict) or record.get("kind") != TOKENIZER_KIND:
+        return False
+    for name, meta in check_files_entry(marker, record.get("files"), Path(folder)).items():
+        path = Path(folder) / name
+        if not path.is_file() or path.stat().st_size != meta["bytes"] \
+                or sha256_file(path) != meta["sha256"]:
+            raise StorageError(
+                f"{what} {os.fspath(folder)!r}: {name} is missing or differs from what "
+                f"`rag-fast tokenizer fit` wrote (size and SHA-256 in {OUTPUT_MARKER}): edited "
+                "or damaged; fit it again")
+    return True
+
+
 def _reserve(path: Path, shown: Path, nbytes: int) -> None:
     """Allocate ``nbytes`` for the file ``path`` (``shown`` in messages), which is written in
     full next: a disk without room says so now (:func:`rag_fast.storage.reserve_space`)."""

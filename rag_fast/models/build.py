@@ -33,6 +33,7 @@ from rag_fast.models.rag_model import RagModel, check_arguments
 from rag_fast.models.retriever_io import read_bundle_manifest
 from rag_fast.retrieval.encoders import (looks_like_path, needs_code,
                                          sentence_transformers_pooling, unloadable)
+from rag_fast.tokenization import verify_tokenizer_folder
 
 
 def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
@@ -193,6 +194,27 @@ def _loading(what: str, name: str, load):
         raise
 
 
+def _folder_tokenizer(name: str, what: str) -> Any:
+    """``AutoTokenizer.from_pretrained(name)``; from a folder, any failure of the library to
+    read its files (a KeyError on a hand-edited tokenizer.json, ...) is one ValueError naming
+    ``what`` and the folder."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except json.JSONDecodeError as exc:
+        if not os.path.isdir(name):
+            raise
+        raise ValueError(f"{what} {name!r}: a file of it is not valid JSON ({exc})") from None
+    except (OSError, ValueError):
+        raise
+    except Exception as exc:  # noqa: BLE001  (the library's error on files it could not read)
+        if not os.path.isdir(name):
+            raise
+        raise ValueError(f"{what} {name!r}: its files cannot be read as a tokenizer "
+                         f"({type(exc).__name__}: {brief_error(exc)})") from None
+
+
 def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
     """A seq2seq or decoder-only generator with weights, by name or folder (the config's
     ``is_encoder_decoder`` decides). A decoder-only one without a pad token gets the
@@ -282,9 +304,9 @@ def build_rag_model(
                 raise ValueError(f"question_encoder {question_encoder!r} gives {dim}-d vectors, "
                                  f"the index {index!r} holds {spec['dim']}-d passage vectors")
         tok_name = generator_tokenizer or generator
-        g_tok = _loading("generator_tokenizer" if generator_tokenizer else "generator", tok_name,
-                         lambda: transformers.AutoTokenizer.from_pretrained(
-                             tok_name, trust_remote_code=False))
+        tok_what = "generator_tokenizer" if generator_tokenizer else "generator"
+        verify_tokenizer_folder(tok_name, tok_what)  # one `tokenizer fit` wrote: unedited
+        g_tok = _loading(tok_what, tok_name, lambda: _folder_tokenizer(tok_name, tok_what))
         if is_config:
             g_model = _generator_from_config(generator, g_tok, seed)
         else:

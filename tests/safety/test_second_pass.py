@@ -308,3 +308,46 @@ def test_run_file_names_the_filesystem_cannot_hold_are_refused_before_the_run(
     code, err = _train(world, out, "--set", f"train.{key}={value}")
     line = one_error(code, err, f"--set train.{key}=", words)
     assert len(line) < 400 and not out.exists(), line
+
+
+@pytest.fixture(scope="module")
+def fitted_tokenizer(world, tmp_path_factory):
+    """A tokenizer folder `tokenizer fit` wrote."""
+    out = tmp_path_factory.mktemp("tok") / "tok"
+    code, err = run_cli("tokenizer", "fit", "--passages", world["passages"], "--vocab-size",
+                        "300", "--out", out)
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("marker", ["kept", "removed"])
+@pytest.mark.parametrize("edit", ["empty-object", "bad-json", "bad-model-type"])
+def test_init_refuses_a_hand_edited_tokenizer_in_one_line(world, fitted_tokenizer, tmp_path,
+                                                          marker, edit):
+    """A tokenizer.json edited by hand ('{}', a model type transformers does not know) made
+    init fail with an unexpected KeyError (exit 1); invalid JSON said "Expecting value"
+    naming neither the file nor the flag. With the marker `tokenizer fit` wrote, the edit is
+    found by its SHA-256; without it, the library's failure is one line naming the flag."""
+    import json
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(fitted_tokenizer, tok)
+    if marker == "removed":
+        (tok / "rag_fast-output.json").unlink()
+    path = tok / "tokenizer.json"
+    if edit == "empty-object":
+        path.write_text("{}")
+    elif edit == "bad-json":
+        path.write_text("{\n")
+    else:
+        data = json.loads(path.read_text())
+        data["model"]["type"] = "Nope"
+        path.write_text(json.dumps(data))
+    code, err = run_cli("init", "--index", world["kb"], "--generator", world["root"] / "g.json",
+                        "--generator-tokenizer", tok, "--out", tmp_path / "m")
+    line = one_error(code, err, f"--generator-tokenizer {str(tok)!r}")
+    if marker == "kept":
+        assert "tokenizer.json is missing or differs from what `rag-fast tokenizer fit` wrote" \
+            in line, line
+    assert not (tmp_path / "m").exists()
