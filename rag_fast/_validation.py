@@ -176,6 +176,18 @@ def not_a_file(path) -> str:
     return "is not a regular file (a device or a pipe?)"
 
 
+def not_a_folder(path) -> str:
+    """Why ``path``, which should be a folder, is not one: missing, a file, or not a regular
+    file (a device, a pipe)."""
+    import os
+
+    if not os.path.exists(path):
+        return "does not exist"
+    if os.path.isfile(path):
+        return "is a file, not a folder"
+    return "is not a folder (a device or a pipe?)"
+
+
 def brief_error(exc: BaseException, limit: int = 300) -> str:
     """An exception's message on one line (whitespace collapsed), at most ``limit`` characters:
     a library's multi-line or very long message inside one of ours."""

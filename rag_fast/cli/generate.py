@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rag_fast._jsonl import read_objects
-from rag_fast._validation import not_a_file
+from rag_fast._validation import not_a_file, not_a_folder
 from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
                                  decoding_settings, describe_decoding, load_model)
 from rag_fast.evaluation.report import passage_record
@@ -124,7 +124,8 @@ def read_questions(args) -> list[dict]:
 def _load(args):
     model_dir = resolve_model_dir(args.model)
     if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"--model: no such directory {model_dir}")
+        raise FileNotFoundError(f"--model {model_dir}: {not_a_folder(model_dir)} (expected a "
+                                "model directory or a training run)")
     model = load_model(model_dir, args.index, args.device, require_index=False,
                        n_docs=args.n_docs)
     if args.tokenizer is not None:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from rag_fast import _pool
+from rag_fast._validation import not_a_folder
 from rag_fast._quiet import quiet_transformers
 from rag_fast.models.rag_model import RagModel
 from rag_fast.retrieval.encoders import unloadable
@@ -408,7 +409,7 @@ def load_rag_model(
     path = resolve_model_dir(path)
     recover_directory(path)  # a save killed between its renames left it aside
     if not os.path.isdir(path):
-        raise CheckpointError(f"model directory {path!r} does not exist")
+        raise CheckpointError(f"model directory {path!r} {not_a_folder(path)}")
     if _side_layout(path) != LAYOUT_RAG:  # decoder-only: the models side by side
         side = read_side_file(path)  # checks the layout, every file's size and SHA-256
         with quiet_transformers():

@@ -351,3 +351,22 @@ def test_init_refuses_a_hand_edited_tokenizer_in_one_line(world, fitted_tokenize
         assert "tokenizer.json is missing or differs from what `rag-fast tokenizer fit` wrote" \
             in line, line
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+@pytest.mark.parametrize("kind", ["device", "file", "fifo"])
+def test_a_model_that_is_no_folder_is_named_as_what_it_is(world, tmp_path, command, kind):
+    """`generate --model /dev/zero` (a device, a FIFO, a file) said "no such directory"."""
+    import os
+
+    path, what = {"device": ("/dev/zero", "is not a folder (a device or a pipe?)"),
+                  "file": (world["dev"], "is a file, not a folder"),
+                  "fifo": (tmp_path / "m.fifo", "is not a folder (a device or a pipe?)")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    if command == "generate":
+        code, err = run_cli("generate", "--model", path, "--question", "x")
+    else:
+        code, err = run_cli("eval", "--model", path, "--data", world["dev"], "--out",
+                            tmp_path / "e")
+    one_error(code, err, str(path), what)
