@@ -217,7 +217,11 @@ def read_json_file(path: str | os.PathLike) -> object:
         raise ValueError(f"{os.fspath(path)} is not valid JSON ({exc})") from None
 
 
-def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
+MANIFEST_FORMATS = (1,)  # the "format" every manifest.json of this version writes and reads
+
+
+def read_manifest(root: Path, kind: str, verify: bool = True,
+                  formats: tuple[int, ...] | None = MANIFEST_FORMATS) -> dict:
     """Read ``root/manifest.json`` of the given ``kind`` and check the files it lists.
 
     First recovers ``root`` if a killed save left it missing (see :func:`recover_directory`).
@@ -246,6 +250,11 @@ def read_manifest(root: Path, kind: str, verify: bool = True) -> dict:
     if not isinstance(manifest, dict) or manifest.get("kind") != kind:
         found = manifest.get("kind") if isinstance(manifest, dict) else None
         raise StorageError(f"{root / MANIFEST} describes a {found!r}, expected a {kind!r}")
+    if formats is not None and "format" in manifest and (
+            type(manifest["format"]) is not int or manifest["format"] not in formats):
+        raise StorageError(f"{root / MANIFEST}: key 'format' is {manifest['format']!r}: this "
+                           f"rag_fast reads format {', '.join(map(str, formats))} only (written "
+                           "by another version, or edited; rebuild it)")
     if "files" not in manifest:
         raise StorageError(f"{root / MANIFEST}: missing key 'files' (each file's bytes and sha256); "
                            "nothing could be checked")

@@ -196,7 +196,7 @@ def test_build_measures_on_given_or_stand_in_questions(tmp_path, corpus, minilm,
     assert f"--queries {bad}:2: expected an object with a non-empty string 'question'" in capsys.readouterr().err
     assert cli.main(["index", "build", *common, "--queries", str(tmp_path / "nope.txt"), "--out",
                      str(tmp_path / "c")]) == 2
-    assert "--queries: no such file" in capsys.readouterr().err
+    assert "does not exist (expected a .txt or JSONL file of questions)" in capsys.readouterr().err
 
 
 def test_search_verifies_the_index_unless_told_not_to(tmp_path, built, capsys):

@@ -1510,7 +1510,7 @@ class DenseIndex:
             RuntimeWarning: once per faiss version, when the index was built with another.
         """
         root = Path(path)
-        manifest = read_manifest(root, INDEX_KIND, verify)
+        manifest = read_manifest(root, INDEX_KIND, verify, formats=None)  # checked below
         _check_manifest(root, manifest)
         d, n = manifest["dim"], manifest["count"]
         if manifest["faiss_version"] != faiss.__version__:

@@ -153,12 +153,16 @@ def test_a_run_on_a_busy_machine_that_fails_says_so_in_one_line(world, tmp_path,
     """On a machine other processes kept busy, the wait-policy notice went to stderr before a
     train error: two lines. The notice is the run's log (stdout); the error is the one line."""
     from rag_fast import _threads
+    from rag_fast.training import trainer
+
+    def fail(*args, **kwargs):
+        raise OSError("a failure of the run (a stand-in)")
 
     monkeypatch.setattr(_threads, "COMMAND_POLICY", "PASSIVE")
+    monkeypatch.setattr(trainer.Trainer, "_train_loop", fail)
     code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
-                        "--output-dir", tmp_path / "run", "--set", "train.progress=false",
-                        "--set", f"train.metrics_file={'m' * 300}")
-    one_error(code, err, "File name too long")
+                        "--output-dir", tmp_path / "run", "--set", "train.progress=false")
+    one_error(code, err, "a failure of the run")
     assert "OMP_WAIT_POLICY=PASSIVE" in capsys.readouterr().out
 
 
@@ -370,3 +374,22 @@ def test_a_model_that_is_no_folder_is_named_as_what_it_is(world, tmp_path, comma
         code, err = run_cli("eval", "--model", path, "--data", world["dev"], "--out",
                             tmp_path / "e")
     one_error(code, err, str(path), what)
+
+
+@pytest.mark.parametrize("part", ["", "passages", "index"])
+@pytest.mark.parametrize("value", [99, "1", True])
+def test_an_index_manifest_of_another_format_is_refused_even_resealed(world, copy_of, part,
+                                                                       value):
+    """An index's manifest.json edited to "format": 99 and resealed was searched as if it
+    were format 1 (a model's rag_fast.json of format 99 was refused)."""
+    import json
+
+    kb = copy_of(world["kb"])
+    manifest = kb / part / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["format"] = value
+    manifest.write_text(json.dumps(data))
+    code, err = run_cli("reseal", kb / part if part else kb)
+    assert code == 0, err
+    code, err = run_cli("index", "search", kb, "which river is paris on")
+    one_error(code, err, "format", str(manifest))
