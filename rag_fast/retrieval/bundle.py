@@ -377,8 +377,10 @@ def _claim_staging(staging: Path, key: dict, sharded: bool, log: Callable[[str],
                             "move {them} away or choose another --out")
         if sharded:
             raise other_settings
+        # sets of 2 or more (embeddings-0-of-1.npy is a build without --shard's own)
         staged_shards = sorted(e.name for e in staging.iterdir() if any(
-            pattern.fullmatch(e.name) for pattern in (_SHARD_FILE, _SHARD_RECORD, _CACHED_INDEX)))
+            (m := pattern.fullmatch(e.name)) and int(m[2]) >= 2
+            for pattern in (_SHARD_FILE, _SHARD_RECORD)))
         if staged_shards:  # --shard builds' work: never discarded for a setting that differs
             raise ValueError(
                 f"--out's staging folder {staging} holds shards staged by --shard builds with "
