@@ -16,6 +16,27 @@ import sys
 _VERBOSE = os.environ.get("RAG_FAST_VERBOSE", "0") not in ("", "0")
 
 
+# the variables set_verbose(False) may set for libraries imported later (restore_environment
+# puts them back when a command run inside a longer process ends)
+QUIET_VARIABLES = ("TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY",
+                   "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
+@contextlib.contextmanager
+def restore_environment():
+    """Within the block :func:`set_verbose` may set :data:`QUIET_VARIABLES`; afterwards they
+    are as before (``rag_fast.cli.main`` called in a process that goes on, a test's)."""
+    before = {name: os.environ.get(name) for name in QUIET_VARIABLES}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def set_verbose(verbose: bool) -> None:
     """Process-wide, for a command line: let third-party libraries print their logs, warnings
     and progress bars (True), or silence them for the whole process (False)."""

@@ -30,7 +30,7 @@ import warnings
 from typing import Callable
 
 from rag_fast import _interrupt, _pool, _threads
-from rag_fast._quiet import set_verbose
+from rag_fast._quiet import restore_environment, set_verbose
 from rag_fast.cli import eval as eval_command
 from rag_fast.cli import generate, index, init, reseal, tokenizer, train
 from rag_fast.storage import StorageError, output_lock
@@ -225,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unknown_options(getattr(args, "_command_parser", parser), extra)
-    set_verbose(args.verbose)
     shown = warnings.showwarning
     if not args.verbose:  # a warning is one line, as the command's own are
         warnings.showwarning = _one_line_warning
     try:
-        return _run(args)
+        with restore_environment():  # main() called in a process that goes on keeps its own
+            set_verbose(args.verbose)
+            return _run(args)
     finally:
         warnings.showwarning = shown  # main() called in a process that goes on
         if _interrupt.active():  # the command's process: Ctrl-C while it exits is one line

@@ -254,3 +254,25 @@ def test_a_command_is_quiet_without_importing_transformers_first(world):
     loud = start_command("--verbose", "index", "search", world["kb"], "which river is paris on")
     _, err = loud.communicate(timeout=120)
     assert loud.returncode == 0 and "Loading weights" in err, err
+
+
+def test_a_command_run_in_process_leaves_the_environment_as_it_was(world, monkeypatch):
+    """main() called in a process that goes on (a test's, a notebook's): the variables that
+    quiet third-party libraries for the command are put back after it, so a later --verbose
+    command started from that process still shows their bars."""
+    import os
+
+    import types
+
+    from rag_fast import _quiet
+    from rag_fast._quiet import QUIET_VARIABLES
+
+    # as in a command's process: transformers and the hub not imported yet
+    monkeypatch.setattr(_quiet, "sys", types.SimpleNamespace(modules={}))
+    for name in QUIET_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    code, err = run_cli("index", "info", world["kb"])
+    assert code == 0, err
+    assert os.environ.get("TOKENIZERS_PARALLELISM") == "true"
+    assert [n for n in QUIET_VARIABLES[1:] if n in os.environ] == []
