@@ -137,15 +137,16 @@ from rag_fast.training import Trainer, rag_collate, rag_loss
 root, kill = Path(sys.argv[1]), sys.argv[2] == "kill"
 model = make_model(TimedRetriever(retriever_over(root / "passages")))
 if kill:  # die after the first file of the step-4 refresh is written, before its manifest
-    write = faiss.write_index
-    def dying_write(index, path, *a):
-        write(index, path, *a)
-        if "step-00000004" in path:
+    import rag_fast.retrieval.index as index_module
+    write = index_module._write_faiss  # how every index file is written
+    def dying_write(index, path, shown):
+        write(index, path, shown)
+        if "step-00000004" in str(path):
             r = model.retriever
             (root / "at-kill.json").write_text(json.dumps(
                 {"version": r.version, "refreshed_at": r.index.meta.get("refreshed_at")}))
             os._exit(%d)
-    faiss.write_index = dying_write
+    index_module._write_faiss = dying_write
 trainer = Trainer(model, qa(), rag_collate(model), rag_loss,
                   config(root / "out", refresh_index_every=2, checkpoint_every=2))
 resumed = trainer.resume()
