@@ -52,13 +52,17 @@ from rag_fast.storage import (
     OUTPUT_MARKER,
     TOKENIZER_KIND,
     NoSpaceError,
+    StorageError,
     atomic_directory,
     atomic_write_bytes,
     check_apart,
+    check_files_entry,
     check_output_folder,
     describe_files,
     disk_errors,
+    read_json_file,
     reserve_space,
+    sha256_file,
 )
 
 # (token, role) in id order: BART's ids for start, padding and end
@@ -212,9 +216,6 @@ def verify_tokenizer_folder(folder: str | os.PathLike, what: str) -> bool:
     Raises:
         StorageError: naming ``what``, the folder and the first file that differs.
     """
-    from rag_fast.storage import (StorageError, check_files_entry, read_json_file,
-                                  sha256_file)
-
     marker = Path(folder) / OUTPUT_MARKER
     if not Path(folder).is_dir() or not os.path.lexists(marker):
         return False
