@@ -49,6 +49,7 @@ from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_dige
                                          stand_in_questions)
 from rag_fast.storage import (NoSpaceError, StorageError, atomic_directory, check_apart,
                               disk_errors, pid_alive, check_output_folder, check_seal,
+                              read_json_file,
                               describe_files, fsync_dir, part_digests, read_manifest,
                               sha256_file, unlisted_files, write_json, write_manifest)
 
@@ -181,11 +182,11 @@ def _read_record(path: Path) -> dict | None:
     try:
         if m is None or not stat.S_ISREG(os.lstat(path).st_mode):
             return None
-        payload = json.loads(path.read_text(encoding="utf-8"))
+        payload = read_json_file(path)  # at most a manifest's bound
         if not isinstance(payload, dict) or payload.get("kind") != SHARD_RECORD_KIND:
             return None
         files = check_seal(path, payload).get("files")
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError, StorageError):
         return None
     name = _shard_name(*m.groups())
     meta = files.get(name) if isinstance(files, dict) and list(files) == [name] else None
@@ -493,6 +494,14 @@ def _complete_shards(staging: Path, count: int) -> list[Path] | None:
         if len(found[n]) == n:
             files = [found[n][i] for i in range(n)]
             for i, f in enumerate(files):
+                # the file its sealed record lists (a regular file, its size and SHA-256):
+                # never a shard edited, swapped, truncated or replaced by a device or a pipe
+                if not _matches_record(f, verify=True):
+                    raise ValueError(
+                        f"--out's staging folder: {f} is not the file its record "
+                        f"{_record_name(i, n)} lists (size and SHA-256, sealed when it was "
+                        f"encoded): edited, damaged or replaced; encode shard {i}/{n} again "
+                        f"(delete the file and its record first) or remove {staging}")
                 lo, hi = shard_rows(count, (i, n))
                 if np.load(f, mmap_mode="r").shape[0] != hi - lo:
                     raise ValueError(f"--shard: staged {f} has the wrong number of rows for "
