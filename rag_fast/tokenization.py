@@ -225,7 +225,16 @@ def verify_tokenizer_folder(folder: str | os.PathLike, what: str) -> bool:
         raise StorageError(f"{what} {os.fspath(folder)!r}: {exc}") from None
     if not isinstance(record, dict) or record.get("kind") != TOKENIZER_KIND:
         return False
-    for name, meta in check_files_entry(marker, record.get("files"), Path(folder)).items():
+    listed = check_files_entry(marker, record.get("files"), Path(folder))
+    unlisted = sorted(p.name for p in Path(folder).iterdir()
+                      if p.name != OUTPUT_MARKER and p.name not in listed)
+    if unlisted:  # transformers reads some files by name when present (added_tokens.json)
+        raise StorageError(
+            f"{what} {os.fspath(folder)!r} holds {unlisted[0]!r}"
+            f"{f' and {len(unlisted) - 1} more' if len(unlisted) > 1 else ''}, which "
+            f"`rag-fast tokenizer fit` did not write ({OUTPUT_MARKER} does not list it): move "
+            "it away, or fit the tokenizer again")
+    for name, meta in listed.items():
         path = Path(folder) / name
         if not path.is_file() or path.stat().st_size != meta["bytes"] \
                 or sha256_file(path) != meta["sha256"]:

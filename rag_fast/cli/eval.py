@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rag_fast._jsonl import decoded_lines
+from rag_fast._jsonl import check_regular_file, decoded_lines
 from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
                                  decoding_settings, describe_decoding, load_model,
                                  resolve_device)
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     examples = load_qa(args.data)
     answers = [list(e.answers) for e in examples]
     if args.predictions is not None:
+        check_regular_file(args.predictions, "--predictions", "a file of one answer per line")
         predictions = [line.rstrip("\r\n") for _, line in decoded_lines(args.predictions)]
         if len(predictions) != len(examples):
             raise ValueError(f"{args.predictions} has {len(predictions)} lines for "

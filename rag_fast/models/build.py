@@ -125,6 +125,11 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
             values = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"generator config {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"generator config {path}: nested too deeply to be a config") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"generator config {path}: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
     if not isinstance(values, dict) or "model_type" not in values:
         raise ValueError(f"generator config {path}: expected a JSON object with 'model_type' "
                          "(a transformers config, e.g. \"bart\")")

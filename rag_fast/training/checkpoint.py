@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rag_fast.storage import (RUN_KIND, atomic_write, check_output_folder, disk_errors,
-                              folder_kind, fsync_dir, sha256_file, write_marker)
+                              folder_kind, fsync_dir, read_json_file, sha256_file,
+                              write_marker)
 from rag_fast.training.config import CHECKPOINT, CHECKPOINT_MANIFEST, TrainConfig
 
 CHECKPOINT_FORMAT = "rag_fast.training-checkpoint/1"
@@ -147,10 +148,9 @@ def _write_checkpoint(payload: dict, path: str, step: int) -> None:
 
 
 def _read_manifest(manifest: str) -> dict:
-    try:
-        with open(manifest, "rb") as f:
-            record = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as e:  # ValueError: JSON and UTF-8 errors
+    try:  # a regular file of a manifest's size (not a link to /dev/zero, a 20 GB file)
+        record = read_json_file(manifest)
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON and UTF-8 errors
         raise CheckpointError(f"checkpoint manifest {manifest} is corrupt: {e}") from None
     if not (isinstance(record, dict) and record.get("format") == CHECKPOINT_FORMAT):
         raise CheckpointError(f"checkpoint manifest {manifest} is corrupt (not a "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import one_error, one_line, run_cli
+from conftest import TOKENIZER, one_error, one_line, run_cli
 
 
 
@@ -393,3 +393,105 @@ def test_an_index_manifest_of_another_format_is_refused_even_resealed(world, cop
     assert code == 0, err
     code, err = run_cli("index", "search", kb, "which river is paris on")
     one_error(code, err, "format", str(manifest))
+
+
+# ---- the fourth pass ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def staged_shards(world, tmp_path_factory):
+    """OUT.staging of two `--shard i/2` builds of the world's passages."""
+    root = tmp_path_factory.mktemp("shards")
+    for i in range(2):
+        code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
+                            world["encoder"], "--out", root / "kb", "--no-progress", "--shard",
+                            f"{i}/2")
+        assert code == 0, err
+    return root / "kb.staging"
+
+
+@pytest.mark.parametrize("tamper", ["flipped-byte", "truncated", "fifo", "dev-zero",
+                                    "record-edited", "record-folder"])
+def test_a_merge_checks_every_staged_shard_against_its_record(world, staged_shards, tmp_path,
+                                                              tamper):
+    """The third pass: a merge read no record: a flipped byte or shard 1's file in shard 0's
+    place was built and sealed into the index, a FIFO hung it, a truncated file or a link to
+    /dev/zero gave a line naming no file, an edited or missing record was ignored."""
+    import os
+    import shutil
+
+    staging = tmp_path / "kb.staging"
+    shutil.copytree(staged_shards, staging)
+    shard, record = staging / "embeddings-0-of-2.npy", staging / "shard-0-of-2.json"
+    if tamper == "flipped-byte":
+        data = bytearray(shard.read_bytes())
+        data[300] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif tamper == "truncated":
+        os.truncate(shard, 200)
+    elif tamper in ("fifo", "dev-zero"):
+        shard.unlink()
+        os.mkfifo(shard) if tamper == "fifo" else shard.symlink_to("/dev/zero")
+    elif tamper == "record-edited":
+        record.write_text(record.read_text().replace('"bytes": ', '"bytes": 1'))
+    else:
+        record.unlink()
+        record.mkdir()
+    code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
+                        world["encoder"], "--out", tmp_path / "kb", "--no-progress")
+    one_error(code, err, str(shard), "is not the file its record shard-0-of-2.json lists")
+    assert not (tmp_path / "kb").exists()
+
+
+def test_a_tokenizer_folder_with_a_file_its_marker_does_not_list_is_refused(
+        world, fitted_tokenizer, tmp_path):
+    """An added_tokens.json put in a `tokenizer fit` folder was read by transformers: the
+    initialised model's tokenizer carried the injected token."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(fitted_tokenizer, tok)
+    (tok / "added_tokens.json").write_text('{"SECRETTOKEN": 500}')
+    code, err = run_cli("init", "--index", world["kb"], "--generator", world["root"] / "g.json",
+                        "--generator-tokenizer", tok, "--out", tmp_path / "m")
+    one_error(code, err, "'added_tokens.json'", "did not write")
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("plant", ["sparse-20g", "dev-zero"])
+def test_a_checkpoint_manifest_that_is_no_small_file_is_refused_unread(world, tmp_path, plant):
+    """checkpoint-last.json as a 20 GB sparse file was read whole: killed, or "out of memory"
+    naming no file."""
+    from test_run_files import _train
+
+    out = tmp_path / "r"
+    assert _train(world, out)[0] == 0
+    manifest = out / "checkpoint-last.json"
+    manifest.unlink()
+    if plant == "dev-zero":
+        manifest.symlink_to("/dev/zero")
+    else:
+        with open(manifest, "wb") as f:
+            f.truncate(20 << 30)
+    code, err = _train(world, out, "--max-steps", "3")
+    one_error(code, err, "checkpoint-last.json")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_eval_predictions_that_are_no_file_are_refused_unopened(world, tmp_path, kind):
+    """`eval --predictions FIFO` hung; /dev/zero was read for 64 MiB."""
+    import os
+
+    path = tmp_path / "p.fifo" if kind == "fifo" else "/dev/zero"
+    if kind == "fifo":
+        os.mkfifo(path)
+    code, err = run_cli("eval", "--predictions", path, "--data", world["dev"], "--out",
+                        tmp_path / "e")
+    one_error(code, err, "--predictions", "not a regular file")
+
+
+def test_a_generator_config_nested_too_deeply_is_one_line(world, tmp_path):
+    """`init --generator` a JSON file of 100,000 nested lists: an unexpected RecursionError."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000)
+    code, err = run_cli("init", "--index", world["kb"], "--generator", deep,
+                        "--generator-tokenizer", TOKENIZER, "--out", tmp_path / "m")
+    one_error(code, err, str(deep), "nested too deeply")
