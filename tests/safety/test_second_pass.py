@@ -495,3 +495,37 @@ def test_a_generator_config_nested_too_deeply_is_one_line(world, tmp_path):
     code, err = run_cli("init", "--index", world["kb"], "--generator", deep,
                         "--generator-tokenizer", TOKENIZER, "--out", tmp_path / "m")
     one_error(code, err, str(deep), "nested too deeply")
+
+
+@pytest.mark.parametrize("held", ["metrics-notes", "both-notes", "metrics-link", "earlier-eval"])
+def test_eval_out_takes_a_markerless_folder_only_when_it_is_an_earlier_eval(world, tmp_path,
+                                                                           held):
+    """A folder holding a user's metrics.json ("my notes") and/or predictions.jsonl, or a link
+    named metrics.json, was taken for an earlier rag_fast's evaluation folder by the names
+    alone, and overwritten. An earlier evaluation (its two files, no marker) still is."""
+    import shutil
+
+    out = tmp_path / "e"
+    args = ["eval", "--data", world["dev"], "--model", world["model"], "--out", out,
+            "--num-beams", "1", "--max-new-tokens", "2", "--no-progress"]
+    if held == "earlier-eval":
+        code, err = run_cli(*args)
+        assert code == 0, err
+        (out / "rag_fast-output.json").unlink()  # as an earlier rag_fast left it
+    else:
+        out.mkdir()
+        (out / "metrics.json").write_text("my notes\n")
+        if held == "both-notes":
+            (out / "predictions.jsonl").write_text("{}\n")
+        elif held == "metrics-link":
+            (out / "metrics.json").unlink()
+            (tmp_path / "target.txt").write_text("mine\n")
+            (out / "metrics.json").symlink_to(tmp_path / "target.txt")
+    before = {p.name: (p.is_symlink(), p.read_bytes()) for p in out.iterdir()}
+    code, err = run_cli(*args)
+    if held == "earlier-eval":
+        assert code == 0, err
+        return
+    one_error(code, err, "--out", "did not write")
+    assert {p.name: (p.is_symlink(), p.read_bytes()) for p in out.iterdir()} == before
+    shutil.rmtree(out)
