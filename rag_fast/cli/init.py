@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             and args.generator_tokenizer is None):
         raise ValueError(f"--generator {args.generator!r} is a config file: give "
                          "--generator-tokenizer (a tokenizer name or folder) for its vocabulary")
+    if not 0 <= args.seed < 2**63:  # torch's generator takes a 64-bit seed
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.question_encoder is None and args.index is None:
         raise ValueError("give --question-encoder (a name or folder) or --index (an index "
                          "directory whose question encoder to use)")

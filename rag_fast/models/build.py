@@ -211,10 +211,10 @@ def _folder_tokenizer(name: str, what: str) -> Any:
         if not os.path.isdir(name):
             raise
         raise ValueError(f"{what} {name!r}: a file of it is not valid JSON ({exc})") from None
-    except (OSError, ValueError):
+    except OSError:
         raise
     except Exception as exc:  # noqa: BLE001  (the library's error on files it could not read)
-        if not os.path.isdir(name):
+        if not os.path.isdir(name) or (isinstance(exc, ValueError) and needs_code(exc)):
             raise
         raise ValueError(f"{what} {name!r}: its files cannot be read as a tokenizer "
                          f"({type(exc).__name__}: {brief_error(exc)})") from None

@@ -572,7 +572,8 @@ class Trainer:
         path = self._output_file(self.config.metrics_file)
         if path is None or not os.path.isfile(path):
             return
-        with open(path, encoding="utf-8") as f:
+        # bytes that are not UTF-8 (not ours) are kept as they are, through surrogateescape
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             lines = f.readlines()
         keep = []
         for line in lines:
@@ -588,7 +589,8 @@ class Trainer:
                 continue
             keep.append(line)
         if keep != lines:
-            atomic_write(path, lambda f: f.write("".join(keep).encode("utf-8")))
+            atomic_write(path, lambda f: f.write("".join(keep).encode("utf-8",
+                                                                       "surrogateescape")))
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_path(self) -> str:

@@ -529,3 +529,31 @@ def test_eval_out_takes_a_markerless_folder_only_when_it_is_an_earlier_eval(worl
     one_error(code, err, "--out", "did not write")
     assert {p.name: (p.is_symlink(), p.read_bytes()) for p in out.iterdir()} == before
     shutil.rmtree(out)
+
+
+def test_init_names_the_flag_for_an_empty_tokenizer_folder_and_a_huge_seed(world, tmp_path):
+    """`--generator-tokenizer EMPTY_DIR` said transformers' "Couldn't instantiate the backend
+    tokenizer" naming nothing; `--seed 10**23` said "Overflow when unpacking long long"."""
+    (tmp_path / "empty").mkdir()
+    base = ["init", "--index", world["kb"], "--generator", world["root"] / "g.json", "--out",
+            tmp_path / "m"]
+    code, err = run_cli(*base, "--generator-tokenizer", tmp_path / "empty")
+    one_error(code, err, f"--generator-tokenizer {str(tmp_path / 'empty')!r}")
+    code, err = run_cli(*base, "--generator-tokenizer", TOKENIZER, "--seed", str(10**23))
+    one_error(code, err, "--seed must be in [0, 2**63)")
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_resume_keeps_bytes_of_the_metrics_file_that_are_not_utf8(world, tmp_path):
+    """Random bytes appended to a run's metrics.jsonl made the resume fail with "'utf-8' codec
+    can't decode" naming no file; lines that are not the trainer's are kept as they are."""
+    from test_run_files import _train
+
+    out = tmp_path / "r"
+    assert _train(world, out)[0] == 0
+    junk = b"\n\xf0\x28\x8c\x28 not ours\n"
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(junk)
+    code, err = _train(world, out, "--max-steps", "3")
+    assert code == 0, err
+    assert junk.strip() in (out / "metrics.jsonl").read_bytes()
