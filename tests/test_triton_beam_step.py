@@ -18,27 +18,12 @@ import torch
 from rag_fast.ops import rag_token_beam_step
 from rag_fast.reference_decoding import rag_token_beam_candidates
 from rag_fast.reference_decoding import rag_token_beam_step as reference_step
+from test_beam_step import _inputs
 from utils import assert_close_rule, requires_triton
 
 pytestmark = requires_triton
 
 BF16 = torch.bfloat16
-
-
-def _inputs(B, W, K, V, seed, missing=False, bias=False):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(B, W, K, V, generator=g) * 3).to(BF16)
-    scores = torch.randn(B, K, generator=g)
-    if missing:  # question 0 loses passage 0
-        scores[0, 0] = float("-inf")
-    a = torch.log_softmax(scores, dim=1)
-    beam = torch.randn(B, W, generator=g) * 2
-    b = None
-    if bias:
-        b = torch.zeros(B * W, V)
-        b[:, 0] = float("-inf")
-        b[:, V // 2] = -1.5
-    return x, a, beam, b
 
 
 # (B, W, K, V, missing prior, bias, num_candidates)
@@ -51,7 +36,7 @@ CASES = [
 @pytest.mark.parametrize("B,W,K,V,missing,bias,n", CASES,
                          ids=["plain", "-inf-prior-bias-n5"])
 def test_bf16_triton_matches_reference(B, W, K, V, missing, bias, n):
-    x, a, beam, b = _inputs(B, W, K, V, seed=V + K, missing=missing, bias=bias)
+    x, a, beam, b = _inputs(B, W, K, V, seed=V + K, missing=missing, bias=bias, dtype=BF16)
     assert x.dtype == BF16
     scores, beams, tokens = rag_token_beam_step(x, a, beam, b, num_candidates=n, impl="triton")
     dbl = None if b is None else b.double()

@@ -3,6 +3,8 @@ the fix): argparse usage errors in one line, --split 0, inputs that are not file
 build whose settings differ from its shards', ..."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from conftest import TOKENIZER, one_error, one_line, run_cli
@@ -113,6 +115,26 @@ def test_split_must_be_a_number_of_words(world, tmp_path, split):
     assert not (tmp_path / "kb").exists() and not (tmp_path / "kb.staging").exists()
 
 
+def _filled_to_every_level(root, args) -> Iterator[tuple[int, int, str]]:
+    """Run ``rag-fast ARGS`` on the small disk ``root`` filled to leave 0, 4 KiB, 8 KiB ...
+    free (everything else on it removed first), yielding ``(left, exit status, stderr)`` of
+    each failed run; returns once a run succeeds, and fails the test if none does."""
+    import os
+    import shutil
+
+    stats = os.statvfs(root)
+    room = stats.f_bavail * stats.f_frsize
+    for left in range(0, room, 4096):
+        for entry in root.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        (root / "filler").write_bytes(b"\0" * (room - left))
+        code, err = run_cli(*args)
+        if code == 0:
+            return
+        yield left, code, err
+    pytest.fail(f"rag-fast {args[0]} never fit in {room} bytes")
+
+
 @pytest.mark.parametrize("shard", [None, "0/2"])
 def test_index_build_on_a_disk_filled_to_any_level_fails_in_one_line_naming_a_file(
         world, real_disk, shard, capfd):
@@ -121,30 +143,20 @@ def test_index_build_on_a_disk_filled_to_any_level_fails_in_one_line_naming_a_fi
     over the room left, 4 KiB at a time, until the build fits: every failure is the one line
     naming a file under the disk, and leaves nothing but a --shard build's staging."""
     import os
-    import shutil
 
     root = real_disk.path
-    stats = os.statvfs(root)
-    room = stats.f_bavail * stats.f_frsize
     args = ["index", "build", "--passages", world["passages"], "--encoder", world["encoder"],
             "--out", root / "kb", "--no-progress"] + (["--shard", shard] if shard else [])
     failures = 0
-    for left in range(0, room, 4096):
-        for entry in root.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        (root / "filler").write_bytes(b"\0" * (room - left))
-        code, err = run_cli(*args)
+    for left, code, err in _filled_to_every_level(root, args):
         # nothing else on the process's stderr (faiss printed "close error" lines of its own)
         assert capfd.readouterr().err == "", left
-        if code == 0:
-            break
         failures += 1
         one_error(code, err, f"no space left on device writing {root}{os.sep}kb")
         assert "Errno" not in err and "[(" not in err, err
         assert {p.name for p in root.iterdir()} <= {"filler", "kb.staging"} if shard else \
             {p.name for p in root.iterdir()} == {"filler"}, left
-    else:
-        pytest.fail(f"the build never fit in {room} bytes")
+    assert capfd.readouterr().err == ""  # the run that fit, likewise
     assert failures >= 3  # the sweep met the full disk at several stages
 
 
@@ -223,12 +235,7 @@ def test_an_evaluation_onto_a_full_disk_leaves_no_folder(world, real_disk, comma
     """`eval --out` and `index eval --out` on a full disk said so in one line but left the
     (empty, or marked) folder they had made. Swept over the room left, 4 KiB at a time, until
     the evaluation fits."""
-    import os
-    import shutil
-
     root = real_disk.path
-    stats = os.statvfs(root)
-    room = stats.f_bavail * stats.f_frsize
     out = root / "e"
     if command == "eval":
         args = ["eval", "--data", world["dev"], "--model", world["model"], "--out", out,
@@ -236,18 +243,10 @@ def test_an_evaluation_onto_a_full_disk_leaves_no_folder(world, real_disk, comma
     else:
         args = ["index", "eval", "--data", world["dev"], "--index", world["kb"], "--out", out]
     failures = 0
-    for left in range(0, room, 4096):
-        for entry in root.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        (root / "filler").write_bytes(b"\0" * (room - left))
-        code, err = run_cli(*args)
-        if code == 0:
-            break
+    for left, code, err in _filled_to_every_level(root, args):
         failures += 1
         one_error(code, err, "no space left on device writing")
         assert [p.name for p in root.iterdir()] == ["filler"], (left, err)
-    else:
-        pytest.fail(f"the evaluation never fit in {room} bytes")
     assert failures >= 2 and (out / "metrics.json").is_file()
 
 
