@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
@@ -195,8 +196,6 @@ def read_json_file(path: str | os.PathLike) -> object:
         ValueError: naming ``path``: not a regular file (a folder, a device, a pipe), too
             large, not UTF-8 or not JSON.
     """
-    import stat
-
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
         what = ("a folder" if stat.S_ISDIR(st.st_mode) else "a named pipe"

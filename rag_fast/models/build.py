@@ -274,7 +274,6 @@ def build_rag_model(
             number of passages in ``index``.
         OSError: a name or folder that ``transformers`` cannot open.
     """
-    import transformers
 
     # RagModel's own checks, before any model is downloaded or loaded
     check_arguments(mode=mode, n_docs=n_docs, epsilon=epsilon,

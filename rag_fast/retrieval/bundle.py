@@ -48,9 +48,8 @@ from rag_fast.retrieval.index import (INDEX_KIND, PRESETS, SMALL_CORPUS, DenseIn
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
                                          stand_in_questions)
 from rag_fast.storage import (NoSpaceError, StorageError, atomic_directory, check_apart,
-                              disk_errors, pid_alive, check_output_folder, check_seal,
-                              read_json_file,
-                              describe_files, fsync_dir, part_digests, read_manifest,
+                              check_output_folder, check_seal, describe_files, disk_errors,
+                              fsync_dir, part_digests, pid_alive, read_json_file, read_manifest,
                               sha256_file, unlisted_files, write_json, write_manifest)
 
 BUNDLE_KIND = "rag_fast.index_bundle"
@@ -363,11 +362,10 @@ def _claim_staging(staging: Path, key: dict, sharded: bool, log: Callable[[str],
         staged = _read_key(path)
         if staged == key:
             return fresh
-        differ = (sorted(k for k in key if staged.get(k) != key[k]) if staged is not None
-                  else ["settings (no key: an older version's staging)"])
+        differ = _settings_differ(staged, key)  # each setting, with both values
         other_settings = ValueError(
             f"--shard: {staging} holds passages or embeddings made with other settings "
-            f"({', '.join(differ)} differ): another build with other settings is in progress, "
+            f"({differ}): another build with other settings is in progress, "
             f"or a stale one failed; finish it or delete {staging}")
         if sharded and staged is not None:
             raise other_settings
@@ -385,10 +383,10 @@ def _claim_staging(staging: Path, key: dict, sharded: bool, log: Callable[[str],
         if staged_shards:  # --shard builds' work: never discarded for a setting that differs
             raise ValueError(
                 f"--out's staging folder {staging} holds shards staged by --shard builds with "
-                f"other settings ({_settings_differ(staged, key)}; first: {staged_shards[0]}): "
+                f"other settings ({differ}; first: {staged_shards[0]}): "
                 "run this build with the settings the shards were built with to merge them, or "
                 "remove the staging folder to start over")
-        log(f"discarding stale staging {staging} (made with other {', '.join(differ)})")
+        log(f"discarding stale staging {staging} (made with other settings: {differ})")
         trash = Path(tempfile.mkdtemp(prefix=f".{staging.name}.old-", dir=staging.parent))
         try:
             os.replace(staging, trash / "old")
