@@ -28,7 +28,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
+from typing import IO, Iterable, Iterator
 
 import numpy as np
 
@@ -688,20 +688,34 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 
 def atomic_write(path: str | os.PathLike, write) -> None:
     """``write(f)`` to a temporary file beside ``path`` (binary), fsync, then rename over
-    ``path``; the temporary is removed on any failure (a full disk included)."""
+    ``path``; the temporary is removed on any failure (a full disk included). The folder of
+    ``path`` is created when missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
+    with atomic_file(path, "wb") as f:
+        write(f)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """A file opened (``mode``: ``"w"`` text in UTF-8, or ``"wb"``) on a temporary beside
+    ``path`` that becomes ``path`` when the block ends normally: flushed, fsynced, renamed
+    over ``path``, the rename made durable. On any failure (a full disk: a
+    :class:`NoSpaceError` naming ``path``; an interruption) the temporary is removed and
+    ``path`` is as it was. The folder of ``path`` must exist."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
+    encoding = None if "b" in mode else "utf-8"
     try:
-        with disk_errors(path), open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with disk_errors(path):
+            with open(tmp, mode, encoding=encoding) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
         fsync_dir(folder)
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
 
 
@@ -776,6 +790,38 @@ def output_lock(out: str | os.PathLike, flag: str = "output") -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+@contextlib.contextmanager
+def shared_lock(path: str | os.PathLike, shared: bool, flag: str, who: str) -> Iterator[None]:
+    """Hold a lock on ``path`` (a folder, existing or not; keyed like :func:`output_lock`)
+    for the block: ``shared`` with the other holders of a shared lock, or exclusive. The
+    ``--shard`` builds of one index hold it shared on its staging folder and a full build
+    exclusive, so a full build never discards or removes a staging folder that a shard build
+    is writing, and a shard build never writes one a full build is working in.
+
+    Raises:
+        OutputLockedError: the other kind is held; the message names ``flag``, ``path`` as
+            given, ``who`` holds it and its process id where the system tells it.
+    """
+    import fcntl
+
+    real = os.path.realpath(os.path.abspath(os.fspath(path)))
+    key = hashlib.sha256(b"shared:" + os.fsencode(real)).hexdigest()[:32]
+    lock_file = _lock_folder() / f"{key}.lock"
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(lock_file)
+            pid = f" (process {holder})" if holder is not None else ""
+            raise OutputLockedError(
+                f"{flag} {os.fspath(path)!r} is in use by {who}{pid}; refused: wait for it to "
+                "end") from None
+        yield
+    finally:
+        os.close(fd)  # (the lock goes with it)
 
 
 # ---- a full disk ---------------------------------------------------------------------------

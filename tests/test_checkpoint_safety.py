@@ -8,6 +8,7 @@ import os
 import random
 import re
 import shlex
+import subprocess
 import sys
 import warnings
 from dataclasses import asdict, fields
@@ -167,13 +168,19 @@ def test_save_killed_between_renames_is_completed_on_resume(tmp_path):
             make_config(max_steps=4, checkpoint_every=2, output_dir=str(tmp_path)),
             on_step_end=keep_manifest).train()
     manifest = tmp_path / "checkpoint-last.json"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process id no process holds now: the killed writer's
+    pending = f"checkpoint-last.json.tmp-{dead.pid}"
     # killed after the payload of step 4 was renamed, before its manifest was
-    manifest.rename(tmp_path / "checkpoint-last.json.tmp-4242")
+    manifest.rename(tmp_path / pending)
     manifest.write_text(manifests[2])
     trainer = fresh(tmp_path, max_steps=4)
     assert trainer.resume() and trainer.state.step == 4
+    # the resume finished the save: the manifest is in place, the temporary gone
+    assert json.loads(manifest.read_text())["step"] == 4
+    assert not (tmp_path / pending).exists()
     # the same for a first save: no manifest yet
-    manifest.unlink()
+    manifest.rename(tmp_path / pending)
     trainer = fresh(tmp_path, max_steps=4)
     assert trainer.resume() and trainer.state.step == 4
     trainer.save_checkpoint()  # writes the pair and clears the temporary

@@ -180,7 +180,18 @@ def one_line(exc: BaseException) -> str:
         text = str(exc) or type(exc).__name__
     if isinstance(exc, KeyError):  # str(KeyError) is the key's repr
         text = f"missing key {text}"
-    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return " ".join(_shortened(word) for word in text.split())
+
+
+_LONGEST_WORD = 200  # characters of one word of an error line kept whole
+
+
+def _shortened(word: str) -> str:
+    """``word`` whole, or its start and end around how much was left out: a crafted value
+    (a 400-digit number, a megabyte-long name) echoed in an error stays one readable line."""
+    if len(word) <= _LONGEST_WORD:
+        return word
+    return f"{word[:120]}...({len(word) - 160:,} characters)...{word[-40:]}"
 
 
 def _report_unexpected(exc: BaseException, verbose: bool) -> int:

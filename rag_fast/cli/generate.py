@@ -37,7 +37,7 @@ from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_p
                                  decoding_settings, describe_decoding, load_model)
 from rag_fast.evaluation.report import passage_record
 from rag_fast.models.checkpoint import resolve_model_dir
-from rag_fast.storage import check_apart, disk_errors
+from rag_fast.storage import atomic_file, check_apart
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -73,6 +73,11 @@ def _check_out(args) -> None:
     check_apart(args.out, "--out", {"--questions": args.questions, "--model": args.model,
                                     "--index": args.index, "--tokenizer": args.tokenizer})
     path = Path(args.out)
+    if args.out.endswith(os.sep) or not os.path.isdir(os.path.dirname(args.out) or "."):
+        folder = os.path.dirname(args.out.rstrip(os.sep)) or "."
+        why = ("ends with a path separator: give a file name" if args.out.endswith(os.sep)
+               else f"its folder {folder!r} {not_a_folder(folder)}")
+        raise FileNotFoundError(f"--out {args.out!r} {why}; refused (nothing was written)")
     if not path.exists() and not path.is_symlink():
         return
     if not path.is_file():
@@ -169,24 +174,8 @@ def run(args) -> int:
     bar = None
     if args.out and not args.no_progress:
         bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
-    out = sys.stdout
-    if args.out:
-        tmp = os.path.join(os.path.dirname(args.out), f".{os.path.basename(args.out)}.tmp-"
-                           f"{os.getpid()}")
-        out = open(tmp, "w", encoding="utf-8")
-    try:
-        with disk_errors(args.out) if args.out else contextlib.nullcontext():
-            _answer_all(model, rows, args, settings, record, out, bar)
-            if args.out:
-                out.close()  # (a full disk may fail here: the temporary is removed below)
-                os.replace(out.name, args.out)
-    except BaseException:
-        if args.out:
-            with contextlib.suppress(OSError):
-                out.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(out.name)
-        raise
+    with atomic_file(args.out) if args.out else contextlib.nullcontext(sys.stdout) as out:
+        _answer_all(model, rows, args, settings, record, out, bar)
     if bar is not None:
         bar.close()
     # how the answers were decoded, said once they are out (each line records it too)

@@ -12,6 +12,7 @@ with :func:`~rag_fast.retrieval.bundle.load_index_bundle`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -20,10 +21,11 @@ from rag_fast.cli.common import check_positive, resolve_device, warn
 from rag_fast.evaluation.retrieval import (format_table, load_retrieval_data, retrieval_report,
                                            write_retrieval_report)
 from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
-                                       open_bundle_search, read_tuning_questions)
+                                       open_bundle_search, read_tuning_questions,
+                                       staging_folder)
 from rag_fast.retrieval.index import PRESETS
 from rag_fast.storage import (RETRIEVAL_EVAL_KIND, atomic_write_bytes, check_apart,
-                              check_output_folder)
+                              check_output_folder, shared_lock)
 
 SEARCH_TEXT_CHARS = 200  # characters of each passage's text in the JSON lines of a batch search
 
@@ -181,14 +183,23 @@ def _check_not_empty(*paths: tuple[str, str | None]) -> None:
 def run_build(args: argparse.Namespace) -> int:
     _check_not_empty(("--passages", args.passages), ("--encoder", args.encoder),
                      ("--query-encoder", args.query_encoder), ("--queries", args.queries))
+    # --shard builds share their staging folder; a full build has it to itself (the library
+    # refuses an --out that names no folder of its own, hence no staging folder: no lock)
+    who = ("a full build of the same --out (index build without --shard)" if args.shard else
+           "--shard builds of the same --out")
+    lock = contextlib.nullcontext()
+    if Path(args.out).name not in ("", ".."):
+        lock = shared_lock(staging_folder(args.out), bool(args.shard), "--out's staging folder",
+                           who)
     try:
-        build_index_bundle(
-            args.passages, args.encoder, args.out, query_encoder=args.query_encoder,
-            preset=args.preset, on_disk=args.on_disk, target_recall=args.target_recall,
-            queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
-            max_length=args.max_length, batch_size=args.batch_size, device=args.device,
-            overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress,
-            warn=warn, remove_staging=args.remove_staging)
+        with lock:
+            build_index_bundle(
+                args.passages, args.encoder, args.out, query_encoder=args.query_encoder,
+                preset=args.preset, on_disk=args.on_disk, target_recall=args.target_recall,
+                queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
+                max_length=args.max_length, batch_size=args.batch_size, device=args.device,
+                overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress,
+                warn=warn, remove_staging=args.remove_staging)
     except (FileNotFoundError, ValueError) as e:  # the reader names it: say the flag
         if str(e).startswith("passages: "):
             raise type(e)("--passages: " + str(e).removeprefix("passages: ")) from None

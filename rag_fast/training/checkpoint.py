@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rag_fast.storage import (RUN_KIND, atomic_write, check_output_folder, disk_errors,
-                              folder_kind, fsync_dir, read_json_file, sha256_file,
+                              folder_kind, fsync_dir, pid_alive, read_json_file, sha256_file,
                               write_marker)
 from rag_fast.training.config import CHECKPOINT, CHECKPOINT_MANIFEST, TrainConfig
 
@@ -147,6 +147,29 @@ def _write_checkpoint(payload: dict, path: str, step: int) -> None:
             os.remove(stale)
 
 
+def settle_killed_saves(path: str) -> None:
+    """After a verified resume from ``path``, finish what a killed save left: a manifest still
+    under its temporary name that matches the payload is renamed into place, and the other
+    temporaries of saves whose process is gone (``<stem>*.tmp-PID``, a payload can be
+    gigabytes) are removed. Only the process that writes the checkpoints may call it."""
+    manifest = _manifest_path(path)
+    record = _verify(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    for stale in sorted(glob.glob(os.path.join(glob.escape(folder), glob.escape(stem)
+                                               + "*.tmp-*"))):
+        pid = stale.rsplit(".tmp-", 1)[1]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError, CheckpointError):
+            if stale.startswith(manifest + ".tmp-") and _read_manifest(stale) == record:
+                os.replace(stale, manifest)  # the save's last step, done now
+                fsync_dir(folder)
+                continue
+        with contextlib.suppress(OSError):
+            os.remove(stale)
+
+
 def _read_manifest(manifest: str) -> dict:
     try:  # a regular file of a manifest's size (not a link to /dev/zero, a 20 GB file)
         record = read_json_file(manifest)
@@ -162,6 +185,16 @@ def _read_manifest(manifest: str) -> dict:
 
 
 _MANIFEST_KEYS = ("format", "payload", "size", "sha256", "step")
+_LARGEST = 2**63  # sizes and steps above are no save's (and would be echoed in full)
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a crafted value in one line, not a page."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's digit limit
+        return "a number too long to print"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _manifest_problem(record: dict, manifest: str) -> str | None:
@@ -171,20 +204,21 @@ def _manifest_problem(record: dict, manifest: str) -> str | None:
     if sorted(record) != sorted(_MANIFEST_KEYS):
         return f"its keys are {sorted(record)}, expected {sorted(_MANIFEST_KEYS)}"
     for key in ("size", "step"):
-        if isinstance(record[key], bool) or not isinstance(record[key], int) or record[key] < 0:
-            return f"{key} must be a whole number >= 0, got {record[key]!r}"
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _LARGEST:
+            return f"{key} must be a whole number in [0, 2**63), got {_shown(value)}"
     if not isinstance(record["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}",
                                                                   record["sha256"]):
-        return f"sha256 must be 64 hex digits, got {record['sha256']!r}"
+        return f"sha256 must be 64 hex digits, got {_shown(record['sha256'])}"
     if not isinstance(record["payload"], str):
-        return f"payload must be a file name, got {record['payload']!r}"
+        return f"payload must be a file name, got {_shown(record['payload'])}"
     return None
 
 
 def _mismatch(path: str, manifest: str, record: dict, size: int, sha256: str) -> str | None:
     """Why the payload (``size``, ``sha256``) does not match ``record``; None when it does."""
     if record["payload"] != os.path.basename(path):
-        return (f"{manifest} is the manifest of {record['payload']!r}, not of "
+        return (f"{manifest} is the manifest of {_shown(record['payload'])}, not of "
                 f"{os.path.basename(path)!r} beside it (edited?)")
     if size != record["size"]:
         how = "truncated" if size < record["size"] else "longer than written"

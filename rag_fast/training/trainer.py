@@ -81,7 +81,8 @@ from rag_fast import _threads
 from rag_fast._threads import SlowStepWatch
 from rag_fast.storage import atomic_write
 from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, _json_default, claim_run_folder,
-                                          restore_checkpoint, save_checkpoint)
+                                          restore_checkpoint, save_checkpoint,
+                                          settle_killed_saves)
 from rag_fast.training.config import CHECKPOINT_MANIFEST, PRECISIONS, TrainConfig
 from rag_fast.training import heap
 from rag_fast.training.distributed import average_gradients, broadcast_module, world
@@ -633,5 +634,7 @@ class Trainer:
             origin=self.origin)
         if state is None:
             return False
+        if self.rank == 0:  # the writer of checkpoints: what a killed save left is settled
+            settle_killed_saves(path or self.checkpoint_path())
         self.state = state
         return True
