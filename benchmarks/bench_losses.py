@@ -122,7 +122,7 @@ def run(ctx: Context) -> list[Row]:
                     "rag_fast fused": lambda x, s, f=ours, e=eps: f(
                         x, s, target, epsilon=e, ignore_index=PAD, impl="auto"),
                 })
-                calls = {p: _call(fn, logits, scores, direction) for p, fn in providers.items()}
+                calls = {p: call_with_tied(fn, logits, scores, direction) for p, fn in providers.items()}
                 compile_s = (compile_seconds(calls[COMPILED], ctx.device)
                              if COMPILED in calls else None)
                 measured = measure_interleaved(calls, ctx)
@@ -154,7 +154,7 @@ def _rows(case: str, measured: dict[str, Measurement], read: Measurement, logits
     return rows
 
 
-def _call(fn, logits, scores, direction):
+def call_with_tied(fn, logits, scores, direction):
     if direction == "fwd":
         def forward():
             with torch.no_grad():

@@ -557,7 +557,7 @@ def _mb(row: dict | None) -> str:
 def default_path(case: str) -> str:
     """``"fused"`` or ``"materialized"``: what ``RagModel(lm_head_loss="auto")`` runs for the
     training step of ``case`` (fp32 logits of its B*K rows, target positions and vocabulary)."""
-    from rag_fast.models.rag_model import lm_head_path
+    from rag_fast.models.options import lm_head_path
 
     size_name, _, *rest = case.split()
     words = dict(w.split("=") for w in rest)

@@ -279,11 +279,11 @@ def test_decoder_only_rows_name_their_shape():
 
 
 def test_default_path_follows_the_logits_size(monkeypatch):
-    from rag_fast.models import rag_model
+    from rag_fast.models import options
 
     case = "qwen2-0.5b-2l token B=2 K=5 L=64 T=32"  # 2*5*32 rows x 151936 x 4 B = 194 MB
     assert bench_training.default_path(case) == "materialized"
-    monkeypatch.setattr(rag_model, "FUSED_LOGITS_BYTES", 194 * 10**6)
+    monkeypatch.setattr(options, "FUSED_LOGITS_BYTES", 194 * 10**6)
     assert bench_training.default_path(case) == "fused"
 
 

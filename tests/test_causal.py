@@ -74,7 +74,7 @@ def test_left_padded_rows_give_the_unpadded_logits(family):
     prompts, ids, mask = _prompts(V, LENGTHS)
     answers = torch.tensor([[5, 6, 7, EOS], [8, EOS, PAD, PAD]])
     states = _causal.answer_states(g, ids, mask, answers)  # [B*K, T, d]
-    head = causal.lm_head(g)
+    head = causal.decoder_only_lm_head(g)
     logits = torch.nn.functional.linear(states, head.weight, head.bias)
     assert logits.shape == (6, 4, V)
     for b in range(2):
@@ -250,7 +250,7 @@ def test_bad_generators_and_inputs_are_refused():
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         RagModel(g, n_docs=3)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
-        causal.lm_head(g)
+        causal.decoder_only_lm_head(g)
     g.config.final_logit_softcapping = None
     model = RagModel(g, n_docs=3)
     assert model.is_causal

@@ -13,7 +13,7 @@ import torch
 
 from rag_fast import cli
 from rag_fast.models import RagModel, load_retriever
-from rag_fast.models.checkpoint import CheckpointError
+from rag_fast.models.checkpoint import ModelDirError
 from rag_fast.retrieval import DenseIndex, Passage, PassageStore
 from rag_fast.training import encode_targets
 from test_cli_train import PASSAGES, QA, word_tokenizer
@@ -106,15 +106,15 @@ def test_load_names_a_corrupt_or_missing_file(tmp_path):
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="generator/model.safetensors does not match"):
+    with pytest.raises(ModelDirError, match="generator/model.safetensors does not match"):
         RagModel.load(str(tmp_path / "m"))
     weights.unlink()
-    with pytest.raises(CheckpointError, match="generator/model.safetensors is missing"):
+    with pytest.raises(ModelDirError, match="generator/model.safetensors is missing"):
         RagModel.load(str(tmp_path / "m"))
     side_path = tmp_path / "m" / "rag_fast.json"
     side = json.loads(side_path.read_text())
     side_path.write_text(json.dumps(sealed({**side, "layout": "mystery"})))  # accepted edit
-    with pytest.raises(CheckpointError, match="unknown layout 'mystery'"):
+    with pytest.raises(ModelDirError, match="unknown layout 'mystery'"):
         RagModel.load(str(tmp_path / "m"))
 
 

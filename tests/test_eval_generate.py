@@ -131,7 +131,7 @@ def test_generated_answers_are_not_cleaned_up():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from rag_fast.models.rag_model import decode_answers
+    from rag_fast.models.contexts import decode_answers
 
     words = ["<s>", "<pad>", "</s>", "<unk>", ".", ",", "x", "what", "is", "/", "//", "p"]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from rag_fast.models import CheckpointError, RagModel, Retrieved
+from rag_fast.models import ModelDirError, RagModel, Retrieved
 from rag_fast.testing import tiny_hf_rag
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one thread for tiny models
@@ -110,7 +110,7 @@ def test_every_file_is_verified(tmp_path):
     RagModel.load(str(path))
 
     def fails(match):
-        with pytest.raises(CheckpointError, match=match):
+        with pytest.raises(ModelDirError, match=match):
             RagModel.load(str(path))
 
     weights = path / "model.safetensors"
@@ -141,9 +141,9 @@ def test_every_file_is_verified(tmp_path):
     (path / "rag_fast.json").write_text(json.dumps(side))
     os.remove(path / "generation_config.json")
     fails("incomplete: generation_config.json is missing")
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(ModelDirError, match="does not exist"):
         RagModel.load(str(tmp_path / "nowhere"))
-    with pytest.raises(CheckpointError, match="not a model directory: no config.json"):
+    with pytest.raises(ModelDirError, match="not a model directory: no config.json"):
         RagModel.load(str(tmp_path))
 
 
@@ -160,7 +160,7 @@ def test_save_is_atomic_and_removes_stale_temporaries(tmp_path):
 
 def test_a_model_without_transformers_modules_cannot_be_saved(tmp_path):
     hf = tiny_hf_rag("token", n_docs=K, vocab_size=V)
-    with pytest.raises(CheckpointError, match="question_encoder is None"):
+    with pytest.raises(ModelDirError, match="question_encoder is None"):
         RagModel(hf.rag.generator, None, n_docs=K).save(str(tmp_path / "m"))
 
 

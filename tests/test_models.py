@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from rag_fast.generation.heads import lm_head
-from rag_fast.models import CheckpointError, RagModel, Retrieved, rag_model
+from rag_fast.generation.heads import encoder_decoder_lm_head
+from rag_fast.models import ModelDirError, RagModel, Retrieved, options, rag_model
 from rag_fast.testing import tiny_hf_rag
 
 B, K, L, T = 2, 3, 7, 6
@@ -106,9 +106,9 @@ def test_own_checkpoint_roundtrip_and_verification(mode, tmp_path):
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(CheckpointError, match="corrupt: model.safetensors does not match"):
+    with pytest.raises(ModelDirError, match="corrupt: model.safetensors does not match"):
         RagModel.load(str(path))
-    with pytest.raises(CheckpointError, match="not a model directory: no config.json"):
+    with pytest.raises(ModelDirError, match="not a model directory: no config.json"):
         RagModel.load(str(tmp_path))
 
 
@@ -195,7 +195,7 @@ def test_lm_head_matches_generator_logits_for_bart_and_t5():
         mask = torch.ones_like(ids)
         expected = gen(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
         states = _seq2seq.decode(gen, dec, _seq2seq.encode(gen, ids, mask), mask)
-        got = _seq2seq.lm_logits(lm_head(gen), states)
+        got = _seq2seq.lm_logits(encoder_decoder_lm_head(gen), states)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -351,10 +351,10 @@ def test_auto_lm_head_loss_fuses_once_the_logits_are_large(monkeypatch):
     import sys
 
     lin = sys.modules["rag_fast.ops.linear_rag_nll"]
-    assert rag_model.lm_head_path("auto", rag_model.FUSED_LOGITS_BYTES) == "fused"
-    assert rag_model.lm_head_path("auto", rag_model.FUSED_LOGITS_BYTES - 1) == "materialized"
-    assert rag_model.lm_head_path("fused", 1) == "fused"
-    assert rag_model.lm_head_path("materialized", 1 << 40) == "materialized"
+    assert options.lm_head_path("auto", options.FUSED_LOGITS_BYTES) == "fused"
+    assert options.lm_head_path("auto", options.FUSED_LOGITS_BYTES - 1) == "materialized"
+    assert options.lm_head_path("fused", 1) == "fused"
+    assert options.lm_head_path("materialized", 1 << 40) == "materialized"
     hf = _hf("token")
     model = RagModel.from_transformers(hf)
     assert model.lm_head_loss == "auto"
@@ -370,7 +370,7 @@ def test_auto_lm_head_loss_fuses_once_the_logits_are_large(monkeypatch):
 
     small = loss()  # tiny logits: the materialized path
     assert not calls
-    monkeypatch.setattr(rag_model, "FUSED_LOGITS_BYTES", 1)
+    monkeypatch.setattr(options, "FUSED_LOGITS_BYTES", 1)
     fused = loss()  # every step's logits now count as large
     assert calls
     torch.testing.assert_close(fused, small, rtol=1e-5, atol=1e-6)

@@ -245,7 +245,8 @@ def test_a_bad_limit_is_one_line_from_the_command_and_an_error_before_any_work(m
     assert "Traceback" not in run.stderr
     assert run.stderr.strip() == ("rag-fast: error: RAG_FAST_POOL_MB must be a whole number of "
                                   "MiB >= 0 (0 turns the pool off), got '2GB'"), run.stderr
-    from rag_fast.models.rag_model import RagModel, check_arguments
+    from rag_fast.models.options import check_arguments
+    from rag_fast.models.rag_model import RagModel
 
     monkeypatch.setenv("RAG_FAST_POOL_MB", "-1")
     with pytest.raises(ValueError, match=r"RAG_FAST_POOL_MB must be a whole number of MiB.*'-1'"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rag_fast.models.build import build_rag_model, check_n_docs
 from rag_fast.models.checkpoint import KIND
-from rag_fast.models.rag_model import check_arguments
+from rag_fast.models.options import check_arguments
 from rag_fast.storage import check_apart, check_output_folder
 
 

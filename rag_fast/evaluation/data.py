@@ -42,7 +42,7 @@ class DatasetError(ValueError):
     """A dataset file that cannot be read as questions and answers."""
 
 
-def _answers(value, where: str) -> tuple[str, ...]:
+def read_answers(value, where: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
@@ -105,7 +105,7 @@ def _from_jsonl(path: str) -> Iterator[QAExample]:
                                f"{sorted(obj)}){_did_you_mean(obj, ANSWER_FIELDS)}")
         raw = obj.get("answers", obj.get("answer"))
         label = obj.get("label")
-        answers = _answers(raw if raw is not None else str(label), where)
+        answers = read_answers(raw if raw is not None else str(label), where)
         extra = {k: v for k, v in obj.items() if k not in ("question", "answers", "answer", "label")}
         yield QAExample(question, answers, None if label is None else str(label), extra, source)
 
@@ -153,7 +153,7 @@ def _from_tsv(path: str) -> Iterator[QAExample]:
             check_unicode(raw, where, '"answers"', DatasetError)
         else:
             raw = [c for c in cols[1:] if c.strip()]
-        yield QAExample(cols[0], _answers(raw, where))
+        yield QAExample(cols[0], read_answers(raw, where))
 
 
 def load_qa(path: str, fmt: str | None = None) -> list[QAExample]:

@@ -118,7 +118,7 @@ def label_accuracy(predictions: Sequence[str], labels: Sequence[str]) -> float:
     return hits / len(predictions)
 
 
-def _passage_text(passage: Any) -> str:
+def passage_text(passage: Any) -> str:
     if isinstance(passage, str):
         return passage
     if isinstance(passage, dict):
@@ -139,7 +139,7 @@ def answer_in_passage(passage: Any, answers: Sequence[str]) -> bool:
     """Does an answer's token sequence (:func:`match_tokens`) occur in the passage's (title and
     text), as consecutive whole tokens? "5" is not found in "15" nor "France" in
     "Francesca", but "dup_gcd" is in "R.dup_gcd(x)" and "2.5 million" in "2.5 million km"."""
-    text = f" {match_tokens(_passage_text(passage))} "
+    text = f" {match_tokens(passage_text(passage))} "
     return any(f" {tokens} " in text for tokens in map(match_tokens, answers) if tokens)
 
 

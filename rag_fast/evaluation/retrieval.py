@@ -34,8 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from rag_fast._jsonl import json_type, read_objects
-from rag_fast.evaluation.data import DatasetError, _answers, load_qa
-from rag_fast.evaluation.metrics import _passage_text, answer_in_passage, match_tokens
+from rag_fast.evaluation.data import DatasetError, read_answers, load_qa
+from rag_fast.evaluation.metrics import passage_text, answer_in_passage, match_tokens
 from rag_fast.storage import (
     RETRIEVAL_EVAL_KIND,
     atomic_write_bytes,
@@ -145,7 +145,7 @@ def load_retrieval_data(path: str) -> list[RetrievalExample]:
             raise DatasetError(f"{where}: missing or empty 'question'")
         answer_field = next((f for f in ANSWER_FIELDS if f in obj), None)
         raw = obj.get(answer_field) if answer_field else None
-        answers = _answers(raw, where) if raw is not None else ()
+        answers = read_answers(raw, where) if raw is not None else ()
         gold = _gold_ids(obj, where)
         gold_field = next((f for f in GOLD_FIELDS if f in obj), None) if gold else None
         for key in obj.keys() - _OTHER_FIELDS - set(ANSWER_FIELDS) - set(GOLD_FIELDS):
@@ -218,7 +218,7 @@ def _count_answers(corpus: Any, answers: dict[str, set[int]], sample: int,
     per_answer = dict.fromkeys(answers, 0)
     per_question: dict[int, int] = {}
     for row in rows:
-        text = match_tokens(_passage_text(corpus[row]))
+        text = match_tokens(passage_text(corpus[row]))
         padded = f" {text} "
         found = [a for token in set(text.split()) & by_first.keys() for a in by_first[token]
                  if f" {a} " in padded]

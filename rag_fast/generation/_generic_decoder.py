@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rag_fast.generation._decoder import check_generator
-from rag_fast.generation.heads import head_logits, lm_head
+from rag_fast.generation.heads import encoder_decoder_lm_head, head_logits
 
 
 def cache_argument(module: torch.nn.Module) -> str:
@@ -79,7 +79,7 @@ class GenericDecoder:
         self.generator = generator
         self.decoder = generator.get_decoder()
         self._cache_arg = cache_argument(self.decoder)
-        self.lm = lm_head(generator)  # weight, bias (+ final_logits_bias), T5's output scale
+        self.lm = encoder_decoder_lm_head(generator)  # weight, bias (+ final_logits_bias), T5's output scale
         self.vocab_size = int(self.lm.weight.shape[0])
         self.d_model = int(self.lm.weight.shape[1])
 

@@ -131,7 +131,7 @@ def _check_linear_logits(config) -> None:
                 "of the last hidden state, which RagModel's LM head (and its fused loss) assume")
 
 
-def lm_head(generator: nn.Module) -> LMHead:
+def decoder_only_lm_head(generator: nn.Module) -> LMHead:
     """The generator's LM head as ``(weight [V, d], bias [V] or None, scale=1.0)``.
 
     Raises:
@@ -240,7 +240,7 @@ class DecoderOnly:
         self.device = ids.device
         self.body = backbone(generator)
         self.cache_arg = cache_argument(self.body)
-        self.head = lm_head(generator)
+        self.head = decoder_only_lm_head(generator)
         self.vocab_size = int(self.head.weight.shape[0])
         self.pad_token_id = int(generator.config.pad_token_id)
         self.score_dtype = (torch.float64 if self.head.weight.dtype == torch.float64
@@ -479,4 +479,4 @@ def causal_generate(
 
 
 __all__ = ["DecoderOnly", "answer_inputs", "backbone", "causal_generate", "check_causal",
-           "check_prompts", "is_causal", "lm_head", "position_ids", "prompt_processors"]
+           "check_prompts", "decoder_only_lm_head", "is_causal", "position_ids", "prompt_processors"]

@@ -5,7 +5,7 @@ bias``, read once per architecture (shared by decoding, here, and training, in
 Encoder-decoder generators (BART, mBART, Pegasus, Marian, T5, mT5, ...): the output embedding,
 BART-style ``final_logits_bias`` when the generator has one, T5's ``d_model ** -0.5`` output
 scale when its forward applies it. Decoder-only generators (``*ForCausalLM``): a plain
-``nn.Linear`` (see :func:`rag_fast.generation.causal.lm_head`).
+``nn.Linear`` (see :func:`rag_fast.generation.causal.decoder_only_lm_head`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class LMHead:
     scale: float
 
 
-def lm_head(generator: nn.Module) -> LMHead:
+def encoder_decoder_lm_head(generator: nn.Module) -> LMHead:
     """An encoder-decoder generator's LM head as ``(weight, bias, scale)``."""
     head = generator.get_output_embeddings()
     bias = head.bias
@@ -65,4 +65,4 @@ def head_logits(head: LMHead, states: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(h, head.weight, head.bias)
 
 
-__all__ = ["LMHead", "head_logits", "lm_head", "output_scale"]
+__all__ = ["LMHead", "encoder_decoder_lm_head", "head_logits", "output_scale"]

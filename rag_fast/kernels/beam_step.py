@@ -14,11 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from rag_fast.kernels.rag_losses import _launch, _split_lse, _tile_marginal, _tuned, row_stats
+from rag_fast.kernels.rag_losses import (launch_chunked, row_stats, split_lse, tile_marginal,
+                                         with_tuned_restore)
 from rag_fast.reference_decoding import select_top
 
 
-@_tuned()
+@with_tuned_restore()
 @triton.jit
 def _candidates_kernel(
     x_ptr, hi_ptr, shift_ptr, beam_ptr, bias_ptr, out_ptr, W, K, V, CHUNK, sb, sw, sk,
@@ -37,8 +38,8 @@ def _candidates_kernel(
         valid = v < hi
         # hi, shift [B, W, K]: a + x - L = (x - hi) + shift, shift = -inf for a missing
         # passage (whatever L is).
-        marginal = _tile_marginal(x_ptr + b * sb + j * sw, sk, hi_ptr + row * K,
-                                  shift_ptr + row * K, 1, K, v, valid, BLOCK_V)
+        marginal = tile_marginal(x_ptr + b * sb + j * sw, sk, hi_ptr + row * K,
+                                 shift_ptr + row * K, 1, K, v, valid, BLOCK_V)
         if HAS_BIAS:
             marginal = marginal + tl.load(bias_ptr + row * V + v, mask=valid, other=0.0)
         tl.store(out_ptr + row * V + v, marginal + beam, mask=valid)
@@ -56,15 +57,15 @@ def beam_step(
     B, W, K, V = x.shape
     # [B, W, K, V] read as the losses' [B, K', T', V] with K' = W, T' = K: lse [B, W, K].
     lse, _, _ = row_stats(x, None, 0)
-    hi, lo = _split_lse(lse)
+    hi, lo = split_lse(lse)
     a3 = a[:, None, :]
     # A missing passage (a = -inf) is skipped even where its row is all -inf (L = -inf).
     shift = torch.where(a3 == float("-inf"), a3, (a3.double() - lo.double()).float())
     cand = torch.empty((B * W, V), dtype=torch.float32, device=x.device)
     chunk = min(V, 8192)  # (b, j) x chunks: enough programs at any batch size
     grid = (B * W, triton.cdiv(V, chunk))
-    _launch(_candidates_kernel, grid, x, hi, shift.contiguous(), beam_scores, bias if bias is not None else cand,
-            cand, W, K, V, chunk, x.stride(0), x.stride(1), x.stride(2),
-            HAS_BIAS=bias is not None, chunk=chunk)
+    launch_chunked(_candidates_kernel, grid, x, hi, shift.contiguous(), beam_scores,
+                   bias if bias is not None else cand, cand, W, K, V, chunk, x.stride(0),
+                   x.stride(1), x.stride(2), HAS_BIAS=bias is not None, chunk=chunk)
     scores, flat = select_top(cand.view(B, W * V), n)
     return scores, flat // V, flat % V

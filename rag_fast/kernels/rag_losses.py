@@ -11,7 +11,7 @@
 #   token_marginal_grad  c = sum_v R g, then R g - P c               programs: (b, t) x splits
 # with P = exp(x - L) and R = exp(a + x - L - M) (token_marginal_grad: M from the forward).
 # L is float64 between the kernels (the row max plus the log of a sum, never rounded at the
-# logits' size); a kernel gets it as two float32 per row, L = hi + lo (_split_lse), and forms
+# logits' size); a kernel gets it as two float32 per row, L = hi + lo (split_lse), and forms
 # x - L as (x - hi) - lo and a + x - L as (x - hi) + (a - lo), whose first step is exact near
 # the row's top: P keeps float32's relative precision (1 - P near P = 1 then carries only the
 # rounding of P itself, as in plain PyTorch).
@@ -56,10 +56,11 @@ _INTERPRETER_PROGRAMS = 8
 _MIN_CHUNK_INTERPRETER = 16
 
 
-def _tuned(*restore: str):
+def with_tuned_restore(*restore: str):
     """Autotune a kernel's BLOCK_V and warps on a GPU (keyed on CHUNK); under the interpreter
-    the kernel is left as is and :func:`_launch` gives it the interpreter's tile. ``restore`` names
-    outputs the tuning runs must put back (a gradient written over the logits)."""
+    the kernel is left as is and :func:`launch_chunked` gives it the interpreter's tile.
+    ``restore`` names outputs the tuning runs must put back (a gradient written over the
+    logits)."""
 
     def wrap(kernel):
         if interpreter_enabled():
@@ -84,8 +85,8 @@ def _load_target(y_ptr, b, t, T, V, ignore_index):
 
 
 @triton.jit
-def _tile_marginal(x_row0, sx_k, hi_row0, shift_row0, shift_sk, K, v_off, in_row,
-                   BLOCK_V: tl.constexpr):
+def tile_marginal(x_row0, sx_k, hi_row0, shift_row0, shift_sk, K, v_off, in_row,
+                  BLOCK_V: tl.constexpr):
     """M [BLOCK_V] = logsumexp_k ((x_k - hi_k) + shift_k) at the tile's columns, an online
     logsumexp over the K passages. x_row0: the passage-0 row of the tile's (b, t); row k is at
     + k * sx_k, its hi and shift (a - lo, -inf for a missing passage: _hi_shift) at
@@ -123,7 +124,7 @@ def _chunk(split, CHUNK, V):
     return lo, tl.minimum(lo + CHUNK, V)
 
 
-@_tuned()
+@with_tuned_restore()
 @triton.jit
 def _row_stats_kernel(
     x_ptr, y_ptr, lse_ptr, tgt_ptr, sum_ptr,
@@ -168,7 +169,7 @@ def _row_stats_kernel(
         tl.store(tgt_ptr + row, x_tgt)
 
 
-@_tuned("out_ptr")
+@with_tuned_restore("out_ptr")
 @triton.jit
 def _row_grad_kernel(
     x_ptr, y_ptr, hi_ptr, lo_ptr, cp_ptr, cy_ptr, c1_ptr, out_ptr,
@@ -202,7 +203,7 @@ def _row_grad_kernel(
         tl.store(out_row + v * so_v, g.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-@_tuned()
+@with_tuned_restore()
 @triton.jit
 def _token_smooth_stats_kernel(
     x_ptr, hi_ptr, shift_ptr, sum_m_ptr, rho_ptr,
@@ -225,7 +226,7 @@ def _token_smooth_stats_kernel(
     for start in range(lo, hi, BLOCK_V):
         v = start + cols
         in_row = v < hi
-        m = _tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
+        m = tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
         m_acc += tl.where(in_row, m, 0.0)
         x_row = x_row0
         for k in range(0, K):  # the tile's K rows again, from cache
@@ -240,7 +241,7 @@ def _token_smooth_stats_kernel(
     tl.store(rho_ptr + rows * n_split + split, rho, mask=ks < K)
 
 
-@_tuned("out_ptr")
+@with_tuned_restore("out_ptr")
 @triton.jit
 def _token_smooth_grad_kernel(
     x_ptr, y_ptr, hi_ptr, lo_ptr, shift_ptr, cp_ptr, cy_ptr, c1_ptr, cr_ptr, out_ptr,
@@ -264,7 +265,7 @@ def _token_smooth_grad_kernel(
         in_row = v < hi
         # The tile's K rows are all read (for M) before any of them is written: `out` may be
         # the logits' own storage.
-        m = _tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
+        m = tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
         x_row, out_row = x_row0, out_row0
         for k in range(0, K):
             row = (b * K + k) * T + t
@@ -279,7 +280,7 @@ def _token_smooth_grad_kernel(
             out_row += so_k
 
 
-@_tuned()
+@with_tuned_restore()
 @triton.jit
 def _token_marginal_kernel(
     x_ptr, hi_ptr, shift_ptr, m_ptr,
@@ -299,11 +300,11 @@ def _token_marginal_kernel(
     for start in range(lo, hi, BLOCK_V):
         v = start + cols
         in_row = v < hi
-        m = _tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
+        m = tile_marginal(x_row0, sx_k, hi_row0, shift_row0, T, K, v * sx_v, in_row, BLOCK_V)
         tl.store(m_row + v, m, mask=in_row)
 
 
-@_tuned("out_ptr")
+@with_tuned_restore("out_ptr")
 @triton.jit
 def _token_marginal_grad_kernel(
     x_ptr, hi_ptr, lo_ptr, shift_ptr, m_ptr, g_ptr, c_ptr, out_ptr,
@@ -390,7 +391,7 @@ def interpreter_block(chunk: int) -> int:
     return max(_INTERPRETER_BLOCK_V, min(_INTERPRETER_BLOCK_V_MAX, eighth))
 
 
-def _launch(kernel, grid, *args, chunk: int, **meta) -> None:
+def launch_chunked(kernel, grid, *args, chunk: int, **meta) -> None:
     """Launch on the first tensor argument's GPU (Triton launches on the current device); the
     interpreter gets its tile for ``chunk`` (:func:`interpreter_block`), a GPU the autotuned
     one."""
@@ -412,7 +413,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-def _split_lse(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_lse(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``lse`` (float64) as ``hi + lo``, two float32 tensors of its shape, contiguous. A row
     whose lse is not finite gets ``hi = 0, lo = lse``: the kernels' formulas then give what
     they give with ``x - lse`` itself."""
@@ -428,7 +429,7 @@ def _hi_shift(a: torch.Tensor, lse: torch.Tensor
     """``hi, lo`` of ``lse [B, K, T]`` and ``shift = a - lo`` ``[B, K, T]`` (float32,
     contiguous): passage k's log-weight ``a + x - lse`` is ``(x - hi) + shift``; -inf for a
     missing passage (a = -inf)."""
-    hi, lo = _split_lse(lse)
+    hi, lo = split_lse(lse)
     shift = (a.to(torch.float64)[:, :, None] - lo.to(torch.float64)).to(torch.float32)
     return hi, lo, shift.contiguous()
 
@@ -453,7 +454,7 @@ def row_stats(
     grid, chunk = _grid(B * K * T, V, x.device, num_splits)
     lse_part, sum_part = _stats(x, grid[1], dtype=torch.float64), _stats(x, grid[1])
     y_arg = x if y is None else y.contiguous()  # x: an unread placeholder when HAS_Y is off
-    _launch(_row_stats_kernel, grid, x, y_arg, lse_part, x_tgt, sum_part,
+    launch_chunked(_row_stats_kernel, grid, x, y_arg, lse_part, x_tgt, sum_part,
             K, T, V, chunk, *_x_strides(x), ignore_index, HAS_Y=y is not None, chunk=chunk)
     if grid[1] == 1:
         return lse_part[..., 0], x_tgt, sum_part[..., 0]
@@ -481,8 +482,8 @@ def row_grad(
         return out
     grid, chunk = _grid(B * K * T, V, x.device, num_splits)
     y_arg = x if y is None else y.contiguous()
-    hi, lo = _split_lse(lse)
-    _launch(_row_grad_kernel, grid, x, y_arg, hi, lo, _f32(c_p), _f32(c_y), _f32(c_1), out,
+    hi, lo = split_lse(lse)
+    launch_chunked(_row_grad_kernel, grid, x, y_arg, hi, lo, _f32(c_p), _f32(c_y), _f32(c_1), out,
             K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index,
             HAS_Y=y is not None, chunk=chunk)
     return out
@@ -523,7 +524,7 @@ def token_smooth_stats(
     sum_m = torch.empty((B, T, grid[1]), dtype=torch.float32, device=x.device)
     rho = _stats(x, grid[1])
     hi, _, shift = _hi_shift(a, lse)
-    _launch(_token_smooth_stats_kernel, grid, x, hi, shift, sum_m, rho,
+    launch_chunked(_token_smooth_stats_kernel, grid, x, hi, shift, sum_m, rho,
             K, T, V, chunk, *_x_strides(x), BLOCK_K=triton.next_power_of_2(K), chunk=chunk)
     return sum_m.sum(-1), rho.sum(-1)
 
@@ -552,7 +553,7 @@ def token_smooth_grad(
         return out
     grid, chunk = _grid(B * T, V, x.device, num_splits)
     hi, lo, shift = _hi_shift(a, lse)
-    _launch(_token_smooth_grad_kernel, grid, x, y.contiguous(), hi, lo, shift, _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r), out,
+    launch_chunked(_token_smooth_grad_kernel, grid, x, y.contiguous(), hi, lo, shift, _f32(c_p), _f32(c_y), _f32(c_1), _f32(c_r), out,
             K, T, V, chunk, *_x_strides(x), *_x_strides(out), ignore_index, chunk=chunk)
     return out
 
@@ -570,7 +571,7 @@ def token_marginal(
         return marginal
     grid, chunk = _grid(B * T, V, x.device, num_splits)
     hi, _, shift = _hi_shift(a, lse)
-    _launch(_token_marginal_kernel, grid, x, hi, shift, marginal,
+    launch_chunked(_token_marginal_kernel, grid, x, hi, shift, marginal,
             K, T, V, chunk, *_x_strides(x), chunk=chunk)
     return marginal
 
@@ -601,9 +602,9 @@ def token_marginal_grad(
     c_part = _stats(x, grid[1])
     args = (K, T, V, chunk, *_x_strides(x), m.stride(0), m.stride(1), g.stride(0), g.stride(1))
     block_k = triton.next_power_of_2(K)
-    _launch(_token_marginal_grad_kernel, grid, x, hi, lo, shift, m, g, c_part, out, *args,
+    launch_chunked(_token_marginal_grad_kernel, grid, x, hi, lo, shift, m, g, c_part, out, *args,
             *_x_strides(out), WRITE_GRAD=False, BLOCK_K=block_k, chunk=chunk)
     c = c_part.sum(-1)
-    _launch(_token_marginal_grad_kernel, grid, x, hi, lo, shift, m, g, c, out, *args,
+    launch_chunked(_token_marginal_grad_kernel, grid, x, hi, lo, shift, m, g, c, out, *args,
             *_x_strides(out), WRITE_GRAD=True, BLOCK_K=block_k, chunk=chunk)
     return c

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from rag_fast.generation.causal import answer_inputs, backbone, check_prompts
-from rag_fast.models._seq2seq import TiedWeight, _call
+from rag_fast.models._seq2seq import TiedWeight, call_with_tied
 
 
 def run_answers(
@@ -27,8 +27,9 @@ def run_answers(
     LM-head weight of a training step (``rag_fast.models._seq2seq.split_tied_weight``), whose
     embedding lookups then give sparse gradients added into the LM head's."""
     S = prompt_ids.shape[1]
-    out = _call(backbone(generator), tied, **answer_inputs(prompt_ids, prompt_mask, answer_ids),
-                use_cache=False, return_dict=True)
+    out = call_with_tied(backbone(generator), tied,
+                         **answer_inputs(prompt_ids, prompt_mask, answer_ids),
+                         use_cache=False, return_dict=True)
     return out.last_hidden_state[:, S - 1:]
 
 

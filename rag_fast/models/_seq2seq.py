@@ -166,7 +166,7 @@ def _sparse_gradients(modules: tuple[nn.Embedding, ...]) -> Iterator[None]:
             m.sparse = sparse
 
 
-def _call(module: nn.Module, tied: TiedWeight | None, **kwargs):
+def call_with_tied(module: nn.Module, tied: TiedWeight | None, **kwargs):
     """``module(**kwargs)``; with ``tied``, its lookups of the tied weight read ``tied.embed``
     and give sparse gradients (restored when the call returns)."""
     names = [] if tied is None else [
@@ -184,8 +184,8 @@ def encode(
     tied: TiedWeight | None = None,
 ):
     """Encoder states ``[N, L, d]`` of the contexts ``[N, L]``."""
-    out = _call(generator.get_encoder(), tied, input_ids=input_ids,
-                attention_mask=attention_mask, return_dict=True)
+    out = call_with_tied(generator.get_encoder(), tied, input_ids=input_ids,
+                         attention_mask=attention_mask, return_dict=True)
     return out.last_hidden_state
 
 
@@ -197,7 +197,7 @@ def decode(
     tied: TiedWeight | None = None,
 ) -> torch.Tensor:
     """Decoder states ``[N, T, d]`` (before the LM head's scale)."""
-    out = _call(
+    out = call_with_tied(
         generator.get_decoder(),
         tied,
         input_ids=decoder_input_ids,

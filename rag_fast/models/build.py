@@ -29,7 +29,8 @@ import torch
 
 from rag_fast._quiet import quiet_transformers
 from rag_fast._validation import brief_error
-from rag_fast.models.rag_model import RagModel, check_arguments
+from rag_fast.models.options import check_arguments
+from rag_fast.models.rag_model import RagModel
 from rag_fast.models.retriever_io import read_bundle_manifest
 from rag_fast.retrieval.encoders import (looks_like_path, needs_code,
                                          sentence_transformers_pooling, unloadable)

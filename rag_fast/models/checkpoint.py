@@ -38,18 +38,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rag_fast import _pool
 from rag_fast._validation import not_a_folder
 from rag_fast._quiet import quiet_transformers
-from rag_fast.models.rag_model import RagModel
 from rag_fast.retrieval.encoders import unloadable
 from rag_fast.storage import (StorageError, atomic_directory, check_files_entry, check_seal,
                               disk_errors, read_json_file, recover_directory, sealed,
                               sha256_file)
+
+if TYPE_CHECKING:  # (annotations only: rag_model.py imports this module)
+    from rag_fast.models.rag_model import RagModel
 
 FORMAT = 2
 KIND = "rag_fast.model"
@@ -65,7 +67,7 @@ GENERATOR_DIR = "generator"
 QUESTION_ENCODER_DIR = "question_encoder"
 
 
-class CheckpointError(ValueError):
+class ModelDirError(ValueError):
     """A model directory that is missing, incomplete, corrupt or of an unknown format."""
 
 
@@ -83,7 +85,7 @@ def rag_config(model: RagModel):
     for name, module in (("generator", model.generator), ("question_encoder", model.question_encoder)):
         if module is None or not hasattr(getattr(module, "config", None), "to_dict"):
             what = "None" if module is None else type(module).__name__
-            raise CheckpointError(
+            raise ModelDirError(
                 f"a model directory needs a transformers {name} (a model with a .config); this "
                 f"RagModel's {name} is {what}")
     config = RagConfig.from_question_encoder_generator_configs(
@@ -125,7 +127,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
             and ``generate`` find it without ``--index`` (default: the one recorded when the
             model was loaded, if any).
     Raises:
-        CheckpointError: a model without a transformers generator and question encoder.
+        ModelDirError: a model without a transformers generator and question encoder.
     """
 
     causal = bool(getattr(model, "is_causal", False))
@@ -168,7 +170,7 @@ def _check_savable(model: RagModel) -> None:
         if module is None or not callable(getattr(module, "save_pretrained", None)) \
                 or not hasattr(getattr(module, "config", None), "to_dict"):
             what = "None" if module is None else type(module).__name__
-            raise CheckpointError(
+            raise ModelDirError(
                 f"the model directory of a decoder-only RagModel needs a transformers {name} "
                 f"(a PreTrainedModel with save_pretrained and a .config); this RagModel's "
                 f"{name} is {what}")
@@ -197,19 +199,19 @@ def _read_side_json(side_path: str) -> Any:
     try:
         return read_json_file(side_path)
     except FileNotFoundError:  # a dangling link: there, but nothing to check against
-        raise CheckpointError(f"{side_path} is a symbolic link to nothing: a model directory's "
+        raise ModelDirError(f"{side_path} is a symbolic link to nothing: a model directory's "
                               f"{SIDE_FILE} must be a file") from None
     except ValueError as e:  # not a regular file, too large, not JSON
-        raise CheckpointError(str(e)) from None
+        raise ModelDirError(str(e)) from None
     except OSError as e:
-        raise CheckpointError(f"{side_path} cannot be read: {e.strerror or e}") from None
+        raise ModelDirError(f"{side_path} cannot be read: {e.strerror or e}") from None
 
 
 def read_side_file(path: str) -> dict | None:
     """``rag_fast.json`` of a model directory, checked against the files (None if absent).
 
     Raises:
-        CheckpointError: invalid JSON, an unknown kind or format, a missing file, or a file
+        ModelDirError: invalid JSON, an unknown kind or format, a missing file, or a file
             whose size or SHA-256 differs from the record (named in the message).
     """
 
@@ -218,42 +220,42 @@ def read_side_file(path: str) -> dict | None:
         return None
     side = _read_side_json(side_path)
     if not isinstance(side, dict) or side.get("kind") != KIND:
-        raise CheckpointError(f"{side_path}: not a rag_fast model side file (kind "
+        raise ModelDirError(f"{side_path}: not a rag_fast model side file (kind "
                               f"{side.get('kind') if isinstance(side, dict) else None!r})")
     try:
         side = check_seal(side_path, side, path)
         if "files" in side:
             check_files_entry(side_path, side["files"], path)
     except StorageError as e:
-        raise CheckpointError(str(e)) from None
+        raise ModelDirError(str(e)) from None
     if side.get("format") != FORMAT:
-        raise CheckpointError(f"{side_path}: unknown format {side.get('format')!r} (this rag_fast "
+        raise ModelDirError(f"{side_path}: unknown format {side.get('format')!r} (this rag_fast "
                               f"reads format {FORMAT}; save the model again with it)")
     for key, kind in (("options", dict), ("files", dict)):
         if not isinstance(side.get(key), kind):
-            raise CheckpointError(f"{side_path}: {key!r} is missing or not a {kind.__name__}")
+            raise ModelDirError(f"{side_path}: {key!r} is missing or not a {kind.__name__}")
     if side.get("layout", LAYOUT_RAG) not in LAYOUTS:
-        raise CheckpointError(f"{side_path}: unknown layout {side.get('layout')!r} (expected "
+        raise ModelDirError(f"{side_path}: unknown layout {side.get('layout')!r} (expected "
                               f"one of {list(LAYOUTS)})")
     if side.get("layout") == LAYOUT_CAUSAL:
         for required in (f"{GENERATOR_DIR}/config.json", f"{QUESTION_ENCODER_DIR}/config.json"):
             if required not in side["files"]:
-                raise CheckpointError(f"{side_path}: a decoder-only model directory must list "
+                raise ModelDirError(f"{side_path}: a decoder-only model directory must list "
                                       f"{required} among its files")
     for rel, record in side["files"].items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
-            raise CheckpointError(f"model directory {path} is incomplete: {rel} is missing")
+            raise ModelDirError(f"model directory {path} is incomplete: {rel} is missing")
         if os.path.getsize(full) != record.get("bytes"):
-            raise CheckpointError(f"model directory {path} is corrupt: {rel} has "
+            raise ModelDirError(f"model directory {path} is corrupt: {rel} has "
                                   f"{os.path.getsize(full)} bytes, {record.get('bytes')} expected "
                                   "(truncated or replaced)")
         if sha256_file(full) != record.get("sha256"):
-            raise CheckpointError(f"model directory {path} is corrupt: {rel} does not match its "
+            raise ModelDirError(f"model directory {path} is corrupt: {rel} does not match its "
                                   f"SHA-256 in {SIDE_FILE}")
     unlisted = sorted(set(_describe(path, names_only=True)) - set(side["files"]))
     if unlisted:  # transformers reads some files by name only if they are there
-        raise CheckpointError(
+        raise ModelDirError(
             f"model directory {path} holds {unlisted[0]!r}"
             + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else "")
             + f", which {SIDE_FILE} does not list: rag_fast did not write it, and a tokenizer or "
@@ -296,18 +298,19 @@ def _pretrained_class(folder: str, what: str, fallback: str):
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_path}: cannot read the {what}'s config: {e}") from None
+        raise ModelDirError(f"{config_path}: cannot read the {what}'s config: {e}") from None
     arch = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if cls is None or not hasattr(cls, "from_pretrained"):
         if arch is not None:
-            raise CheckpointError(f"{config_path}: the {what}'s architecture {arch!r} is not a "
+            raise ModelDirError(f"{config_path}: the {what}'s architecture {arch!r} is not a "
                                   "transformers model class")
         cls = getattr(transformers, fallback)
     return cls
 
 
-def _load_causal(path: str, side: dict, retriever: Any, overrides: dict) -> RagModel:
+def _load_causal(model_class: type[RagModel], path: str, side: dict, retriever: Any,
+                 overrides: dict) -> RagModel:
     """A decoder-only RagModel from the causal layout (files already verified)."""
     models = {}
     for sub, what, fallback in ((GENERATOR_DIR, "generator", "AutoModelForCausalLM"),
@@ -318,14 +321,14 @@ def _load_causal(path: str, side: dict, retriever: Any, overrides: dict) -> RagM
             models[what] = cls.from_pretrained(folder, use_safetensors=True,
                                                  trust_remote_code=False)
         except Exception as e:  # noqa: BLE001  (whatever fails: one line)
-            raise CheckpointError(f"{folder}: the {what}'s weights do not load: {e}") from None
+            raise ModelDirError(f"{folder}: the {what}'s weights do not load: {e}") from None
     tokenizers = _load_tokenizers(path)
     options = {**side["options"], **overrides}
     try:
-        model = RagModel(models["generator"], models["question_encoder"], retriever,
+        model = model_class(models["generator"], models["question_encoder"], retriever,
                          **tokenizers, **options)
     except (TypeError, ValueError) as e:  # a key RagModel lacks, or a value it refuses
-        raise CheckpointError(f"{os.path.join(path, SIDE_FILE)}: options do not fit RagModel: "
+        raise ModelDirError(f"{os.path.join(path, SIDE_FILE)}: options do not fit RagModel: "
                               f"{e}") from None
     model.index_path = side.get("index")
     return model
@@ -336,16 +339,16 @@ def _rag_architecture(path: str) -> str:
     if not os.path.isfile(config_path):
         hint = (" (a format-1 directory of an older rag_fast: load it with that version and save "
                 "it again)" if os.path.isfile(os.path.join(path, "rag_fast_model.json")) else "")
-        raise CheckpointError(f"{path} is not a model directory: no config.json (expected "
+        raise ModelDirError(f"{path} is not a model directory: no config.json (expected "
                               f"`rag-fast init`/`train` output or a transformers RAG folder){hint}")
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+        raise ModelDirError(f"{config_path} is not valid JSON: {e}") from None
     arch = (config.get("architectures") or [None])[0]
     if config.get("model_type") != "rag" or arch not in ARCHITECTURES.values():
-        raise CheckpointError(
+        raise ModelDirError(
             f"{config_path}: model_type {config.get('model_type')!r} / architecture {arch!r} is "
             f"not a RAG model (expected one of {sorted(ARCHITECTURES.values())})")
     return arch
@@ -359,7 +362,7 @@ def _load_tokenizer(folder: str):
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (whatever fails: one line naming the folder)
-        raise CheckpointError(str(unloadable("tokenizer", folder, e))) from None
+        raise ModelDirError(str(unloadable("tokenizer", folder, e))) from None
 
 
 def _load_tokenizers(path: str) -> dict:
@@ -383,7 +386,8 @@ def _generation_config(path: str):
     return None
 
 
-def load_rag_model(
+def load_model_dir(
+    model_class: type[RagModel],
     path: str,
     *,
     retriever: Any = None,
@@ -398,7 +402,7 @@ def load_rag_model(
         device: where to put the model (default: the CPU).
         overrides: RagModel options to change (e.g. ``n_docs``, ``mode``).
     Raises:
-        CheckpointError: not a model directory, a missing or corrupt file (named), weights that
+        ModelDirError: not a model directory, a missing or corrupt file (named), weights that
             do not fit the config.
     """
     import transformers
@@ -409,11 +413,11 @@ def load_rag_model(
     path = resolve_model_dir(path)
     recover_directory(path)  # a save killed between its renames left it aside
     if not os.path.isdir(path):
-        raise CheckpointError(f"model directory {path!r} {not_a_folder(path)}")
+        raise ModelDirError(f"model directory {path!r} {not_a_folder(path)}")
     if _side_layout(path) != LAYOUT_RAG:  # decoder-only: the models side by side
         side = read_side_file(path)  # checks the layout, every file's size and SHA-256
         with quiet_transformers():
-            model = _load_causal(path, side, retriever, overrides)
+            model = _load_causal(model_class, path, side, retriever, overrides)
             model.generation_config = _generation_config(path)
         if device is not None:
             model.to(device)
@@ -424,18 +428,19 @@ def load_rag_model(
         try:
             hf = getattr(transformers, arch).from_pretrained(path, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001  (whatever fails: one line)
-            raise CheckpointError(f"{path}: the weights do not load: {e}") from None
+            raise ModelDirError(f"{path}: the weights do not load: {e}") from None
         tokenizers = _load_tokenizers(path)
         generation_config = _generation_config(path)
     if side is None:  # a transformers folder: settings from its RagConfig
-        model = from_transformers(hf, retriever=retriever, **tokenizers, **overrides)
+        model = model_from_transformers(model_class, hf, retriever=retriever, **tokenizers,
+                                        **overrides)
     else:
         options = {**side["options"], **overrides}
         try:
-            model = RagModel(hf.rag.generator, hf.rag.question_encoder, retriever,
+            model = model_class(hf.rag.generator, hf.rag.question_encoder, retriever,
                              **tokenizers, **options)
         except (TypeError, ValueError) as e:  # a key RagModel lacks, or a value it refuses
-            raise CheckpointError(f"{os.path.join(path, SIDE_FILE)}: options do not fit "
+            raise ModelDirError(f"{os.path.join(path, SIDE_FILE)}: options do not fit "
                                   f"RagModel: {e}") from None
         model.index_path = side.get("index")
     model.generation_config = generation_config
@@ -444,7 +449,8 @@ def load_rag_model(
     return model.eval()
 
 
-def from_transformers(path_or_model: Any, *, retriever: Any = None, **overrides) -> RagModel:
+def model_from_transformers(model_class: type[RagModel], path_or_model: Any, *,
+                            retriever: Any = None, **overrides) -> RagModel:
     """A RagModel from a ``transformers`` ``RagTokenForGeneration`` /
     ``RagSequenceForGeneration`` (an instance, or a ``save_pretrained`` directory).
 
@@ -454,15 +460,16 @@ def from_transformers(path_or_model: Any, *, retriever: Any = None, **overrides)
     With the same contexts and doc_scores, the loss equals the original model's.
 
     Raises:
-        CheckpointError: a path without a RAG config, or a model that is not a RAG model.
+        ModelDirError: a path without a RAG config, or a model that is not a RAG model.
     """
     from transformers import RagSequenceForGeneration, RagTokenForGeneration
 
     if isinstance(path_or_model, (str, os.PathLike)):
-        return load_rag_model(os.fspath(path_or_model), retriever=retriever, **overrides)
+        return load_model_dir(model_class, os.fspath(path_or_model), retriever=retriever,
+                              **overrides)
     hf = path_or_model
     if not isinstance(hf, (RagTokenForGeneration, RagSequenceForGeneration)):
-        raise CheckpointError(f"expected a RagTokenForGeneration or RagSequenceForGeneration, "
+        raise ModelDirError(f"expected a RagTokenForGeneration or RagSequenceForGeneration, "
                               f"got {type(hf).__name__}")
     config = hf.config
     mode = "token" if isinstance(hf, RagTokenForGeneration) else "sequence"
@@ -475,6 +482,6 @@ def from_transformers(path_or_model: Any, *, retriever: Any = None, **overrides)
         "max_context_length": int(getattr(config, "max_combined_length", 300) or 300),
     }
     options.update(overrides)
-    model = RagModel(hf.rag.generator, hf.rag.question_encoder, retriever, **options)
+    model = model_class(hf.rag.generator, hf.rag.question_encoder, retriever, **options)
     model.generation_config = getattr(hf, "generation_config", None)
     return model

@@ -19,16 +19,14 @@ gradient into the logits' own buffer, so a training step holds one logits-sized 
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from rag_fast import _pool, _threads
-from rag_fast._validation import IMPLS, check_context_length, check_decoding_scores
+from rag_fast._validation import check_context_length, check_decoding_scores
 from rag_fast.generation import (
     causal,
     heads,
@@ -37,55 +35,13 @@ from rag_fast.generation import (
     start_token_id,
 )
 from rag_fast.models import _causal, _lean, _seq2seq
+from rag_fast.models.checkpoint import (load_model_dir, model_from_transformers, rag_config,
+                                        save_rag_model)
+from rag_fast.models.contexts import (Retrieved, RetrieverLike, decode_answers,
+                                      from_retrieved_passages, join_context, passage_fields)
+from rag_fast.models.options import (CAUSAL_IGNORE, check_arguments, eos_ids, is_int,
+                                     lm_head_path)
 from rag_fast.ops import linear_rag_nll, rag_sequence_nll, rag_token_nll
-
-MODES = ("token", "sequence")
-POOLINGS = ("auto", "cls", "mean")
-LM_HEAD_LOSSES = ("auto", "fused", "materialized")
-# lm_head_loss="auto" fuses the LM head into the loss once a step's logits would take this
-# many bytes. Below it the materialized path is faster (one LM-head GEMM fewer; measured in
-# docs/lm_head_loss.md) for at most this much memory; above it the memory matters more.
-FUSED_LOGITS_BYTES = 1 << 30
-
-
-def lm_head_path(choice: str, logits_bytes: int) -> str:
-    """``"fused"`` or ``"materialized"``: what ``lm_head_loss=choice`` runs for a step whose
-    logits would take ``logits_bytes``."""
-    if choice != "auto":
-        return choice
-    return "fused" if logits_bytes >= FUSED_LOGITS_BYTES else "materialized"
-# The ignored target of a decoder-only generator's loss (its labels may use the pad token as
-# the EOS target: see RagModel.prepare_labels).
-CAUSAL_IGNORE = -100
-
-
-def _eos_ids(config) -> tuple[int, ...]:
-    """The generator config's EOS token ids (none, one, or a list)."""
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-@dataclass
-class Retrieved:
-    """What a retriever returns for B questions.
-
-    passages: B lists of at most K passages (objects with ``title`` and ``text`` attributes, or
-        dicts with those keys); a shorter list means fewer passages were found.
-    embeddings: ``[B, K, d]`` float passage embeddings (rows past a question's passages are
-        ignored), the vectors the index was built from.
-    """
-
-    passages: list[list[Any]]
-    embeddings: torch.Tensor
-
-
-class Retriever(Protocol):
-    """``rag_fast.retrieval.Retriever`` fits (its RetrievedPassages are adapted)."""
-
-    def retrieve(self, question_embeddings: torch.Tensor, *, n_docs: int) -> Any: ...
-
 
 @dataclass
 class RagOutput:
@@ -95,97 +51,6 @@ class RagOutput:
     loss: torch.Tensor
     doc_scores: torch.Tensor
     passages: list[list[Any]] | None = None
-
-
-def passage_fields(passage: Any) -> tuple[str, str]:
-    """``(title, text)`` of a passage object or dict."""
-    if isinstance(passage, dict):
-        return str(passage.get("title", "")), str(passage["text"])
-    return str(getattr(passage, "title", "")), str(passage.text)
-
-
-def join_context(title: str, text: str, question: str, prefix: str = "") -> str:
-    """The generator input for one passage, exactly as ``transformers``' RagRetriever builds it:
-    ``title / text // question`` (title without surrounding quotes, double spaces collapsed)."""
-    title = title.removeprefix('"').removesuffix('"')
-    return (prefix + title + " / " + text + " // " + question).replace("  ", " ")
-
-
-def decode_answers(tokenizer: Any, sequences: Any) -> list[str]:
-    """The answers' text of generated ``sequences`` (ids ``[N, T]``): the tokenizer's own
-    decoding with the special tokens (start, end, padding) left out and the surrounding
-    whitespace stripped, nothing more. ``transformers``' clean-up of spaces before punctuation
-    (``clean_up_tokenization_spaces``, on in some tokenizers' configs) is off: it turns
-    "2 . 5" into "2. 5" and "a , b" into "a, b", so an answer the tokenizer gives back exactly
-    (a byte-level one, as ``rag-fast tokenizer fit`` makes) would not come back as written."""
-    return [t.strip() for t in tokenizer.batch_decode(
-        sequences, skip_special_tokens=True, clean_up_tokenization_spaces=False)]
-
-
-def _from_retrieved_passages(retriever: Any, found: Any) -> Retrieved:
-    """Adapt ``rag_fast.retrieval.RetrievedPassages`` (store rows ``ids`` ``[B, K]``, -1 where
-    missing, and ``doc_embeddings``) to :class:`Retrieved`, reading texts from the retriever's
-    store of the same knowledge version (a hot swap in between raises; retry)."""
-    if getattr(retriever, "version", found.version) != found.version:
-        raise RuntimeError("the retriever's index was swapped during retrieval; retry")
-    store = retriever.store
-    ids = found.ids.cpu()
-    # Retrieved keeps each question's passages first: move missing ones (-1) to the end
-    order = torch.sort((ids < 0).to(torch.int8), dim=1, stable=True).indices  # [B, K]
-    ids = ids.gather(1, order)
-    embeddings = found.doc_embeddings.gather(
-        1, order.to(found.doc_embeddings.device)[:, :, None].expand_as(found.doc_embeddings))
-    passages = [[store[int(i)] for i in row if int(i) >= 0] for row in ids.tolist()]
-    return Retrieved(passages, embeddings)
-
-
-def _tokenizer_size(tokenizer: Any) -> int:
-    return len(tokenizer)
-
-
-def _is_int(value: Any) -> bool:
-    """An integer (Python's or numpy's), not a bool, a float or a string of digits."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def check_arguments(*, mode: str = "token", n_docs: int = 5, question_pooling: str = "auto",
-                    lm_head_loss: str = "auto", loss_impl: str = "auto",
-                    max_context_length: int = 128, max_question_length: int = 64,
-                    epsilon: float = 0.0, exclude_bos: bool = False,
-                    normalize_questions: bool = False, lean_activations: bool = True,
-                    bos_token_id: int | None = None) -> None:
-    """RagModel's checks of its options (the constructor's defaults for those not given), for
-    callers that want them before loading any model (``build_rag_model``).
-
-    Raises:
-        ValueError: naming the argument (see :class:`RagModel`).
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not _is_int(n_docs) or n_docs < 1:
-        raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
-    if question_pooling not in POOLINGS:
-        raise ValueError(f"question_pooling must be one of {POOLINGS}, got {question_pooling!r}")
-    if lm_head_loss not in LM_HEAD_LOSSES:
-        raise ValueError(f"lm_head_loss must be one of {LM_HEAD_LOSSES}, got {lm_head_loss!r}")
-    if not isinstance(loss_impl, str) or loss_impl not in IMPLS:
-        raise ValueError(f"loss_impl must be one of {IMPLS}, got {loss_impl!r}")
-    for name, value in (("max_context_length", max_context_length),
-                        ("max_question_length", max_question_length)):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    # the range the loss ops take (rag_fast._validation.check_epsilon)
-    if (not isinstance(epsilon, numbers.Real) or isinstance(epsilon, (bool, np.bool_))
-            or not 0.0 <= epsilon <= 1.0):
-        raise ValueError(f"epsilon must be a float in [0, 1], got {epsilon!r}")
-    for name, value in (("exclude_bos", exclude_bos),
-                        ("normalize_questions", normalize_questions),
-                        ("lean_activations", lean_activations)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-    if bos_token_id is not None and (not _is_int(bos_token_id) or bos_token_id < 0):
-        raise ValueError(f"bos_token_id must be None or a non-negative int, "
-                         f"got {bos_token_id!r}")
 
 
 class RagModel(nn.Module):
@@ -244,7 +109,7 @@ class RagModel(nn.Module):
         self,
         generator: nn.Module,
         question_encoder: nn.Module | None = None,
-        retriever: Retriever | None = None,
+        retriever: RetrieverLike | None = None,
         *,
         mode: str = "token",
         n_docs: int = 5,
@@ -277,9 +142,9 @@ class RagModel(nn.Module):
         else:
             _seq2seq.check_seq2seq(generator)
         V = _seq2seq.vocab_size(generator)
-        if generator_tokenizer is not None and _tokenizer_size(generator_tokenizer) > V:
+        if generator_tokenizer is not None and len(generator_tokenizer) > V:
             raise ValueError(
-                f"generator_tokenizer has {_tokenizer_size(generator_tokenizer)} tokens but the "
+                f"generator_tokenizer has {len(generator_tokenizer)} tokens but the "
                 f"generator's vocabulary has {V}: token ids would fall outside the LM head; "
                 "use the generator's own tokenizer or resize its embeddings"
             )
@@ -297,7 +162,7 @@ class RagModel(nn.Module):
         self.exclude_bos = exclude_bos
         if bos_token_id is None:  # the generator config's, if it is an id (T5: none)
             bos_token_id = getattr(generator.config, "bos_token_id", None)
-            bos_token_id = bos_token_id if _is_int(bos_token_id) and bos_token_id >= 0 else None
+            bos_token_id = bos_token_id if is_int(bos_token_id) and bos_token_id >= 0 else None
         self.bos_token_id = None if bos_token_id is None else int(bos_token_id)
         self.pad_token_id = int(pad)
         self.question_pooling = question_pooling
@@ -480,7 +345,7 @@ class RagModel(nn.Module):
             found = self.retriever.retrieve(question_embeddings.detach(), n_docs=self.n_docs)
         if isinstance(found, Retrieved):
             return found
-        return _from_retrieved_passages(self.retriever, found)
+        return from_retrieved_passages(self.retriever, found)
 
     def score_passages(
         self, question_embeddings: torch.Tensor, passages: Sequence[Sequence[Any]],
@@ -651,7 +516,7 @@ class RagModel(nn.Module):
                                  f"{tuple(labels.shape)}")
             ids = labels.masked_fill(labels == CAUSAL_IGNORE, self.pad_token_id)
             targets = labels
-            if self.pad_token_id not in _eos_ids(self.generator.config):
+            if self.pad_token_id not in eos_ids(self.generator.config):
                 targets = labels.masked_fill(labels == self.pad_token_id, CAUSAL_IGNORE)
             return ids, targets
         if labels.dim() != 2 or labels.shape[1] < 2:
@@ -687,7 +552,8 @@ class RagModel(nn.Module):
     def _loss_from_contexts(self, context_input_ids, context_attention_mask, doc_scores, labels,
                             reduction, B, K) -> torch.Tensor:
         decoder_input_ids, targets = self.prepare_labels(labels)
-        head = (causal if self.is_causal else heads).lm_head(self.generator)
+        head = (causal.decoder_only_lm_head if self.is_causal
+                else heads.encoder_decoder_lm_head)(self.generator)
         # a tied embedding's gradient is added into the LM head's in place (see _seq2seq)
         tied = _seq2seq.split_tied_weight(self.generator)
         if tied is not None:
@@ -889,32 +755,24 @@ class RagModel(nn.Module):
         (default: ``self.index_path``).
 
         Raises:
-            CheckpointError (a ValueError): a generator or question encoder that is not a
+            ModelDirError (a ValueError): a generator or question encoder that is not a
                 ``transformers`` model.
         """
-        # deferred: checkpoint.py builds RagModel, a cycle inside models
-        from rag_fast.models.checkpoint import save_rag_model
-
         save_rag_model(self, path, index=index)
 
     @classmethod
     def load(cls, path: str, **kwargs) -> "RagModel":
         """Load a model directory (``save``, ``rag-fast init/train``, or a ``transformers`` RAG
-        folder; seq2seq or decoder-only generator), verified file by file; ``device=`` and
-        RagModel option overrides allowed."""
-        # deferred: checkpoint.py builds RagModel, a cycle inside models
-        from rag_fast.models.checkpoint import load_rag_model
-
-        return load_rag_model(path, **kwargs)
+        folder; seq2seq or decoder-only generator), verified file by file: ``retriever=``,
+        ``device=`` and RagModel option overrides allowed (see
+        :func:`rag_fast.models.checkpoint.load_model_dir`)."""
+        return load_model_dir(cls, path, **kwargs)
 
     @classmethod
     def from_transformers(cls, path_or_model: Any, **kwargs) -> "RagModel":
         """A RagModel with the weights and options of a ``transformers`` RAG model or of its
         ``save_pretrained`` directory (``RagTokenForGeneration`` / ``RagSequenceForGeneration``)."""
-        # deferred: checkpoint.py builds RagModel, a cycle inside models
-        from rag_fast.models.checkpoint import from_transformers
-
-        return from_transformers(path_or_model, **kwargs)
+        return model_from_transformers(cls, path_or_model, **kwargs)
 
     def replace(self, **changes) -> "RagModel":
         """A RagModel sharing these modules with some options changed (e.g. ``mode``)."""
@@ -970,14 +828,10 @@ class _TransformersView:
         if self.generation_config is None:
             from transformers import GenerationConfig
 
-            # deferred: checkpoint.py builds RagModel, a cycle inside models
-            from rag_fast.models.checkpoint import rag_config
-
             try:
                 self.generation_config = GenerationConfig.from_model_config(rag_config(model))
             except ValueError:  # no transformers question encoder: the generator's defaults
                 self.generation_config = getattr(model.generator, "generation_config", None)
 
 
-__all__ = ["Generation", "RagModel", "RagOutput", "Retrieved", "Retriever", "decode_answers",
-           "join_context", "passage_fields"]
+__all__ = ["Generation", "RagModel", "RagOutput"]

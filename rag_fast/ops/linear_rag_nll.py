@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 from rag_fast import _pool, reference
 from rag_fast.ops.rag_losses import (
-    _sequence_small_graph,
-    _token_small_graph,
+    sequence_small_graph,
+    token_small_graph,
     prepare_loss,
 )
 
@@ -525,8 +525,8 @@ def _hidden_grad_from_pw(pw, weight, targets, ignore_index, shape, lse, x_tgt, c
 
 def _small_graph(mode, mask, nll_mask, epsilon, V, reduction):
     if mode == "token":
-        return _token_small_graph(mask, nll_mask, epsilon, V, reduction)
-    return _sequence_small_graph(mask, nll_mask, epsilon, V, reduction)
+        return token_small_graph(mask, nll_mask, epsilon, V, reduction)
+    return sequence_small_graph(mask, nll_mask, epsilon, V, reduction)
 
 
 def _check(hidden, weight, bias, doc_scores, targets, mode, n_docs, tile):

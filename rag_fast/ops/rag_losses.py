@@ -86,7 +86,8 @@ by an inplace operation" error instead of computing a wrong gradient. It is refu
 (ValueError) for logits whose elements overlap in memory (expanded), and, when the logits
 require grad, for logits that are a leaf, a view (any chain of views) of a leaf that requires
 grad, or share their storage with a leaf that requires grad in their autograd graph
-(:func:`inplace_grad_refusal`): that leaf's values would become its own gradient.
+(:func:`rag_fast.ops.inplace_grad.inplace_grad_refusal`): that leaf's values would become its
+own gradient.
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ from rag_fast._validation import (
     reduce,
 )
 from rag_fast.ops import _boundary, backend
+from rag_fast.ops.inplace_grad import check_inplace_grad, check_inplace_grad_target
 from rag_fast.ops.backend import resolve_impl
 
 # ---- the public losses ---------------------------------------------------------------------
@@ -160,20 +162,6 @@ def prepare_loss(
 SmallGraph = Callable[..., torch.Tensor]
 
 
-def check_inplace_grad(op: str, logits: torch.Tensor, inplace_grad: bool) -> None:
-    """Refuse ``inplace_grad=True`` (ValueError naming ``rag_fast.<op>``) for the logits a public
-    loss was given when they are a leaf that requires grad or a view of one (any layout, any
-    chain of views), whichever impl then runs: the reference writes nothing, but it refuses
-    the same logits, so a call does not pass on one machine and fail on another. The
-    statistics ops, which do the write, check again and also compare storages
-    (:func:`inplace_grad_refusal`). Nothing is checked where no backward will run
-    (grad disabled, logits that do not require grad) or under ``torch.compile``, where
-    ``inplace_grad`` is ignored."""
-    if (inplace_grad and isinstance(logits, torch.Tensor) and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()):
-        check_inplace_grad_target(f"rag_fast.{op}", logits, True, storage=False)
-
-
 def fused_rag_loss(
     p: PreparedLoss, small_graph: SmallGraph, needs_sum_m: bool, inplace_grad: bool
 ) -> torch.Tensor:
@@ -182,7 +170,7 @@ def fused_rag_loss(
     asked for. Under ``torch.compile`` ``inplace_grad`` is ignored: the compiler plans the
     gradient's memory itself, and a compiled backward cannot write into its saved inputs.
     Elsewhere the statistics ops refuse it for logits whose memory is a leaf's
-    (:func:`inplace_grad_refusal`)."""
+    (:func:`rag_fast.ops.inplace_grad.inplace_grad_refusal`)."""
     x, y, ignore = p.logits, p.targets, p.ignore_index
     inplace_grad = inplace_grad and not torch.compiler.is_compiling()
     a = torch.log_softmax(p.doc_scores.float(), dim=1)  # [B, K] passage log-prior
@@ -198,7 +186,7 @@ def fused_rag_loss(
     return small_graph(lse, x_tgt, x_sum, sum_m, a).to(torch.float32)
 
 
-def _token_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
+def token_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
     def small_graph(lse, x_tgt, x_sum, sum_m, a):
         target_lp = torch.logsumexp(a[:, :, None] + (x_tgt - lse), dim=1)  # [B, T] = M[.., y]
         zero = target_lp.new_zeros(())
@@ -263,11 +251,11 @@ def rag_token_nll(
         return reference.rag_token_nll(p.logits, p.doc_scores, p.targets, epsilon=epsilon,
                                        ignore_index=ignore_index, exclude_bos=exclude_bos,
                                        reduction=reduction)
-    graph = _token_small_graph(p.mask, p.nll_mask, float(epsilon), p.logits.shape[-1], reduction)
+    graph = token_small_graph(p.mask, p.nll_mask, float(epsilon), p.logits.shape[-1], reduction)
     return fused_rag_loss(p, graph, epsilon > 0, inplace_grad)
 
 
-def _sequence_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
+def sequence_small_graph(mask, nll_mask, epsilon: float, V: int, reduction: str):
     def small_graph(lse, x_tgt, x_sum, sum_m, a):
         zero = lse.new_zeros(())
         S = torch.where(nll_mask[:, None, :], x_tgt - lse, zero).sum(-1)  # [B, K]
@@ -307,8 +295,8 @@ def rag_sequence_nll(
         return reference.rag_sequence_nll(p.logits, p.doc_scores, p.targets, epsilon=epsilon,
                                           ignore_index=ignore_index, exclude_bos=exclude_bos,
                                           reduction=reduction)
-    graph = _sequence_small_graph(p.mask, p.nll_mask, float(epsilon), p.logits.shape[-1],
-                                  reduction)
+    graph = sequence_small_graph(p.mask, p.nll_mask, float(epsilon), p.logits.shape[-1],
+                                 reduction)
     return fused_rag_loss(p, graph, False, inplace_grad)
 
 
@@ -379,85 +367,6 @@ def _pair(logits: Tensor) -> Tensor:
 def _grads(like: Tensor, *grads: Tensor | None) -> list[Tensor]:
     """Upstream gradients with None (an unused output) as zeros of ``like``'s shape."""
     return [torch.zeros_like(like) if g is None else g for g in grads]
-
-
-def _storage_ptr(t: Tensor) -> int:
-    """The address of ``t``'s storage; 0 where it has none to compare (fake, meta, or a
-    tensor subclass without one)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return 0
-
-
-def _leaf_sharing_storage(logits: Tensor) -> Tensor | None:
-    """A leaf that requires grad and whose storage is the logits' storage, found among the
-    leaves of the logits' autograd graph (its AccumulateGrad nodes); None if there is none.
-    This catches aliases autograd does not record as views (``aten._unsafe_view``, a custom
-    ``autograd.Function`` that returns its input's memory under a new tensor). One visit per
-    node of the graph (its cost: docs/tuning.md, "The inplace_grad leaf search")."""
-    ptr = _storage_ptr(logits)
-    if not ptr or logits.grad_fn is None:
-        return None
-    seen: set = set()
-    stack = [logits.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates
-        if variable is not None:
-            if variable.requires_grad and _storage_ptr(variable) == ptr:
-                return variable
-            continue
-        stack.extend(fn for fn, _ in node.next_functions)
-    return None
-
-
-def inplace_grad_refusal(logits: Tensor, storage: bool = True) -> str | None:
-    """The leaf whose values ``inplace_grad=True`` would overwrite with the logits' gradient
-    (a phrase for an error message), or None if the logits' storage may take it.
-
-    Refused, when the logits require grad: logits that are themselves a leaf; a view, through
-    any chain of views (reshape, view, slice, transpose, expand, as_strided, the
-    ``[B*K, T, V]`` -> ``[B, K, T, V]`` split), of a leaf that requires grad (autograd's
-    ``_base``); and (``storage``) logits whose storage is that of a leaf that requires grad
-    in their autograd graph. Writing there would replace the leaf's values (a parameter, the
-    user's input) by its gradient. Logits that do not require grad are never written (no
-    backward computes their gradient), and a view of a buffer that does not require grad
-    (RagModel's logits workspace) is not a leaf's memory in this sense."""
-    if not logits.requires_grad:
-        return None
-    if logits.is_leaf:
-        return "the leaf tensor logits"
-    base = logits
-    while base._base is not None:  # torch keeps the root here; followed in case it does not
-        base = base._base
-    if base is not logits and base.is_leaf and base.requires_grad:
-        return f"the leaf tensor (shape {list(base.shape)}) that the logits are a view of"
-    if storage and not torch.compiler.is_compiling():
-        leaf = _leaf_sharing_storage(logits)
-        if leaf is not None:
-            return f"the leaf tensor (shape {list(leaf.shape)}) whose storage the logits share"
-    return None
-
-
-def check_inplace_grad_target(where: str, logits: Tensor, inplace_grad: bool,
-                              storage: bool = True) -> None:
-    """Raise ValueError, naming ``where``, when ``inplace_grad`` would write the logits'
-    gradient into a leaf's storage (:func:`inplace_grad_refusal`)."""
-    if not inplace_grad:
-        return
-    why = inplace_grad_refusal(logits, storage)
-    if why is None:
-        return
-    raise ValueError(
-        f"{where}: inplace_grad=True would overwrite {why} with its own gradient (the "
-        "values an optimizer step or a second loss reads would be lost): pass "
-        "inplace_grad=False for a leaf, a view of one or memory shared with one, or use "
-        "inplace_grad=True only for logits an op computed (e.g. logits = lm_head(h))"
-    )
 
 
 def _check_inplace_grad_target(op: str, logits: Tensor, inplace_grad: bool) -> None:

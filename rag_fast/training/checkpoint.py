@@ -84,7 +84,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _json_default(obj: Any) -> Any:
+def json_default(obj: Any) -> Any:
     """NumPy and torch values as plain ones (``tolist``); anything else as its str."""
     return obj.tolist() if hasattr(obj, "tolist") else str(obj)
 
@@ -356,7 +356,7 @@ def save_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optim
         "scaler": scaler.state_dict(),
         "rng_torch": rng["torch"],
         "rng_cuda": rng["cuda"],
-        "meta": json.dumps(meta, default=_json_default),
+        "meta": json.dumps(meta, default=json_default),
     }, path, state.step)
 
 

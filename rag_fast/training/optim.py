@@ -33,7 +33,7 @@ _FUSED_ADAM_DEVICES = ("cpu", "cuda")
 _FUSED_ADAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _question_encoder(model: nn.Module, config: TrainConfig) -> nn.Module | None:
+def trainable_question_encoder(model: nn.Module, config: TrainConfig) -> nn.Module | None:
     """The module the question-encoder options apply to; None when both are off.
 
     Raises:
@@ -62,7 +62,7 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
     Raises:
         ValueError: a question-encoder option on a model without a question_encoder.
     """
-    encoder = _question_encoder(model, config)
+    encoder = trainable_question_encoder(model, config)
     in_encoder = {id(p) for p in encoder.parameters()} if encoder is not None else set()
     split = config.question_encoder_lr is not None
     decay, no_decay, enc_decay, enc_no_decay = [], [], [], []

@@ -14,7 +14,7 @@ from rag_fast.storage import atomic_write
 from rag_fast.training.checkpoint import TrainState
 
 
-def _number(value: Any) -> float | None:
+def plotted_number(value: Any) -> float | None:
     """A metric as a float, or None when it is not a number."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
@@ -77,7 +77,7 @@ def plot_training(state: TrainState, path: str) -> bool:
     series: dict[str, list] = {}
     for step, metrics in state.evals:
         for name, value in metrics.items():
-            if (value := _number(value)) is not None:
+            if (value := plotted_number(value)) is not None:
                 series.setdefault(name, []).append((step, value))
     panels = metric_panels(series)
     fig = Figure(figsize=(7, 1.5 + 2.5 * len(panels)), layout="constrained")

@@ -56,7 +56,7 @@ from rag_fast.evaluation import evaluate, load_qa
 from rag_fast.evaluation.data import fields_read
 from rag_fast.models import RagModel
 from rag_fast.models.checkpoint import SIDE_FILE, resolve_model_dir
-from rag_fast.models.rag_model import LM_HEAD_LOSSES, MODES, POOLINGS, check_arguments
+from rag_fast.models.options import LM_HEAD_LOSSES, MODES, POOLINGS, check_arguments
 from rag_fast.models.retriever_io import TimedRetriever, load_retriever, load_sharded_retriever
 from rag_fast.storage import check_apart, output_lock
 from rag_fast.training import Trainer, TrainConfig, rag_collate, rag_loss

@@ -80,14 +80,14 @@ from torch import nn
 from rag_fast import _threads
 from rag_fast._threads import SlowStepWatch
 from rag_fast.storage import atomic_write
-from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, _json_default, claim_run_folder,
+from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, json_default, claim_run_folder,
                                           restore_checkpoint, save_checkpoint,
                                           settle_killed_saves)
 from rag_fast.training.config import CHECKPOINT_MANIFEST, PRECISIONS, TrainConfig
 from rag_fast.training import heap
 from rag_fast.training.distributed import average_gradients, broadcast_module, world
-from rag_fast.training.optim import _question_encoder, lr_lambda, make_optimizer
-from rag_fast.training.plot import _number, plot_training
+from rag_fast.training.optim import trainable_question_encoder, lr_lambda, make_optimizer
+from rag_fast.training.plot import plotted_number, plot_training
 from rag_fast.training.refresh import IndexRefresher, question_encoder_embedder
 
 
@@ -195,7 +195,7 @@ class Trainer:
                              f"world_size) is larger than the dataset ({len(dataset)} examples)")
         self.model, self.dataset, self.collate, self.loss_fn = model, dataset, collate, loss_fn
         self.eval_fn, self.on_step_end = eval_fn, on_step_end
-        encoder = _question_encoder(model, config)
+        encoder = trainable_question_encoder(model, config)
         if config.freeze_question_encoder:
             encoder.requires_grad_(False)
         if config.gradient_checkpointing:
@@ -523,7 +523,7 @@ class Trainer:
         if self.rank == 0 and metrics is not None:
             rounded = {}
             for name, value in metrics.items():
-                number = _number(value)
+                number = plotted_number(value)
                 rounded[name] = (value if number is None
                                  else round(number, 4) if math.isfinite(number) else None)
             self._log_metrics({"step": self.state.step, "eval": rounded})
@@ -531,7 +531,7 @@ class Trainer:
                 from tqdm.auto import tqdm
 
                 tqdm.write(f"step {self.state.step}: " +
-                           ", ".join(f"{k}={v:.4f}" if _number(v) is not None else f"{k}={v}"
+                           ", ".join(f"{k}={v:.4f}" if plotted_number(v) is not None else f"{k}={v}"
                                      for k, v in metrics.items()))
         if self.world_size > 1:
             dist.barrier()
@@ -564,7 +564,7 @@ class Trainer:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
                      0o666)
         with open(fd, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, default=_json_default) + "\n")
+            f.write(json.dumps(record, default=json_default) + "\n")
 
     def _trim_metrics(self) -> None:
         """Drop the metrics file's records after ``state.step`` (and a last record cut short

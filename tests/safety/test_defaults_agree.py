@@ -27,7 +27,7 @@ def trained(world, tmp_path_factory):
     return out
 
 
-def _answers(world, trained, tmp_path, capsys, *extra):
+def read_answers(world, trained, tmp_path, capsys, *extra):
     """(eval's predictions, generate's answers, eval's stdout, generate's stderr, records)."""
     code, err = run_cli("eval", "--data", world["dev"], "--model", trained, "--out",
                         tmp_path / "eval", "--no-progress", *extra)
@@ -48,7 +48,7 @@ def _answers(world, trained, tmp_path, capsys, *extra):
 @pytest.mark.parametrize("extra", [(), ("--num-beams", "1"), ("--num-beams", "3",
                                                                "--max-new-tokens", "5")])
 def test_eval_and_generate_answer_alike(world, trained, tmp_path, capsys, extra):
-    predictions, answers, eval_out, gen_err, recorded, rows = _answers(
+    predictions, answers, eval_out, gen_err, recorded, rows = read_answers(
         world, trained, tmp_path, capsys, *extra)
     assert predictions == answers and any(predictions)
     beams = int(extra[1]) if extra else DEFAULT_BEAMS
@@ -65,8 +65,8 @@ def test_eval_and_generate_answer_alike(world, trained, tmp_path, capsys, extra)
 def test_the_default_differs_from_greedy_on_this_model(world, trained, tmp_path, capsys):
     """The agreement above is not vacuous: on this model, greedy and 4 beams answer some
     question differently, which is what the newcomer saw between the two commands."""
-    default, *_ = _answers(world, trained, tmp_path / "a", capsys)
-    greedy, *_ = _answers(world, trained, tmp_path / "b", capsys, "--num-beams", "1")
+    default, *_ = read_answers(world, trained, tmp_path / "a", capsys)
+    greedy, *_ = read_answers(world, trained, tmp_path / "b", capsys, "--num-beams", "1")
     assert default != greedy
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_cli
 from rag_fast.models import RagModel
-from rag_fast.models.checkpoint import CheckpointError
+from rag_fast.models.checkpoint import ModelDirError
 from rag_fast.retrieval import StorageError
 
 
@@ -32,7 +32,7 @@ def test_an_edited_rag_fast_json_is_refused_until_resealed(world, copy_of, chang
     model = copy_of(world["model"])
     side = model / "rag_fast.json"
     _edit(side, change)
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(ModelDirError) as info:
         RagModel.load(str(model))
     message = str(info.value)
     assert str(side) in message and f"rag-fast reseal {model}" in message, message
@@ -56,7 +56,7 @@ def test_reseal_never_seals_over_a_corrupt_data_file(world, copy_of):
     weights.write_bytes(bytes(data))
     code, err = run_cli("reseal", model)
     assert code == 2 and "model.safetensors" in err and "not resealed" in err, err
-    with pytest.raises(CheckpointError, match="was changed after rag_fast wrote it"):
+    with pytest.raises(ModelDirError, match="was changed after rag_fast wrote it"):
         RagModel.load(str(model))
 
 
@@ -81,7 +81,7 @@ def test_files_outside_the_folder_are_refused_before_they_are_opened(world, copy
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", spy)
-    with pytest.raises(CheckpointError, match="expected a relative, normalised path"):
+    with pytest.raises(ModelDirError, match="expected a relative, normalised path"):
         RagModel.load(str(model))
     assert not any(isinstance(f, str) and "hostname" in f for f in opened)
 
@@ -97,7 +97,7 @@ def test_a_symbolic_link_out_of_the_folder_is_refused(world, copy_of, tmp_path):
     payload = json.loads(side.read_text())
     payload["files"]["link.txt"] = {"bytes": 6, "sha256": "0" * 64}
     side.write_text(json.dumps(sealed(payload)))
-    with pytest.raises(CheckpointError, match="leads outside"):
+    with pytest.raises(ModelDirError, match="leads outside"):
         RagModel.load(str(model))
 
 
@@ -189,7 +189,7 @@ def test_a_file_added_to_a_model_directory_is_refused_until_listed(world, copy_o
     added = model / "generator_tokenizer" / "special_tokens_map.json"
     # (the example tokenizer's own start and end tokens, swapped into other roles)
     added.write_text(json.dumps({"eos_token": "<s>", "pad_token": "</s>"}))
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(ModelDirError) as info:
         RagModel.load(str(model))
     message = str(info.value)
     assert "generator_tokenizer/special_tokens_map.json" in message, message
