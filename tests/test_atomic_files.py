@@ -37,10 +37,12 @@ def read(out) -> str:
 _KILLED_SAVE = r"""
 import importlib.util, os, signal, sys
 from pathlib import Path
-# the module alone, from its file (it needs only the standard library and numpy): a child that
-# imported the rag_fast package would spend seconds importing torch before every kill
-spec = importlib.util.spec_from_file_location("rag_fast_files", sys.argv[5])
+# the storage package alone, from its folder (it needs only the standard library and numpy): a
+# child that imported the rag_fast package would spend seconds importing torch before every kill
+spec = importlib.util.spec_from_file_location(
+    "rag_fast_files", sys.argv[5], submodule_search_locations=[os.path.dirname(sys.argv[5])])
 storage = importlib.util.module_from_spec(spec)
+sys.modules["rag_fast_files"] = storage  # (its modules import one another relatively)
 spec.loader.exec_module(storage)
 out, where, n, exchange = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 calls = {"replace": 0}
@@ -56,13 +58,13 @@ def replace(a, b):
     return real_replace(a, b)
 
 os.replace = replace
-if hasattr(storage, "_exchange"):
-    real_exchange = storage._exchange
+if hasattr(storage.swap, "exchange"):
+    real_exchange = storage.swap.exchange
     def exchange_or_die(a, b):
         if where == "exchange":
             die()
         return real_exchange(a, b) if exchange else False
-    storage._exchange = exchange_or_die
+    storage.swap.exchange = exchange_or_die
 with storage.atomic_directory(out, overwrite=True, kind="rag_fast.test_payload") as tmp:
     (tmp / "v.txt").write_text("new")
     storage.write_manifest(tmp / "manifest.json", {"kind": "rag_fast.test_payload",
@@ -129,7 +131,7 @@ def test_exception_at_second_rename_keeps_the_index(tmp_path, monkeypatch, n, ho
                 raise OSError("simulated failure at a rename")
         return real(a, b)
 
-    monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(storage.swap, "exchange", lambda a, b: False)
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="simulated failure at a rename"):
         new.save(path, overwrite=True)
@@ -151,7 +153,7 @@ def test_exception_between_renames_without_exchange_restores_the_old(tmp_path, m
             raise OSError("simulated")
         return real(a, b)
 
-    monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(storage.swap, "exchange", lambda a, b: False)
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="simulated"):
         save(out, "new")

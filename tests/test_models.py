@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rag_fast.generation.heads import encoder_decoder_lm_head
-from rag_fast.models import ModelDirError, RagModel, Retrieved, options, rag_model
+from rag_fast.models import ModelDirError, RagModel, Retrieved, options
 from rag_fast.testing import tiny_hf_rag
 
 B, K, L, T = 2, 3, 7, 6

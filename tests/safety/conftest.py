@@ -188,7 +188,7 @@ class Disk:
             raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
 
         self.monkeypatch.setattr(os, "posix_fallocate", fallocate)
-        self.monkeypatch.setattr(storage, "disk_free", lambda path: 1 << 40)
+        self.monkeypatch.setattr(storage.disk, "disk_free", lambda path: 1 << 40)
         if self.real:
             return
         real_pwrite = os.pwrite

@@ -225,14 +225,14 @@ def test_only_a_reasonless_runtime_error_on_a_nearly_full_disk_is_taken_for_a_fu
     from rag_fast.retrieval import NoSpaceError
 
     path = tmp_path / "f.pt"
-    monkeypatch.setattr(storage, "disk_free", lambda p: 1024)
+    monkeypatch.setattr(storage.disk, "disk_free", lambda p: 1024)
     with pytest.raises(NoSpaceError, match="no space left on device writing"):
         with storage.disk_errors(path):
             raise RuntimeError("unexpected pos 119232 vs 119184")
     with pytest.raises(ValueError, match="a bug"):
         with storage.disk_errors(path):
             raise ValueError("a bug")
-    monkeypatch.setattr(storage, "disk_free", lambda p: 1 << 40)
+    monkeypatch.setattr(storage.disk, "disk_free", lambda p: 1 << 40)
     with pytest.raises(RuntimeError, match="unexpected pos"):
         with storage.disk_errors(path):
             raise RuntimeError("unexpected pos 1 vs 2")

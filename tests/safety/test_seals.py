@@ -208,7 +208,7 @@ def test_reseal_refuses_an_unsealed_part_of_another_build_and_finishes_its_own(w
     import shutil
 
     from conftest import run_cli as cli
-    from rag_fast.storage import _reseal_file
+    from rag_fast.storage.manifests import _reseal_file
 
     other = tmp_path / "other"
     assert cli("index", "build", "--passages", world["passages"], "--encoder", world["encoder"],

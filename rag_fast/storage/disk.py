@@ -1,0 +1,217 @@
+"""Single files written atomically (a temporary, fsynced, renamed), and a full disk said as
+one error naming the file, the bytes needed and the bytes free."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import IO, Iterator
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make renames in ``folder`` durable (where the OS allows opening a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """``write(f)`` to a temporary file beside ``path`` (binary), fsync, then rename over
+    ``path``; the temporary is removed on any failure (a full disk included). The folder of
+    ``path`` is created when missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
+    with atomic_file(path, "wb") as f:
+        write(f)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """A file opened (``mode``: ``"w"`` text in UTF-8, or ``"wb"``) on a temporary beside
+    ``path`` that becomes ``path`` when the block ends normally: flushed, fsynced, renamed
+    over ``path``, the rename made durable. On any failure (a full disk: a
+    :class:`NoSpaceError` naming ``path``; an interruption) the temporary is removed and
+    ``path`` is as it was. The folder of ``path`` must exist."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    encoding = None if "b" in mode else "utf-8"
+    try:
+        with disk_errors(path):
+            with open(tmp, mode, encoding=encoding) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        fsync_dir(folder)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+# ---- a full disk ---------------------------------------------------------------------------
+class NoSpaceError(OSError):
+    """The disk (or the user's quota) has no room for a file being written: one line naming
+    the file, the bytes it needs and the bytes free (``errno`` is ``ENOSPC`` or ``EDQUOT``)."""
+
+    def __init__(self, path: str | os.PathLike, needed: int | None, free: int | None,
+                 code: int = errno.ENOSPC):
+        what = "disk quota exceeded" if code == errno.EDQUOT else "no space left on device"
+        message = f"{what} writing {os.fspath(path)}"
+        if needed is not None:
+            message += f": needs {needed} bytes ({_mib(needed)})"
+        if free is not None:
+            message += f"{',' if needed is not None else ':'} {free} free ({_mib(free)})"
+        super().__init__(code, message)
+        self.path, self.needed, self.free = os.fspath(path), needed, free
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):
+        return type(self), (self.path, self.needed, self.free, self.errno)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def disk_free(path: str | os.PathLike) -> int | None:
+    """Bytes free for an unprivileged writer on the filesystem of ``path`` (or of its nearest
+    existing parent), or None where the system cannot say."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return int(shutil.disk_usage(path).free)
+    except OSError:
+        return None
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk (or the quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(exc: OSError, path: str | os.PathLike, needed: int | None = None) -> OSError:
+    """``exc`` as a :class:`NoSpaceError` naming ``path`` when it says the disk is full, else
+    ``exc`` itself. The free space is read now (after the caller removed its temporary
+    files); a :class:`NoSpaceError` keeps the file and the bytes it names."""
+    if isinstance(exc, NoSpaceError):
+        return NoSpaceError(exc.path, exc.needed, disk_free(exc.path), exc.errno)
+    if not is_no_space(exc):
+        return exc
+    return NoSpaceError(path, needed, disk_free(path), exc.errno)
+
+
+def reserve_space(fd: int, path: str | os.PathLike, nbytes: int) -> None:
+    """Allocate ``nbytes`` on disk for the open file ``fd`` (written as ``path``) before any
+    of it is written, so that a full disk is reported now, as one :class:`NoSpaceError`,
+    rather than part-way through (or, for a file written through a memory map, as a SIGBUS
+    that kills the process). On a filesystem that cannot allocate ahead, the free space is
+    checked instead and the file extended, and the writes themselves report a full disk.
+
+    Raises:
+        NoSpaceError: the filesystem has fewer than ``nbytes`` free.
+        OSError: another error of the filesystem.
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    except AttributeError:  # no posix_fallocate on this platform
+        pass
+    except OSError as exc:
+        if is_no_space(exc):
+            raise NoSpaceError(path, nbytes, disk_free(path), exc.errno) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+            raise
+    free = disk_free(path)
+    if free is not None and free < nbytes:
+        raise NoSpaceError(path, nbytes, free)
+    os.ftruncate(fd, nbytes)
+
+
+_NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a full disk
+
+
+@contextlib.contextmanager
+def disk_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Say a full disk as a :class:`NoSpaceError` naming ``path`` when a library writing
+    ``path`` fails its own way: its message names the full disk (safetensors, faiss), or it is
+    a RuntimeError while the disk holding ``path`` is nearly full (``torch.save``, whose error
+    gives no reason). Other failures pass unchanged."""
+    try:
+        yield
+    except NoSpaceError:
+        raise
+    except OSError as e:
+        if is_no_space(e) or _copies_found_no_space(e):
+            raise NoSpaceError(path, None, disk_free(path), e.errno or errno.ENOSPC) from None
+        if e.errno == errno.EFBIG:
+            raise _too_large(path) from None
+        raise
+    except Exception as e:
+        if _interrupted(e):  # Ctrl-C inside the library's write, hidden by its own error
+            raise KeyboardInterrupt from None
+        if isinstance(e, RuntimeError) and _file_size_limit() is not None:
+            # torch.save's writer met the process's file size limit (EFBIG, no reason given)
+            raise _too_large(path) from None
+        text = str(e)
+        free = disk_free(path)
+        says_so = "No space left" in text or "os error 28" in text or "ENOSPC" in text
+        # torch.save's RuntimeError on a full disk names no reason ("unexpected pos ...")
+        guess = isinstance(e, RuntimeError) and free is not None and free < _NEARLY_FULL
+        if says_so or guess:
+            raise NoSpaceError(path, None, free) from None
+        raise
+
+
+def _copies_found_no_space(exc: OSError) -> bool:
+    """Whether ``exc`` is ``shutil.copytree``'s list of failed copies (a ``shutil.Error``,
+    whose errno is None) holding one that found the disk full."""
+    if not isinstance(exc, shutil.Error) or not exc.args or not isinstance(exc.args[0], list):
+        return False
+    return any(isinstance(failed, tuple) and any(
+        f"[Errno {code}]" in str(part) for part in failed for code in (errno.ENOSPC, errno.EDQUOT))
+        for failed in exc.args[0])
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a KeyboardInterrupt was being handled (torch.save's
+    zip writer, interrupted mid-write, raises "unexpected pos" on its way out)."""
+    seen: set[int] = set()
+    cause = exc.__context__ or exc.__cause__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__context__ or cause.__cause__
+    return False
+
+
+def _file_size_limit() -> int | None:
+    """The most bytes this process may write to one file (``ulimit -f``), None: no limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _too_large(path: str | os.PathLike) -> OSError:
+    """The one-line error of a write stopped by the file size limit (``ulimit -f``)."""
+    limit = _file_size_limit()
+    most = f" of {limit} bytes ({_mib(limit)})" if limit is not None else ""
+    return OSError(errno.EFBIG, f"file too large writing {os.fspath(path)}: this process may "
+                   f"write files{most} at most (ulimit -f); raise the limit")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))

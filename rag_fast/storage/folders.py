@@ -1,0 +1,260 @@
+"""What an output folder is (its marker), whether a command may write it, and directories
+written whole: assembled under a temporary sibling and swapped into place."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Iterable, Iterator
+
+
+from .disk import atomic_write_bytes
+from .manifests import KIND_WORDS, MANIFEST, read_json_file
+from . import swap
+from .swap import recover_directory, remove_leftovers, sibling
+
+# ---- what an output folder is, and whether a command may write it ---------------------------
+# The file that says what a folder rag_fast wrote is, by kind: its manifest (index bundle,
+# passage store, saved index, token cache), a model's side file, or the marker of a training
+# run, an evaluation or a fitted tokenizer.
+OUTPUT_MARKER = "rag_fast-output.json"
+RUN_KIND, EVAL_KIND = "rag_fast.train_run", "rag_fast.eval"
+RETRIEVAL_EVAL_KIND = "rag_fast.retrieval_eval"  # `rag-fast index eval --out`
+TOKENIZER_KIND = "rag_fast.tokenizer"  # `rag-fast tokenizer fit`'s folder (rag_fast.tokenization)
+REFRESHED_KIND = "rag_fast.refreshed_index"  # a training run's index/ after refreshes
+_MARKER_FILES = (MANIFEST, "rag_fast.json", OUTPUT_MARKER)
+# the kinds each marker file may name (a model's kind in rag_fast-output.json is not a model);
+# a manifest.json names a stored directory's kind: any other of rag_fast's
+_MARKER_KINDS = {"rag_fast.json": ("rag_fast.model",),
+                 OUTPUT_MARKER: (RUN_KIND, EVAL_KIND, RETRIEVAL_EVAL_KIND, REFRESHED_KIND, TOKENIZER_KIND)}
+
+
+def _names_its_kind(marker: str, kind: object) -> bool:
+    if marker in _MARKER_KINDS:
+        return kind in _MARKER_KINDS[marker]
+    return (isinstance(kind, str) and kind.startswith("rag_fast.")
+            and not any(kind in kinds for kinds in _MARKER_KINDS.values()))
+
+
+def folder_kind(path: str | os.PathLike) -> str | None:
+    """The kind of rag_fast folder ``path`` is (``"rag_fast.model"``, ``"rag_fast.index_bundle"``,
+    ...), read from its marker file; None when it has none (or is not a folder)."""
+    path = Path(path)
+    for name in _MARKER_FILES:
+        marker = path / name
+        if not marker.is_file():
+            continue
+        try:
+            payload = read_json_file(marker)
+        except (OSError, ValueError):
+            continue
+        kind = payload.get("kind") if isinstance(payload, dict) else None
+        if _names_its_kind(name, kind):
+            return kind
+    return None
+
+
+# the temporaries of rag_fast's folder writers, named ".NAME.TAG-PID[-THREAD]-HEX8"
+_OURS_TEMPORARY = re.compile(r"\..+\.(tmp|new|old|trash)-\d+(-\d+)?-[0-9a-f]{8}")
+
+
+def unlisted_files(root: str | os.PathLike) -> list[str]:
+    """Files under ``root`` that no manifest or marker of rag_fast accounts for: a marker file
+    naming a kind of rag_fast's counts (see :func:`folder_kind`), with every path its ``files``
+    lists (relative to its folder); the temporary folders of rag_fast's writers count too.
+    Symbolic links are not followed."""
+    root = Path(root)
+    found, owned = [], set()
+    for folder, dirs, names in os.walk(root):
+        here = Path(folder)
+        dirs[:] = [d for d in dirs if not _OURS_TEMPORARY.fullmatch(d)]
+        found.extend(here / d for d in dirs if (here / d).is_symlink())  # a link is a file too
+        for name in names:
+            found.append(here / name)
+            if name not in _MARKER_FILES:
+                continue
+            try:
+                payload = read_json_file(here / name)
+            except (OSError, ValueError):
+                continue
+            if not isinstance(payload, dict) or not _names_its_kind(name, payload.get("kind")):
+                continue  # a file of that name that is not rag_fast's
+            owned.add(here / name)
+            if isinstance(payload.get("files"), dict):
+                owned.update(here / str(n) for n in payload["files"])
+    return sorted(str(p.relative_to(root)) for p in found if p not in owned)
+
+
+def _is_empty_dir(path: Path) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
+
+
+def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = False,
+                        flag: str = "output", reuse: bool = False) -> None:
+    """Refuse to write the folder ``out`` where that could destroy what rag_fast did not write.
+
+    ``out`` may be missing or an empty folder. An existing folder of the same ``kind`` (its
+    marker says so) is replaced only with ``overwrite``, or written into with ``reuse`` (a
+    training run resuming, an evaluation written again). Anything else is refused, whatever
+    ``overwrite`` says: a file, a folder of another kind, one that holds files rag_fast did not
+    write, or (unless ``reuse``) a symbolic link, which a replacement would swap out.
+
+    Raises:
+        FileExistsError: naming ``flag`` and ``out``, and what to do instead.
+    """
+    out = Path(out)
+    words = KIND_WORDS.get(kind, kind)
+    recover_directory(out)
+    if out.is_symlink() and not reuse:  # replacing it would replace the link, not its target
+        raise FileExistsError(f"{flag} {str(out)!r} is a symbolic link (to "
+                              f"{os.readlink(out)!r}); refused: give the folder's own path")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"{flag} {str(out)!r} exists and is not a folder (expected "
+                              f"{words}); refused: choose another path")
+    if _is_empty_dir(out):
+        return
+    found = folder_kind(out)
+    if found == kind:
+        if reuse:
+            return
+        if not overwrite:
+            raise FileExistsError(f"{flag} {str(out)!r} already exists (pass --overwrite to "
+                                  "replace it)")
+        foreign = unlisted_files(out)
+        if not foreign:
+            return
+        raise FileExistsError(
+            f"{flag} {str(out)!r} is {words} but also holds {foreign[0]!r}"
+            + (f" and {len(foreign) - 1} more file(s)" if len(foreign) > 1 else "")
+            + " that rag_fast did not write; refused (--overwrite would delete them): move them "
+            "away or choose another path")
+    what = (f"is {KIND_WORDS.get(found, found)}, not {words}" if found is not None else
+            "holds files rag_fast did not write")
+    # a command that writes into its own folder again (reuse: train, eval) has no --overwrite
+    rule = ("rag_fast writes only into a folder of its own kind" if reuse else
+            "even with --overwrite, rag_fast replaces only a folder of its own kind")
+    raise FileExistsError(f"{flag} {str(out)!r} {what}; refused ({rule}): choose another path "
+                          "or an empty folder")
+
+
+def _real(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def check_apart(out: str | os.PathLike, flag: str, inputs: dict[str, object]) -> None:
+    """Refuse an output that is, contains or lies inside one of the command's inputs, before
+    anything is read or written. ``inputs`` maps a flag (or config key) to a path (or None, or
+    a name that is not a local path: skipped).
+
+    Raises:
+        ValueError: naming both flags and paths.
+    """
+    target = _real(out)
+    for name, value in inputs.items():
+        if value is None or not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            continue
+        if not os.path.exists(value):  # a model or encoder name, not a path
+            continue
+        source = _real(value)
+        if target == source:
+            how = "is"
+        elif os.path.commonpath([target, source]) == target:
+            how = "contains"
+        elif os.path.commonpath([target, source]) == source and os.path.isdir(source):
+            how = "lies inside"
+        else:
+            continue
+        raise ValueError(f"{flag} {os.fspath(out)!r} {how} {name} {os.fspath(value)!r}: writing "
+                         f"it could destroy the input; choose an output path apart from the "
+                         "inputs")
+
+
+def write_marker(folder: str | os.PathLike, kind: str, **extra) -> None:
+    """Mark ``folder`` (created if missing) as a rag_fast output of ``kind`` (atomically)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(folder / OUTPUT_MARKER, json.dumps(
+        {"kind": kind, "format": 1, **extra}, indent=1, sort_keys=True).encode("utf-8"))
+
+
+@contextlib.contextmanager
+def new_folder_removed_on_failure(folder: str | os.PathLike, names: Iterable[str]) -> Iterator[None]:
+    """When ``folder`` does not exist yet and the block fails (a full disk, Ctrl-C), remove
+    what the block may have written there (``names``, and the marker) and then the folder if
+    it is empty: a failed command leaves no folder it made. A folder that existed is left."""
+    folder = Path(folder)
+    existed = os.path.lexists(folder)
+    try:
+        yield
+    except BaseException:
+        if not existed and folder.is_dir() and not folder.is_symlink():
+            for name in (*names, OUTPUT_MARKER):
+                with contextlib.suppress(OSError):
+                    (folder / name).unlink()
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | os.PathLike, overwrite: bool = False,
+                     kind: str | None = None) -> Iterator[Path]:
+    """Yield a temporary directory that becomes ``out`` when the block exits normally.
+
+    On any exception (KeyboardInterrupt included) the temporary directory is removed and
+    ``out`` is left untouched. With ``overwrite`` an existing ``out`` is replaced atomically:
+    after a kill at any point ``out`` holds the old or the new directory, or (only where the
+    OS cannot exchange two directories) is restored by the next open or save, see
+    :func:`recover_directory`. Before any work, a missing ``out`` is recovered and the
+    leftovers of dead writers (``.NAME.{tmp,new,old,trash}-PID-*``) are removed.
+
+    ``kind`` is what the new directory is (its manifest's kind): an existing ``out`` is replaced
+    only when it is empty or of that kind (see :func:`check_output_folder`); without ``kind``,
+    only an empty one.
+
+    Raises:
+        FileExistsError: ``out`` exists and ``overwrite`` is False, or it is not a folder of
+            ``kind`` (before any work starts).
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(out)
+    remove_leftovers(out)
+    if out.exists() and not overwrite and not (out.is_dir() and _is_empty_dir(out)):
+        raise FileExistsError(f"output path {str(out)!r} already exists (pass overwrite=True)")
+    if out.exists() or out.is_symlink():
+        check_output_folder(out, kind or "an empty folder", overwrite=True, flag="output path")
+    tmp = sibling(out, "tmp")
+    tmp.mkdir()
+    mine = [tmp]  # what to remove at the end
+    moved_aside: Path | None = None
+    try:
+        yield tmp
+        if not out.exists():
+            os.replace(tmp, out)
+        elif not swap.exchange(tmp, out):  # (exchanged: out is the new directory, tmp the old one)
+            new, old, trash = sibling(out, "new"), sibling(out, "old"), sibling(out, "trash")
+            mine += [new, trash]
+            os.replace(tmp, new)  # complete: recover_directory may install a dead writer's .new-*
+            os.replace(out, old)
+            moved_aside = old
+            os.replace(new, out)
+            moved_aside = None
+            mine.append(old)
+            os.replace(old, trash)  # so that an .old-* is always a complete directory
+    finally:
+        if moved_aside is not None and not out.exists():
+            with contextlib.suppress(OSError):  # failed between the renames: put the old one back
+                os.replace(moved_aside, out)
+        for path in mine:
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
