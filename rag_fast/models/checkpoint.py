@@ -47,7 +47,7 @@ from rag_fast._validation import not_a_folder
 from rag_fast._quiet import quiet_transformers
 from rag_fast.retrieval.encoders import unloadable
 from rag_fast.storage import (StorageError, atomic_directory, check_files_entry, check_seal,
-                              disk_errors, read_json_file, recover_directory, sealed,
+                              disk_errors, fsync_tree, read_json_file, recover_directory, sealed,
                               sha256_file)
 
 if TYPE_CHECKING:  # (annotations only: rag_model.py imports this module)
@@ -69,13 +69,6 @@ QUESTION_ENCODER_DIR = "question_encoder"
 
 class ModelDirError(ValueError):
     """A model directory that is missing, incomplete, corrupt or of an unknown format."""
-
-
-def _fsync_tree(root: str) -> None:
-    for folder, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
 
 
 def rag_config(model: RagModel):
@@ -159,7 +152,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
         }
         with open(os.path.join(tmp, SIDE_FILE), "w", encoding="utf-8") as f:
             json.dump(sealed(side), f, indent=1)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
 
 
 def _check_savable(model: RagModel) -> None:

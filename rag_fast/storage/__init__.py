@@ -30,8 +30,9 @@ from .manifests import (check_files_entry, check_seal, content_digest, describe_
                         RESEAL_HINT, SEAL, sealed, sha256_file, StorageError, write_json,
                         write_manifest)
 from .swap import (exchange, pid_alive, recover_directory, remove_leftovers, sibling)
-from .disk import (atomic_file, atomic_write, atomic_write_bytes, disk_errors, disk_free,
-                   fsync_dir, is_no_space, no_space, NoSpaceError, reserve_space)
+from .disk import (append_line, atomic_file, atomic_write, atomic_write_bytes, disk_errors,
+                   disk_free, fsync_dir, fsync_tree, is_no_space, no_space, NoSpaceError,
+                   reserve_space, write_synced)
 from .folders import (atomic_directory, check_apart, check_output_folder, EVAL_KIND, folder_kind,
                       new_folder_removed_on_failure, OUTPUT_MARKER, REFRESHED_KIND,
                       RETRIEVAL_EVAL_KIND, RUN_KIND, TOKENIZER_KIND, unlisted_files, write_marker)
@@ -39,6 +40,7 @@ from .locks import (output_lock, OutputLockedError, shared_lock)
 from .ragged import (RaggedArray, RaggedWriter)
 
 __all__ = [
+    "append_line",
     "atomic_directory",
     "atomic_file",
     "atomic_write",
@@ -55,6 +57,7 @@ __all__ = [
     "exchange",
     "folder_kind",
     "fsync_dir",
+    "fsync_tree",
     "is_no_space",
     "KIND_WORDS",
     "listed_path",
@@ -93,4 +96,5 @@ __all__ = [
     "write_json",
     "write_manifest",
     "write_marker",
+    "write_synced",
 ]

@@ -24,6 +24,34 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def write_synced(path: str | os.PathLike, write) -> None:
+    """``write(f)`` to a new file at ``path`` (binary), flushed and fsynced: one step of a
+    protocol that renames the file itself (a training checkpoint's payload, then its
+    manifest). A full disk is a :class:`NoSpaceError` naming ``path``."""
+    with disk_errors(path), open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file under ``root`` (a folder written by a library's ``save_pretrained``,
+    before it is swapped into place)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append ``line`` (a newline added) to the file at ``path``, created if missing, never
+    through a symbolic link in its place (``O_NOFOLLOW``). A full disk is a
+    :class:`NoSpaceError` naming ``path``."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    with disk_errors(path), open(os.open(path, flags, 0o666), "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
 def atomic_write(path: str | os.PathLike, write) -> None:
     """``write(f)`` to a temporary file beside ``path`` (binary), fsync, then rename over
     ``path``; the temporary is removed on any failure (a full disk included). The folder of

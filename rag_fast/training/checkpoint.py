@@ -24,7 +24,7 @@ import os
 import random
 import re
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from torch import nn
 
 from rag_fast.storage import (RUN_KIND, atomic_write, check_output_folder, disk_errors,
                               folder_kind, fsync_dir, pid_alive, read_json_file, sha256_file,
-                              write_marker)
+                              write_marker, write_synced)
 from rag_fast.training.config import CHECKPOINT, CHECKPOINT_MANIFEST, TrainConfig
 
 CHECKPOINT_FORMAT = "rag_fast.training-checkpoint/1"
@@ -89,13 +89,6 @@ def json_default(obj: Any) -> Any:
     return obj.tolist() if hasattr(obj, "tolist") else str(obj)
 
 
-def _write_synced(path: str, write: Callable[[IO[bytes]], None]) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def atomic_torch_save(obj: Any, path: str) -> None:
     """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``."""
     atomic_write(path, lambda f: torch.save(obj, f))
@@ -124,12 +117,12 @@ def _write_checkpoint(payload: dict, path: str, step: int) -> None:
     renamed = False
     try:
         with disk_errors(path):  # a full disk: one error naming the checkpoint
-            _write_synced(tmp_payload, lambda f: torch.save(payload, f))
+            write_synced(tmp_payload, lambda f: torch.save(payload, f))
         size, sha256 = _digest(tmp_payload)
         record = {"format": CHECKPOINT_FORMAT, "payload": os.path.basename(path), "size": size,
                   "sha256": sha256, "step": step}
         with disk_errors(manifest):
-            _write_synced(tmp_manifest, lambda f: f.write(json.dumps(record, indent=1).encode()))
+            write_synced(tmp_manifest, lambda f: f.write(json.dumps(record, indent=1).encode()))
         os.replace(tmp_payload, path)
         renamed = True
         fsync_dir(folder)

@@ -79,7 +79,7 @@ from torch import nn
 
 from rag_fast import _threads
 from rag_fast._threads import SlowStepWatch
-from rag_fast.storage import atomic_write
+from rag_fast.storage import append_line, atomic_write
 from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, json_default, claim_run_folder,
                                           restore_checkpoint, save_checkpoint,
                                           settle_killed_saves)
@@ -561,10 +561,7 @@ class Trainer:
         if path is None or self.rank != 0:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
-                     0o666)
-        with open(fd, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, default=json_default) + "\n")
+        append_line(path, json.dumps(record, default=json_default))
 
     def _trim_metrics(self) -> None:
         """Drop the metrics file's records after ``state.step`` (and a last record cut short
