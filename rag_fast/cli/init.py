@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     model.save(str(out))
     params = sum(p.numel() for p in model.parameters())
-    kind = "decoder-only " if model.is_causal else ""
+    kind = f"{model.family.name} " if model.family.decoder_only else ""
     print(f"initialised a {kind}RAG-{args.mode.capitalize()} model "
           f"({params / 1e6:.1f}M parameters, n_docs={model.n_docs}) -> {out}")
     return 0

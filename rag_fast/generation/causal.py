@@ -72,12 +72,6 @@ _NONLINEAR_HEAD_FIELDS = {"final_logit_softcapping": (None, 0, 0.0), "logit_scal
                           "output_multiplier_scale": (None, 1, 1.0)}
 
 
-def is_causal(generator: nn.Module) -> bool:
-    """Whether ``generator`` is a decoder-only model (its config says not encoder-decoder)."""
-    config = getattr(generator, "config", None)
-    return config is not None and not getattr(config, "is_encoder_decoder", False)
-
-
 def backbone(generator: nn.Module) -> nn.Module:
     """The transformer under the LM head (``model`` for Llama/Qwen2/Mistral, ``transformer`` for
     GPT-2), which returns the final-normed hidden states."""
@@ -479,4 +473,4 @@ def causal_generate(
 
 
 __all__ = ["DecoderOnly", "answer_inputs", "backbone", "causal_generate", "check_causal",
-           "check_prompts", "decoder_only_lm_head", "is_causal", "position_ids", "prompt_processors"]
+           "check_prompts", "decoder_only_lm_head", "position_ids", "prompt_processors"]

@@ -29,6 +29,7 @@ import torch
 
 from rag_fast._quiet import quiet_transformers
 from rag_fast._validation import brief_error
+from rag_fast.models.family import family_of_config
 from rag_fast.models.options import check_arguments
 from rag_fast.models.rag_model import RagModel
 from rag_fast.models.retriever_io import read_bundle_manifest
@@ -151,8 +152,8 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
     for key, value in ids.items():
         if key not in values:
             setattr(config, key, value)
-    causal = not getattr(config, "is_encoder_decoder", False)
-    if "decoder_start_token_id" not in values and not causal:
+    family = family_of_config(config)
+    if "decoder_start_token_id" not in values and not family.decoder_only:
         # answers are trained as [start, tokens..., eos]: decoding starts where training did
         config.decoder_start_token_id = config.bos_token_id
     if "vocab_size" not in values:
@@ -160,7 +161,7 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
     for key in ("forced_bos_token_id", "forced_eos_token_id"):
         if key not in values and hasattr(config, key):
             setattr(config, key, None)
-    if causal:
+    if family.decoder_only:
         # a decoder-only generator (Llama, Qwen2, GPT-2, ...): the prompt is continued by the
         # answer (docs/decoder_only.md)
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -169,7 +170,7 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
             raise ValueError(f"generator config {path}: model_type {model_type!r} is neither "
                              "an encoder-decoder model nor a causal LM transformers can build")
     torch.manual_seed(seed)
-    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModelForSeq2SeqLM
+    auto = getattr(transformers, family.auto_class)
     try:
         return auto.from_config(config)
     except Exception as e:  # sizes the model cannot be built with (e.g. heads not dividing d)
@@ -228,9 +229,10 @@ def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
-    if getattr(config, "is_encoder_decoder", False):
-        return transformers.AutoModelForSeq2SeqLM.from_pretrained(name, trust_remote_code=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(name, trust_remote_code=False)
+    family = family_of_config(config)
+    model = getattr(transformers, family.auto_class).from_pretrained(name, trust_remote_code=False)
+    if not family.decoder_only:
+        return model
     if model.config.pad_token_id is None:
         if tokenizer.pad_token_id is None:
             if tokenizer.eos_token is None:

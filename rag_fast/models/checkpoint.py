@@ -45,6 +45,7 @@ import torch
 from rag_fast import _pool
 from rag_fast._validation import not_a_folder
 from rag_fast._quiet import quiet_transformers
+from rag_fast.models.family import LAYOUT_CAUSAL, LAYOUT_RAG
 from rag_fast.retrieval.encoders import unloadable
 from rag_fast.storage import (StorageError, atomic_directory, check_files_entry, check_seal,
                               disk_errors, fsync_tree, read_json_file, recover_directory, sealed,
@@ -59,9 +60,9 @@ SIDE_FILE = "rag_fast.json"
 QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
 GENERATOR_TOKENIZER_DIR = "generator_tokenizer"
 ARCHITECTURES = {"token": "RagTokenForGeneration", "sequence": "RagSequenceForGeneration"}
-# the layouts of rag_fast.json's "layout": a transformers RAG folder (the default, also when
-# absent), or the generator and question encoder saved side by side (decoder-only generators)
-LAYOUT_RAG, LAYOUT_CAUSAL = "rag", "causal"
+# rag_fast.json's "layout" (each generator family names its own: family.py): a transformers
+# RAG folder (the default, also when absent), or the generator and question encoder saved side
+# by side (decoder-only generators)
 LAYOUTS = (LAYOUT_RAG, LAYOUT_CAUSAL)
 GENERATOR_DIR = "generator"
 QUESTION_ENCODER_DIR = "question_encoder"
@@ -123,7 +124,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
         ModelDirError: a model without a transformers generator and question encoder.
     """
 
-    causal = bool(getattr(model, "is_causal", False))
+    causal = model.family.layout == LAYOUT_CAUSAL
     if causal:
         _check_savable(model)
         config = None
@@ -145,7 +146,7 @@ def save_rag_model(model: RagModel, path: str, *, index: str | None = None) -> N
         side = {
             "kind": KIND,
             "format": FORMAT,
-            "layout": LAYOUT_CAUSAL if causal else LAYOUT_RAG,
+            "layout": model.family.layout,
             "options": model.options(),
             "index": os.path.abspath(index) if index else None,
             "files": _describe(tmp),

@@ -59,8 +59,7 @@ def check_new_tokens(model, max_new_tokens: int, flag: str = "--max-new-tokens")
         positions = getattr(config, "n_positions", None)
     if not isinstance(positions, int):
         return  # relative positions (T5): no fixed bound
-    room = positions - (int(model.max_context_length) if getattr(model, "is_causal", False)
-                        else 0)
+    room = positions - model.family.prompt_positions(model.max_context_length)
     if max_new_tokens > room:
         raise ValueError(f"{flag} {max_new_tokens} is more than the generator can place "
                          f"({positions} positions" + (f", {model.max_context_length} of them the "

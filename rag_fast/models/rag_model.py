@@ -26,21 +26,15 @@ import torch
 from torch import nn
 
 from rag_fast import _pool, _threads
-from rag_fast._validation import check_context_length, check_decoding_scores
-from rag_fast.generation import (
-    causal,
-    heads,
-    rag_sequence_generate,
-    rag_token_generate,
-    start_token_id,
-)
-from rag_fast.models import _causal, _lean, _seq2seq
+from rag_fast._validation import check_decoding_scores
+from rag_fast.generation import heads
+from rag_fast.models import _lean, _seq2seq
 from rag_fast.models.checkpoint import (load_model_dir, model_from_transformers, rag_config,
                                         save_rag_model)
 from rag_fast.models.contexts import (Retrieved, RetrieverLike, decode_answers,
                                       from_retrieved_passages, join_context, passage_fields)
-from rag_fast.models.options import (CAUSAL_IGNORE, check_arguments, eos_ids, is_int,
-                                     lm_head_path)
+from rag_fast.models.family import family_of
+from rag_fast.models.options import check_arguments, is_int, lm_head_path
 from rag_fast.ops import linear_rag_nll, rag_sequence_nll, rag_token_nll
 
 @dataclass
@@ -135,12 +129,9 @@ class RagModel(nn.Module):
                         max_question_length=max_question_length, epsilon=epsilon,
                         exclude_bos=exclude_bos, normalize_questions=normalize_questions,
                         lean_activations=lean_activations, bos_token_id=bos_token_id)
-        # decoder-only generators (any *ForCausalLM): see _causal and docs/decoder_only.md
-        self.is_causal = causal.is_causal(generator)
-        if self.is_causal:
-            causal.check_causal(generator)  # also requires config.pad_token_id
-        else:
-            _seq2seq.check_seq2seq(generator)
+        # encoder-decoder or decoder-only (any *ForCausalLM): decided once, here (family.py)
+        self.family = family_of(generator)
+        self.family.check(generator)
         V = _seq2seq.vocab_size(generator)
         if generator_tokenizer is not None and len(generator_tokenizer) > V:
             raise ValueError(
@@ -278,13 +269,16 @@ class RagModel(nn.Module):
         generation config's ``decoder_start_token_id``, else its BOS, else the generator
         config's); training labels start with it too (``rag_fast.training.encode_targets``).
         None for a decoder-only generator, whose answers continue the prompt."""
-        if self.is_causal:
-            return None
-        view = _TransformersView(self)
-        config = view.generation_config if self.mode == "token" else getattr(
-            self.generator, "generation_config", None)
-        start = start_token_id(config)
-        return start_token_id(self.generator.config) if start is None else start
+        return self.family.decoder_start_token_id(self)
+
+    @property
+    def is_causal(self) -> bool:
+        """Whether the generator is decoder-only (its family: ``self.family``)."""
+        return self.family.decoder_only
+
+    def transformers_view(self) -> "_TransformersView":
+        """What ``rag_fast.generation``'s searches read from a ``transformers`` RAG model."""
+        return _TransformersView(self)
 
     @property
     def max_positions(self) -> int | None:
@@ -395,19 +389,15 @@ class RagModel(nn.Module):
                 else:
                     texts.append(question)
         tok = self.generator_tokenizer
-        if self.is_causal:
-            # a decoder-only prompt is left-padded (the answer follows its last token in the
-            # same column for every row) and truncated on the left (the question is at its end)
-            saved = (tok.padding_side, tok.truncation_side)
-            tok.padding_side, tok.truncation_side = "left", "left"
-            try:
-                enc = tok(texts, padding=True, truncation=True, max_length=self.context_length(),
-                          return_tensors="pt")
-            finally:
-                tok.padding_side, tok.truncation_side = saved
-        else:
+        # the family's side (a decoder-only prompt is left-padded, so the answer follows its
+        # last token in the same column for every row, and cut on the left: the question ends it)
+        saved = (tok.padding_side, tok.truncation_side)
+        tok.padding_side = tok.truncation_side = self.family.padding_side
+        try:
             enc = tok(texts, padding=True, truncation=True, max_length=self.context_length(),
                       return_tensors="pt")
+        finally:
+            tok.padding_side, tok.truncation_side = saved
         device = self.generator.device
         return {"input_ids": enc["input_ids"].to(device),
                 "attention_mask": enc["attention_mask"].to(device)}
@@ -498,8 +488,7 @@ class RagModel(nn.Module):
         of its answer summed over these, so ``loss * B / count_targets`` is the loss per
         token."""
         _, targets = self.prepare_labels(labels)
-        ignore = CAUSAL_IGNORE if self.is_causal else self.pad_token_id
-        return int((targets != ignore).sum())
+        return int((targets != self.family.ignore_index(self.pad_token_id)).sum())
 
     def prepare_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(decoder_input_ids [B, T-1], targets [B, T-1])`` from labels ``[B, T]``.
@@ -507,22 +496,11 @@ class RagModel(nn.Module):
         Decoder-only generators: ``(answer_ids [B, T], targets [B, T])``: the labels are the
         answer tokens themselves, target t predicted from the token before it (the prompt's last
         token for t = 0). ``answer_ids`` have -100 replaced by the pad token; in ``targets``
-        every ignored position is -100 (:data:`CAUSAL_IGNORE`): -100 itself, and the pad token
-        unless it is also the EOS token (then it is the EOS target, and padding must be -100).
+        every ignored position is -100: -100 itself, and the pad token unless it is also the
+        EOS token (then it is the EOS target, and padding must be -100). The generator's
+        family decides (``self.family.prepare_labels``).
         """
-        if self.is_causal:
-            if labels.dim() != 2 or labels.shape[1] < 1:
-                raise ValueError(f"labels must be [B, T] answer token ids with T >= 1, got "
-                                 f"{tuple(labels.shape)}")
-            ids = labels.masked_fill(labels == CAUSAL_IGNORE, self.pad_token_id)
-            targets = labels
-            if self.pad_token_id not in eos_ids(self.generator.config):
-                targets = labels.masked_fill(labels == self.pad_token_id, CAUSAL_IGNORE)
-            return ids, targets
-        if labels.dim() != 2 or labels.shape[1] < 2:
-            raise ValueError(f"labels must be [B, T] with T >= 2, got {tuple(labels.shape)}")
-        labels = labels.masked_fill(labels == -100, self.pad_token_id)
-        return labels[:, :-1], labels[:, 1:]
+        return self.family.prepare_labels(labels, self.pad_token_id, self.generator.config)
 
     def loss_from_contexts(
         self,
@@ -552,31 +530,15 @@ class RagModel(nn.Module):
     def _loss_from_contexts(self, context_input_ids, context_attention_mask, doc_scores, labels,
                             reduction, B, K) -> torch.Tensor:
         decoder_input_ids, targets = self.prepare_labels(labels)
-        head = (causal.decoder_only_lm_head if self.is_causal
-                else heads.encoder_decoder_lm_head)(self.generator)
+        head = self.family.lm_head(self.generator)
         # a tied embedding's gradient is added into the LM head's in place (see _seq2seq)
         tied = _seq2seq.split_tied_weight(self.generator)
         if tied is not None:
             head = replace(head, weight=tied.head)
-        if self.is_causal:
-            # prompt ++ answer per (question, passage); state t predicts labels[:, t]
-            states = _causal.answer_states(self.generator, context_input_ids,
-                                           context_attention_mask, decoder_input_ids, tied)
-            return self._rag_loss(head, tied, states, doc_scores, targets, K, reduction,
-                                  CAUSAL_IGNORE)
-        encoder_states = _seq2seq.encode(self.generator, context_input_ids,
-                                         context_attention_mask, tied)
-        # (lean activations) the cross-attention keys and values are recomputed from it
-        _lean.share_input(encoder_states)
-        states = _seq2seq.decode(
-            self.generator,
-            decoder_input_ids.repeat_interleave(K, dim=0),
-            encoder_states,
-            context_attention_mask,
-            tied,
-        )  # [B*K, T-1, d]
+        states = self.family.states(self.generator, context_input_ids, context_attention_mask,
+                                    decoder_input_ids, K, tied)  # [B*K, T', d]
         return self._rag_loss(head, tied, states, doc_scores, targets, K, reduction,
-                              self.pad_token_id)
+                              self.family.ignore_index(self.pad_token_id))
 
     def _rag_loss(self, head: heads.LMHead, tied, states: torch.Tensor,
                   doc_scores: torch.Tensor, targets: torch.Tensor, K: int,
@@ -587,8 +549,8 @@ class RagModel(nn.Module):
         the logits' size decide (:func:`lm_head_path`)."""
         exclude_bos = False
         if (self.mode == "sequence" and self.exclude_bos and self.bos_token_id is not None
-                and not self.is_causal and targets.shape[1] > 0):
-            # (a decoder-only answer has no start token) transformers' rule: drop BOS only if
+                and self.family.excludes_bos() and targets.shape[1] > 0):
+            # transformers' rule: drop BOS only if
             # every target starts with it, decided on the device: no host read, no graph break
             exclude_bos = targets[:, 0].eq(self.bos_token_id).all()
         # Under torch.compile both paths trace without a graph break: they are the custom ops
@@ -633,17 +595,7 @@ class RagModel(nn.Module):
         if labels.dim() != 2 or labels.shape[0] != B:
             raise ValueError(f"labels must be [B={B}, T] (one row per question of doc_scores), "
                              f"got {tuple(labels.shape)}")
-        if self.is_causal:
-            # prompt and answer share the positions: S + T - 1 of them at most
-            limit = self.max_positions
-            if limit is not None and context_input_ids.shape[1] + labels.shape[1] - 1 > limit:
-                raise ValueError(
-                    f"context_input_ids ({context_input_ids.shape[1]} tokens) and labels "
-                    f"({labels.shape[1]}) need {context_input_ids.shape[1] + labels.shape[1] - 1} "
-                    f"positions but the generator has {limit} (config.max_position_embeddings); "
-                    "shorten the contexts (max_context_length) or the answers")
-        else:
-            check_context_length(context_input_ids, self.max_positions)
+        self.family.check_lengths(context_input_ids, labels, self.max_positions)
         V = self.vocab_size
         ok = (labels == -100) | (labels == self.pad_token_id) | ((labels >= 0) & (labels < V))
         if torch.compiler.is_compiling():  # no host read in a compiled graph
@@ -725,22 +677,9 @@ class RagModel(nn.Module):
         doc_scores, passages, questions = inputs.doc_scores, inputs.passages, inputs.questions
         context_input_ids, context_attention_mask = inputs.context_input_ids, inputs.context_mask
         check_decoding_scores(doc_scores.detach(), questions)
-        if self.is_causal:
-            sequences = causal.causal_generate(
-                self.generator, context_input_ids, context_attention_mask, doc_scores,
-                mode=self.mode, decoding=decoding, impl=impl,
-                generation_config=self.generation_config, **settings)
-            texts = None
-            if self.generator_tokenizer is not None:
-                texts = decode_answers(self.generator_tokenizer, sequences)
-            return Generation(sequences, texts, passages, doc_scores)
-        view = _TransformersView(self)
-        if self.mode == "token":
-            sequences = rag_token_generate(view, context_input_ids, context_attention_mask,
-                                           doc_scores, impl=impl, **settings)
-        else:
-            sequences = rag_sequence_generate(view, context_input_ids, context_attention_mask,
-                                              doc_scores, decoding=decoding, impl=impl, **settings)
+        sequences = self.family.generate(self, context_input_ids, context_attention_mask,
+                                         doc_scores, decoding=decoding, impl=impl,
+                                         settings=settings)
         texts = None
         if self.generator_tokenizer is not None:
             texts = decode_answers(self.generator_tokenizer, sequences)

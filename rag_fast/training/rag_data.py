@@ -34,13 +34,9 @@ def encode_targets(model, texts: Sequence[str]) -> torch.Tensor:
     if eos is None:
         raise ValueError("generator.config.eos_token_id is not set: answers end with EOS")
     eos = int(eos)
-    causal = getattr(model, "is_causal", False)
-    head = [] if causal else [model.decoder_start_token_id]
-    if head and model.bos_token_id is not None and model.bos_token_id != head[0]:
-        head.append(model.bos_token_id)
+    head = model.family.answer_start(model)  # [start (, BOS)], or nothing for decoder-only
     rows = [[*head, *tokenizer(t, add_special_tokens=False)["input_ids"], eos] for t in texts]
-    # a decoder-only model's padding is -100: its pad token may be its EOS (a target)
-    fill = -100 if causal else model.pad_token_id
+    fill = model.family.label_padding(model.pad_token_id)
     labels = torch.full((len(rows), max(map(len, rows))), fill, dtype=torch.long)
     for i, row in enumerate(rows):
         labels[i, :len(row)] = torch.tensor(row)
