@@ -138,7 +138,7 @@ root, kill = Path(sys.argv[1]), sys.argv[2] == "kill"
 model = make_model(TimedRetriever(retriever_over(root / "passages")))
 if kill:  # die after the first file of the step-4 refresh is written, before its manifest
     import rag_fast.retrieval.index as index_module
-    write = index_module._write_faiss  # how every index file is written
+    write = index_module.write_faiss  # how every index file is written
     def dying_write(index, path, shown):
         write(index, path, shown)
         if "step-00000004" in str(path):
@@ -146,7 +146,7 @@ if kill:  # die after the first file of the step-4 refresh is written, before it
             (root / "at-kill.json").write_text(json.dumps(
                 {"version": r.version, "refreshed_at": r.index.meta.get("refreshed_at")}))
             os._exit(%d)
-    index_module._write_faiss = dying_write
+    index_module.write_faiss = dying_write
 trainer = Trainer(model, qa(), rag_collate(model), rag_loss,
                   config(root / "out", refresh_index_every=2, checkpoint_every=2))
 resumed = trainer.resume()

@@ -414,8 +414,8 @@ def test_too_few_tuning_queries_are_warned_with_the_count_needed(data):
     matching exact search the exact one-sided bound is 0.05 ** (1 / Q), so below Q = 59 no
     result shows 0.95 (27 queries: 0.895), though the normal-approximation bound of the tuner
     is then 1. Explicit queries fewer than that are warned about once, naming the count needed."""
-    from rag_fast.retrieval.index import (SmallSampleWarning, _reaches, min_tuning_queries,
-                                          small_sample_message)
+    from rag_fast.retrieval.tuning import (SmallSampleWarning, _reaches, min_tuning_queries,
+                                           small_sample_message)
 
     assert [min_tuning_queries(t) for t in (0.5, 0.9, 0.95, 0.99)] == [5, 29, 59, 299]
     for target in (0.5, 0.9, 0.95, 0.99, 0.999):
@@ -527,7 +527,7 @@ def test_embeddings_are_read_only_views_holding_their_owner(exact):
 def test_a_setting_must_reach_the_target_with_confidence():
     """The tuner takes a setting only when the lower 95% bound of each per-query measure
     reaches the target: a sample mean just at the target is not enough."""
-    from rag_fast.retrieval.index import _reaches
+    from rag_fast.retrieval.tuning import _reaches
 
     at = np.r_[np.ones(950), np.zeros(50)]  # mean 0.95 exactly
     assert not _reaches((at,), 0.95)

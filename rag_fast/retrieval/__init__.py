@@ -2,7 +2,7 @@
 
     PassageStore, Passage, read_passages, split_words   passages on disk (rag_fast.retrieval.passages)
     Encoder, encode_passages, parse_shard              Hugging Face encoders (.encoders)
-    DenseIndex, PRESETS, recall_at_k                   FAISS inner-product index (.index)
+    DenseIndex, PRESETS, recall_at_k                   FAISS inner-product index (.index, .factory, .tuning)
     exact_search                                       exact top-k in torch, any device, no faiss (._exact)
     Retriever, RetrievedPassages                       ids, exact embeddings, generator inputs (.retriever)
     ShardedIndex, ShardedRetriever, search_exact_ties  one index over a torch.distributed group (.sharded)
@@ -14,7 +14,7 @@ faiss is not installed.
 """
 from __future__ import annotations
 
-import importlib
+from rag_fast._lazy import lazy_attributes
 
 _LAZY = {
     "StorageError": "rag_fast.storage",
@@ -22,9 +22,9 @@ _LAZY = {
     "Encoder": "rag_fast.retrieval.encoders",
     "encode_passages": "rag_fast.retrieval.encoders",
     "parse_shard": "rag_fast.retrieval.encoders",
-    "PRESETS": "rag_fast.retrieval.index",
+    "PRESETS": "rag_fast.retrieval.factory",
     "DenseIndex": "rag_fast.retrieval.index",
-    "recall_at_k": "rag_fast.retrieval.index",
+    "recall_at_k": "rag_fast.retrieval.tuning",
     "exact_search": "rag_fast.retrieval._exact",
     "Passage": "rag_fast.retrieval.passages",
     "PassageStore": "rag_fast.retrieval.passages",
@@ -39,13 +39,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rag_fast.retrieval' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -42,9 +42,9 @@ import numpy as np
 
 from rag_fast._jsonl import check_regular_file, decoded_lines, read_objects
 from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard, shard_rows
-from rag_fast.retrieval.index import (INDEX_KIND, PRESETS, SMALL_CORPUS, DenseIndex,
-                                      SmallSampleWarning, _factory_index, plan_factory,
-                                      small_sample_message)
+from rag_fast.retrieval.factory import PRESETS, SMALL_CORPUS, factory_index, plan_factory
+from rag_fast.retrieval.index import INDEX_KIND, DenseIndex
+from rag_fast.retrieval.tuning import SmallSampleWarning, small_sample_message
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
                                          stand_in_questions)
 from rag_fast.storage import (NoSpaceError, StorageError, atomic_directory, check_apart,
@@ -620,7 +620,7 @@ def build_index_bundle(
         log: where the lines on progress and the result go (default ``print``).
         warn: where warnings go (default: stderr, after ``warning: ``): ``--queries`` fewer
             than the target needs to be shown with the tuner's confidence
-            (:func:`~rag_fast.retrieval.index.min_tuning_queries`).
+            (:func:`~rag_fast.retrieval.tuning.min_tuning_queries`).
     Returns:
         ``out`` as a Path; with ``shard``, the shard's embeddings file.
     Raises:
@@ -660,7 +660,7 @@ def build_index_bundle(
                                 max_length=max_length,
                                 device="cpu") if query_encoder else passage_encoder
     if preset not in PRESETS:  # a factory string faiss cannot parse fails here too
-        _factory_index(preset, preset, passage_encoder.dim)
+        factory_index(preset, preset, passage_encoder.dim)
     key = _staging_key(passages, split, dedupe, encoder, pooling, max_length)
     created = not os.path.lexists(staging)
     try:

@@ -32,14 +32,9 @@ count, preset, parameters, faiss version and SHA-256 checksums) written atomical
 """
 from __future__ import annotations
 
-import errno
-import importlib
 import math
-import numbers
 import os
-import re
 import threading
-import time
 import warnings
 import weakref
 from pathlib import Path
@@ -51,51 +46,34 @@ from tqdm.auto import tqdm
 
 from rag_fast import _ext
 from rag_fast.retrieval._exact import exact_search
-from rag_fast.storage import (
-    MANIFEST,
-    NoSpaceError,
-    StorageError,
-    atomic_directory,
-    describe_files,
-    disk_free,
-    no_space,
-    read_manifest,
-    reserve_space,
-    write_manifest,
-)
+from rag_fast.retrieval.factory import (PRESETS, SMALL_CORPUS, check_corpus, check_on_disk,
+                                        default_train_points, factory_sizes,
+                                        new_index, on_disk_error, plan_factory, preset_factory)
+from rag_fast.retrieval.faiss_support import (LazyFaiss, extract_ivf, faiss_gpu_count,
+                                              faiss_gpu_supports, lists_mappable, search_tensor,
+                                              write_all, write_faiss)
+from rag_fast.retrieval.inputs import (MAX_SETTING, check_finite, check_int, check_queries,
+                                       corpus_rows, corpus_shape, reads_a_copy)
+from rag_fast.retrieval.tuning import (RERANK_FACTORS, SmallSampleWarning, measure_quality,
+                                       min_tuning_queries, recall_at_k, small_sample_message,
+                                       tune_settings)
+from rag_fast.storage import (MANIFEST, StorageError, atomic_directory, describe_files, no_space,
+                              read_manifest, reserve_space, write_manifest)
 
+# The public names of this module: its own, and those of the modules split from it (factory
+# strings, faiss, inputs, tuning) that its importers (bundle.py, the CLI, benchmarks, tests)
+# still take from here.
+__all__ = ["FLAT_CHUNK", "FORMAT", "GPU_MAX_K", "INDEX_KIND", "PRESETS", "RERANK_FACTORS",
+           "RERANK_MIN_K", "SETTINGS", "SMALL_CORPUS", "DenseIndex", "SmallSampleWarning",
+           "check_corpus", "factory_sizes", "faiss_gpu_count", "faiss_gpu_supports",
+           "lists_mappable", "min_tuning_queries", "plan_factory", "preset_factory", "recall_at_k",
+           "small_sample_message"]
 
-class _LazyFaiss:
-    """The ``faiss`` module, imported at its first use. Everything that builds, loads or
-    searches an index needs faiss; what only trains or decodes (``rag_fast.models``,
-    ``rag_fast.training``) imports this package without it, as on a GPU machine whose image
-    has no faiss. The first attribute read replaces this object by the module itself."""
-
-    def __getattr__(self, name: str):
-        global faiss
-        try:
-            module = importlib.import_module("faiss")
-        except ImportError as e:
-            raise ImportError(f"rag_fast's index needs faiss, which does not import ({e}): "
-                              "pip install faiss-cpu, or a faiss build for your GPU") from e
-        faiss = module
-        return getattr(module, name)
-
-
-faiss = _LazyFaiss()
+faiss = LazyFaiss(__name__)
 
 INDEX_KIND = "rag_fast.dense_index"
 FORMAT = 1
-PRESETS = ("exact", "hnsw", "ivfpq")
-# Re-rank factors :meth:`DenseIndex.tune` tries. Up to 64: on real text (14,708 documentation
-# passages embedded with all-MiniLM-L6-v2, the index bench's corpus) the ivfpq preset's 4-bit
-# PQ ranks near-duplicate passages too coarsely for the true top 5 to survive among 160
-# candidates: with factors up to 16 no setting reached recall@10 and same top 5 of 0.95 even
-# probing every list (0.941 / 0.865 at nprobe = nlist = 128), with 64 nprobe 64 does (0.988 /
-# 0.959 on held-out queries, 0.034 ms per query against 0.108 for exact search).
-RERANK_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 FLAT_CHUNK = 1 << 16  # vectors per matmul of the exact preset's search (see _flat_vectors)
-SMALL_CORPUS = 39 * 16  # below: every preset is exact search (k-means of 16 lists needs 624)
 GPU_MAX_K = 2048  # faiss GPU's largest k and nprobe
 RERANK_MIN_K = 10  # a re-ranking search fetches at least rerank * 10 candidates (the tuned k)
 _INDEX_FILE, _VECTORS_FILE = "index.faiss", "vectors.faiss"
@@ -113,546 +91,10 @@ def _warn_once(key: str, message: str, stacklevel: int = 3) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
-def faiss_gpu_count() -> int:
-    """Number of GPUs faiss can use (0 for faiss-cpu)."""
-    return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
-
-
-def faiss_gpu_supports(index) -> bool:
-    """Whether faiss GPU has a version of this CPU index: flat, IVF-Flat, IVF-PQ with 8-bit
-    codes and IVF-SQ do; HNSW, fast-scan PQ (the ``ivfpq`` preset) and the rest do not."""
-    index = faiss.downcast_index(index)
-    if type(index) is faiss.IndexIVFPQ:
-        return index.pq.nbits == 8
-    return type(index) in (faiss.IndexFlat, faiss.IndexFlatIP, faiss.IndexIVFFlat,
-                           faiss.IndexIVFScalarQuantizer)
-
-
-def preset_factory(preset: str, n: int, d: int, on_disk: bool = False) -> tuple[str, int]:
-    """(faiss factory string, default re-rank factor) of a preset for ``n`` vectors of ``d``.
-
-    ivfpq: ``nlist`` is the power of two nearest ``sqrt(n)`` (but at most ``n / 39`` so that
-    k-means has 39 points per centroid) and the PQ has ``M`` 4-bit sub-quantisers with
-    ``d / M`` near 8 (the largest even divisor of ``d`` up to ``d / 8``). With ``on_disk``
-    the same lists hold plain 8-bit PQ codes (``M``: the largest divisor of ``d`` up to
-    ``d / 8``), which faiss can memory-map; fast-scan blocks it cannot.
-
-    Presets adapt to the corpus size: below :data:`SMALL_CORPUS` vectors (where exact search
-    takes well under a millisecond and a quantiser has too little to train on) ``ivfpq`` and
-    ``hnsw`` are exact search, so no preset fails on a small corpus.
-    """
-    if preset == "exact" or (preset in ("ivfpq", "hnsw") and n < SMALL_CORPUS):
-        return "Flat", 1
-    if preset == "hnsw":
-        return "HNSW32", 1
-    if preset == "ivfpq":
-        nlist = 2 ** round(math.log2(max(1.0, math.sqrt(n))))
-        nlist = max(1, min(nlist, 2 ** int(math.log2(max(1, n // 39)))))
-        if on_disk:
-            m = next(m for m in range(max(1, d // 8), 0, -1) if d % m == 0)
-            return f"IVF{nlist},PQ{m}", 8
-        m = next((m for m in range(max(2, d // 8), 0, -1) if d % m == 0 and m % 2 == 0), 1)
-        return f"IVF{nlist},PQ{m}x4fs", 8
-    raise ValueError(f"preset must be one of {PRESETS} or a faiss factory string, got {preset!r}")
-
-
-def _check_on_disk(on_disk: object) -> bool:
-    if not isinstance(on_disk, bool):
-        raise ValueError(f"on_disk must be True or False, got {on_disk!r}")
-    return on_disk
-
-
-def _extract_ivf(index):
-    """The IVF inside a faiss index, or None when it has none."""
-    try:
-        return faiss.extract_index_ivf(index)
-    except RuntimeError:
-        return None
-
-
-def lists_mappable(index) -> str | None:
-    """None when faiss can memory-map the inverted lists of ``index`` (an IVF whose lists are
-    faiss's plain array lists, written contiguously by ``write_index``), else the reason."""
-    ivf = _extract_ivf(index)
-    if ivf is None:
-        return "it has no inverted lists (only an IVF index has)"
-    lists = faiss.downcast_InvertedLists(ivf.invlists)
-    if isinstance(lists, faiss.BlockInvertedLists):
-        return "its lists are fast-scan blocks, which faiss always reads into RAM"
-    if not isinstance(lists, (faiss.ArrayInvertedLists, faiss.OnDiskInvertedLists)):
-        return f"faiss keeps its lists as {type(lists).__name__}, which it cannot memory-map"
-    return None
-
-
-def _on_disk_error(preset: str, reason: str) -> ValueError:
-    return ValueError(f"on_disk=True: preset {preset!r} cannot keep inverted lists on disk: {reason}; "
-                      "use preset 'ivfpq' (8-bit PQ lists with on_disk) or an IVF factory without "
-                      "fast-scan, e.g. 'IVF4096,PQ64' or 'IVF4096,SQ8'")
-
-
-# ---- factory strings: sized before faiss allocates anything ---------------------------------
-#
-# faiss allocates part of an index when it parses the factory string (an empty inverted list
-# costs about 160 bytes, so "IVF99999999,Flat" is 16 GB before any check of its own; a PQ's
-# centroid table is d * 2**nbits floats) and the rest when it trains and adds. rag_fast reads
-# the string first, with the grammar of faiss's index_factory, and checks every size in it
-# against the bounds below, the corpus and the memory available.
-
-MAX_LISTS = 1 << 22  # inverted lists of an IVF (faiss's guidelines stop at 2**20 for 1e9 vectors)
-HNSW_DEGREES = (2, 1024)  # HNSW{M}: the graph degree (each vector links to 2 * M on level 0)
-PQ_BITS = (1, 16)  # bits per PQ sub-quantiser code: 2**16 centroids at most (faiss: 24)
-FAST_SCAN_BLOCK = (32, 4096)  # PQ{M}x4fs_{bbs}: vectors per block, a multiple of 32
-KMEANS_POINTS_PER_CENTROID = 39  # below this faiss's k-means warns (it needs at least 1)
-_OPQ_CENTROIDS = 256  # OPQ trains an 8-bit PQ
-_FAISS_INT = 2**31 - 1  # faiss reads the numbers of a factory string as C ints
-_LIST_BYTES = 160  # what faiss allocates per empty inverted list (ids and codes of each)
-_SQ_BITS = {"SQ4": 4, "SQ6": 6, "SQ8": 8, "SQfp16": 16, "SQbf16": 16, "SQ8_direct": 8,
-            "SQ8_direct_signed": 8}
-_SIZED = ("transforms PCA{d'}, OPQ{M}[_{d'}], RR[{d'}], Pad{d'}, L2norm; codes Flat, "
-          f"{', '.join(_SQ_BITS)}, PQ{{M}}[x{{bits}}][np], PQ{{M}}x4fs[_{{block}}]; HNSW{{M}} over "
-          "Flat, SQ or PQ codes; IVF{lists} or IVF{lists}_HNSW{M} over Flat, FlatDedup, SQ or PQ "
-          "codes; a trailing ,RFlat or ,Refine(...)")
-
-
-class FactorySizes:
-    """What a faiss factory string allocates, read from the string alone (see
-    :func:`factory_sizes`): the dimension after its transforms, its inverted lists, the
-    training vectors it needs at least, the bytes faiss allocates when it parses the string
-    (``construct``), and the bytes of the built index: ``fixed`` whatever the corpus,
-    ``per_vector`` per indexed vector and ``per_train`` per training vector (each a
-    ``{part: bytes}`` dict)."""
-
-    def __init__(self, dim: int):
-        self.dim = dim
-        self.nlist: int | None = None
-        self.trains = False  # whether faiss trains it (then on a sample of the corpus)
-        # (training vectors needed, what needs them, what to use instead given the vectors)
-        self.needs: list[tuple[int, str, object]] = []
-        self.construct = 0
-        self.fixed: dict[str, int] = {}
-        self.per_vector: dict[str, int] = {}
-        self.per_train: dict[str, int] = {}
-
-    def add(self, part: str, fixed: int = 0, per_vector: int = 0, per_train: int = 0) -> None:
-        for table, value in ((self.fixed, fixed), (self.per_vector, per_vector),
-                             (self.per_train, per_train)):
-            if value:
-                table[part] = table.get(part, 0) + int(value)
-
-    def merge(self, other: FactorySizes) -> FactorySizes:
-        self.nlist = self.nlist if self.nlist is not None else other.nlist
-        self.trains = self.trains or other.trains
-        self.needs += other.needs
-        self.construct += other.construct
-        for part, value in other.fixed.items():
-            self.add(part, fixed=value)
-        for part, value in other.per_vector.items():
-            self.add(part, per_vector=value)
-        for part, value in other.per_train.items():
-            self.add(part, per_train=value)
-        return self
-
-    @property
-    def train_min(self) -> int:
-        """Training vectors faiss needs at least (one per centroid of each k-means)."""
-        return max([count for count, _, _ in self.needs], default=1)
-
-    def estimate(self, n: int, train: int) -> dict[str, int]:
-        """``{part: bytes}`` of the index over ``n`` vectors trained on ``train``."""
-        parts = dict(self.fixed)
-        for part, value in self.per_vector.items():
-            parts[part] = parts.get(part, 0) + value * n
-        for part, value in self.per_train.items():
-            parts[part] = parts.get(part, 0) + value * train
-        return parts
-
-
-def _bytes(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # not reached
-
-
-def available_memory() -> tuple[int, str] | None:
-    """(bytes of memory a build may still allocate, where that figure comes from), or None
-    where the system says nothing: ``MemAvailable`` of ``/proc/meminfo`` (else free physical
-    pages), lowered to what a cgroup v2 memory limit leaves (its usage less its file cache)."""
-    found = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found = (int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo")
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if found is None:
-        try:
-            found = (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical memory")
-        except (AttributeError, OSError, ValueError):
-            pass
-    try:
-        root = Path("/sys/fs/cgroup")
-        limit = (root / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((root / "memory.current").read_text())
-            stat = dict(line.split() for line in (root / "memory.stat").read_text().splitlines())
-            left = int(limit) - used + int(stat.get("file", 0))
-            if found is None or left < found[0]:
-                found = (max(0, left), "the cgroup memory limit (memory.max)")
-    except (OSError, ValueError):
-        pass
-    return found
-
-
-def _number(text: str, label: str) -> int:
-    value = int(text)
-    if value > _FAISS_INT:
-        raise ValueError(f"{label}: {value} is larger than faiss reads (at most {_FAISS_INT})")
-    return value
-
-
-def _pq_sizes(sizes: FactorySizes, part: str, m: int, nbits: int, d: int, label: str,
-              in_ivf: bool, fast_scan_block: int | None = None) -> None:
-    """Check and add a PQ of ``m`` sub-quantisers of ``nbits`` bits over ``d`` dimensions."""
-    if m < 1 or d % m:
-        divisors = [k for k in range(1, d + 1) if d % k == 0]
-        near = sorted(divisors, key=lambda k: abs(k - m))[:4]
-        raise ValueError(f"{label}: {part} has M={m} sub-quantisers, which must divide the "
-                         f"dimension d={d} (e.g. M in {sorted(near)})")
-    if not PQ_BITS[0] <= nbits <= PQ_BITS[1]:
-        raise ValueError(f"{label}: {part} has {nbits}-bit codes; rag_fast builds "
-                         f"{PQ_BITS[0]} to {PQ_BITS[1]} bits per sub-quantiser "
-                         f"(2**{PQ_BITS[1]} = {2**PQ_BITS[1]} centroids)")
-    ksub = 2**nbits
-    sizes.trains = True
-    sizes.needs.append((ksub, f"{part} has 2**{nbits} = {ksub} centroids per sub-quantiser",
-                        lambda t: f"use at most {max(1, t.bit_length() - 1)} bits "
-                                  f"(PQ{m}x{max(1, t.bit_length() - 1)})"))
-    sizes.construct += d * ksub * 4  # faiss allocates the centroid table with the quantiser
-    sizes.add("PQ centroid tables", fixed=d * ksub * 4)
-    if fast_scan_block is None:
-        code = (m * nbits + 7) // 8
-    else:
-        if fast_scan_block % 32 or not FAST_SCAN_BLOCK[0] <= fast_scan_block <= FAST_SCAN_BLOCK[1]:
-            raise ValueError(f"{label}: {part} has blocks of {fast_scan_block} vectors; fast-scan "
-                             f"blocks are a multiple of 32 from {FAST_SCAN_BLOCK[0]} to "
-                             f"{FAST_SCAN_BLOCK[1]}")
-        code = (m + m % 2) // 2
-        # each list (or the whole index) is padded to whole blocks
-        sizes.add("PQ block padding", fixed=(sizes.nlist or 1) * fast_scan_block * code)
-    sizes.add("codes and ids" if in_ivf else "codes", per_vector=code + (8 if in_ivf else 0))
-
-
-def _code_sizes(spec: str, d: int, label: str, *, in_ivf: bool, nlist: int | None = None,
-                in_hnsw: bool = False) -> FactorySizes | None:
-    """The codes of a flat store, an HNSW or an IVF (``spec`` after the comma), or None when
-    ``spec`` is none of those rag_fast sizes."""
-    sizes = FactorySizes(d)
-    sizes.nlist = nlist
-    ids = 8 if in_ivf else 0
-    where = "codes and ids" if in_ivf else "codes"
-    if spec == "Flat" or (in_ivf and spec == "FlatDedup") or (in_hnsw and spec == ""):
-        sizes.add(where, per_vector=4 * d + ids)
-        return sizes
-    if spec.startswith("SQ"):
-        if spec not in _SQ_BITS:
-            raise ValueError(f"{label}: {spec!r} is not a faiss scalar quantiser; faiss has "
-                             f"{', '.join(_SQ_BITS)}")
-        sizes.trains = spec not in ("SQfp16", "SQbf16")
-        sizes.add(where, per_vector=(_SQ_BITS[spec] * d + 7) // 8 + ids)
-        return sizes
-    if m := re.fullmatch(r"PQ(\d+)(?:x(\d+))?(np)?", spec):
-        _pq_sizes(sizes, spec, _number(m[1], label), _number(m[2], label) if m[2] else 8, d,
-                  label, in_ivf)
-        return sizes
-    if (m := re.fullmatch(r"PQ(\d+)x4fs(r?)(?:_(\d+))?", spec)) and not in_hnsw:
-        if m[2] and not in_ivf:
-            return None
-        _pq_sizes(sizes, spec, _number(m[1], label), 4, d, label, in_ivf,
-                  fast_scan_block=_number(m[3], label) if m[3] else 32)
-        return sizes
-    return None
-
-
-def _unsized(part: str, d: int, label: str, in_ivf: bool = False) -> FactorySizes:
-    """A part rag_fast does not size: one without numbers (e.g. ``RaBitQ``) goes to faiss,
-    which parses it or says why not, and is estimated as flat codes; one with numbers is
-    refused, since its numbers may be sizes faiss allocates."""
-    if re.search(r"\d", part):
-        raise ValueError(f"{label}: {part!r} is not a part of a faiss factory string that "
-                         f"rag_fast sizes before faiss allocates it; rag_fast sizes {_SIZED} "
-                         f"(or use a preset {PRESETS})")
-    sizes = FactorySizes(d)
-    sizes.add("codes (estimated as flat vectors)", per_vector=4 * d + (8 if in_ivf else 0))
-    return sizes
-
-
-def _hnsw_links(m: int, label: str, part: str) -> int:
-    """Bytes per vector of an HNSW graph of degree ``m`` (checked against its bounds)."""
-    if not HNSW_DEGREES[0] <= m <= HNSW_DEGREES[1]:
-        raise ValueError(f"{label}: {part} has degree M={m}; rag_fast builds HNSW graphs of "
-                         f"degree {HNSW_DEGREES[0]} to {HNSW_DEGREES[1]}")
-    # 2 * M neighbours on level 0, about M / (M - 1) more above it, and each vector's offsets
-    return 4 * (2 * m + 2) + 16
-
-
-def _parse_factory(spec: str, d: int, label: str) -> FactorySizes:
-    """Sizes of a factory string for ``d``-dimensional vectors, parsed in faiss's order."""
-    if re.fullmatch(r"(.+),IDMap2?|IDMap2?,(.+)", spec):
-        raise ValueError(f"{label}: IDMap adds vectors with ids of the caller's, but rag_fast "
-                         "numbers the vectors itself (row i is passage i); drop the IDMap")
-    if m := re.fullmatch(r"(.+),RFlat", spec):
-        sizes = _parse_factory(m[1], d, label)
-        sizes.add("refine vectors (flat)", per_vector=4 * d)
-        return sizes
-    if m := re.fullmatch(r"(.+),Refine\((.+)\)", spec):
-        return _parse_factory(m[1], d, label).merge(_parse_factory(m[2], d, label))
-    transforms = FactorySizes(d)
-    dim, moved = d, False
-    while (m := re.fullmatch(r"([^,]+),(.*)", spec)) and (t := _transform(m[1], dim, label, transforms)):
-        dim, spec, moved = t, m[2], True
-    if moved:
-        sizes = _parse_factory(spec, dim, label)
-        sizes.merge(transforms)
-        return sizes
-    if "(" in spec or ")" in spec:
-        raise ValueError(f"{label}: {spec!r}: rag_fast does not size an index given in "
-                         f"parentheses; rag_fast sizes {_SIZED}")
-    sizes = _code_sizes(spec, d, label, in_ivf=False)
-    if sizes is not None:
-        return sizes
-    if m := re.fullmatch(r"HNSW(\d*)(?:[,_](.*))?", spec):
-        hnsw_m = _number(m[1], label) if m[1] else 32
-        sizes = _code_sizes(m[2] or "", d, label, in_ivf=False, in_hnsw=True)
-        if sizes is None:
-            sizes = _unsized(m[2], d, label)
-        sizes.add("HNSW graph links", per_vector=_hnsw_links(hnsw_m, label, f"HNSW{m[1]}"))
-        return sizes
-    coarse, comma, codes = spec.partition(",")
-    if m := re.fullmatch(r"IVF(\d+)([kM]?)(?:_HNSW(\d*))?", coarse):
-        nlist = _number(m[1], label) * {"": 1, "k": 1024, "M": 1024 * 1024}[m[2]]
-        if not 1 <= nlist <= MAX_LISTS:
-            raise ValueError(f"{label} has {nlist} inverted lists; rag_fast builds 1 to "
-                             f"{MAX_LISTS} lists (k-means needs at least one training vector "
-                             f"per list and faiss recommends {KMEANS_POINTS_PER_CENTROID}, so "
-                             f"{MAX_LISTS} lists are for corpora of "
-                             f"{KMEANS_POINTS_PER_CENTROID * MAX_LISTS} vectors and more)")
-        if not comma:
-            raise ValueError(f"{label}: an IVF needs its codes after a comma, e.g. "
-                             f"'{coarse},Flat', '{coarse},SQ8' or '{coarse},PQ8'")
-        sizes = _code_sizes(codes, d, label, in_ivf=True, nlist=nlist)
-        if sizes is None:
-            sizes = _unsized(codes, d, label, in_ivf=True)
-        sizes.nlist, sizes.trains = nlist, True
-        sizes.needs.append((nlist, f"has {nlist} inverted lists",
-                            lambda t: f"use at most {t} lists (IVF{t})"))
-        sizes.construct += nlist * _LIST_BYTES
-        sizes.add("inverted lists (empty)", fixed=nlist * _LIST_BYTES)
-        sizes.add("coarse centroids", fixed=nlist * d * 4)
-        if m[3] is not None:
-            hnsw_m = _number(m[3], label) if m[3] else 32
-            links = _hnsw_links(hnsw_m, label, f"the coarse quantiser HNSW{m[3]}")
-            sizes.add("coarse HNSW graph links", fixed=nlist * links)
-        return sizes
-    return _unsized(coarse if comma and re.search(r"\d", coarse) else spec, d, label)
-
-
-def _transform(part: str, d: int, label: str, sizes: FactorySizes) -> int | None:
-    """The output dimension of a faiss vector transform ``part`` over ``d`` dimensions, its
-    sizes added to ``sizes``; None when ``part`` is no transform rag_fast sizes."""
-    if re.fullmatch(r"L2[nN]orm", part):
-        return d
-    if m := re.fullmatch(r"PCA(W?)(R?)(\d+)", part):
-        d_out = _number(m[3], label)
-        if not 1 <= d_out <= d:
-            raise ValueError(f"{label}: {part} outputs {d_out} dimensions; a PCA outputs 1 to "
-                             f"d={d} (the dimension of its input)")
-        sizes.trains = True
-        sizes.add("transform matrices", fixed=(2 * d * d + d_out * d) * 4)
-        return d_out
-    if m := re.fullmatch(r"OPQ(\d+)(?:_(\d+))?", part):
-        opq_m = _number(m[1], label)
-        d_out = _number(m[2], label) if m[2] else d
-        if d_out < 1 or opq_m < 1 or d_out % opq_m:
-            raise ValueError(f"{label}: {part} has M={opq_m} sub-quantisers, which must divide "
-                             f"its output dimension {d_out}")
-        sizes.trains = True
-        opq_needs = f"{part} trains an 8-bit PQ ({_OPQ_CENTROIDS} centroids per sub-quantiser)"
-        sizes.needs.append((_OPQ_CENTROIDS, opq_needs, lambda t: "drop the OPQ"))
-        sizes.add("transform matrices", fixed=(max(d, d_out) ** 2 + d_out * _OPQ_CENTROIDS) * 4)
-        sizes.add("transform training", per_train=2 * d_out * 4)
-        return d_out
-    if m := re.fullmatch(r"RR(\d+)?", part):
-        d_out = _number(m[1], label) if m[1] else d
-        if d_out < 1:
-            raise ValueError(f"{label}: {part} outputs no dimensions")
-        sizes.trains = True
-        sizes.add("transform matrices", fixed=2 * max(d, d_out) ** 2 * 4)
-        return d_out
-    if m := re.fullmatch(r"Pad(\d+)", part):
-        d_out = max(_number(m[1], label), d)
-        sizes.construct += d_out * 4
-        sizes.add("transform matrices", fixed=d_out * 4)
-        return d_out
-    return None
-
-
-def _label(preset: str, factory: str) -> str:
-    return f"preset {preset!r}" if preset == factory else f"preset {preset!r} (faiss factory {factory!r})"
-
-
-def factory_sizes(preset: str, factory: str, d: int, n: int | None = None) -> FactorySizes:
-    """Read a faiss factory string (``factory``, given as ``preset``) for ``d``-dimensional
-    vectors and check every size in it, before faiss allocates anything: inverted lists (1 to
-    :data:`MAX_LISTS`), PQ sub-quantisers (``M`` divides the dimension, 1 to 16 bits), HNSW
-    degrees (2 to 1024), fast-scan blocks, OPQ and PCA output dimensions, scalar quantiser
-    types, and that what faiss allocates while parsing it fits in the memory available.
-
-    Raises:
-        ValueError: naming ``preset``, the part, its value and the bound (and the corpus size
-            ``n`` when given).
-    """
-    label = _label(preset, factory)
-    try:
-        if not 1 <= d <= _FAISS_INT:
-            raise ValueError(f"{label}: the vectors have dimension d={d}; expected 1 to {_FAISS_INT}")
-        for digits in re.findall(r"\d+", factory):
-            _number(digits, label)
-        sizes = _parse_factory(factory, d, label)
-    except ValueError as exc:
-        if n is None:
-            raise
-        raise ValueError(f"{exc} (the corpus: {n} vectors of d={d})") from None
-    _check_memory(label, {"empty index (allocated when faiss parses the string)": sizes.construct},
-                  "to parse it")
-    return sizes
-
-
-def _check_memory(label: str, parts: dict[str, int], what: str) -> None:
-    found = available_memory()
-    total = sum(parts.values())
-    if found is None or total <= found[0]:
-        return
-    listed = ", ".join(f"{part} {_bytes(v)}" for part, v in sorted(parts.items(), key=lambda kv: -kv[1])
-                       if v >= total / 100)
-    raise ValueError(f"{label} needs about {_bytes(total)} of memory {what} ({listed}), more than "
-                     f"the {_bytes(found[0])} available ({found[1]}); use fewer lists, fewer bits, "
-                     "a smaller factory or preset 'exact' on a machine with more memory")
-
-
-def default_train_points(sizes: FactorySizes, n: int, train_size: int | None = None) -> int:
-    """Training vectors :meth:`DenseIndex.build` samples: ``train_size``, else enough for
-    k-means (39 per list, at least 2**16, at most 2**17, but never fewer than the factory's
-    centroids), at most ``n``."""
-    if train_size is not None:
-        return min(n, train_size)
-    need = max(KMEANS_POINTS_PER_CENTROID * (sizes.nlist or 256), 2**16)
-    return min(n, max(min(need, 2**17), sizes.train_min))
-
-
-def check_corpus(preset: str, factory: str, sizes: FactorySizes, n: int, d: int,
-                 train: int | None = None, batch_size: int = 65536, *,
-                 reads_a_copy: bool = True) -> None:
-    """Check a sized factory (:func:`factory_sizes`) against a corpus of ``n`` vectors of
-    ``d``, trained on ``train`` of them (default: :func:`default_train_points`): every
-    k-means needs at least one training vector per centroid (an IVF's lists, a PQ's
-    ``2**bits`` centroids, OPQ's 256), and the estimated memory of the build (the index, the
-    fp16 vectors beside it, the training sample and an add batch) must fit in the memory
-    available. ``reads_a_copy``: a sample of a quarter or more of the corpus is read through
-    a float32 copy of all of it (False where the embeddings are float32 in RAM already).
-
-    Raises:
-        ValueError: naming ``preset``, the value, the bound and the corpus size.
-    """
-    label = _label(preset, factory)
-    train = default_train_points(sizes, n) if train is None else min(train, n)
-    if sizes.trains:
-        for count, what, instead in sorted(sizes.needs, key=lambda need: -need[0]):
-            if count > train:
-                have = (f"the corpus has {n} vectors" if train == n
-                        else f"it trains on train_size={train} of the corpus's {n} vectors")
-                raise ValueError(
-                    f"{label} {what} but {have} (k-means needs at least one training vector per "
-                    f"centroid, and faiss recommends {KMEANS_POINTS_PER_CENTROID}: "
-                    f"{KMEANS_POINTS_PER_CENTROID * count}); {instead(train)}, or preset 'exact'")
-    parts = sizes.estimate(n, train if sizes.trains else 0)
-    parts["fp16 vectors"] = n * d * 2
-    if sizes.trains:
-        # the sample as float32 (read through a full float32 copy when it is a quarter or more)
-        parts["training sample"] = train * d * 4 + (n * d * 4 if reads_a_copy and train >= n // 4 else 0)
-    parts["add batch"] = min(n, batch_size) * d * 4
-    _check_memory(label, parts, f"for {n} vectors of d={d}")
-
-
-def _factory_index(preset: str, factory: str, d: int, n: int | None = None,
-                   train: int | None = None):
-    """The empty faiss index of ``factory`` (inner product), sized first (:func:`factory_sizes`,
-    and with ``n`` :func:`check_corpus`) so that faiss allocates nothing unchecked."""
-    sizes = factory_sizes(preset, factory, d, n)
-    if n is not None:
-        check_corpus(preset, factory, sizes, n, d, train)
-    return _new_index(preset, factory, d)
-
-
-def _new_index(preset: str, factory: str, d: int):
-    """faiss's index of a factory string already sized (see :func:`_factory_index`)."""
-    try:
-        return faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as exc:
-        # faiss says where in its sources it failed ("Error in ... at .../index_factory.cpp:N:
-        # could not parse index string X"): only the reason after the location is the user's
-        reason = str(exc).strip().splitlines()[-1]
-        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", reason)
-        raise ValueError(f"preset {preset!r} is not a preset {PRESETS} nor a valid faiss "
-                         f"factory string: {reason}") from None
-
-
-def plan_factory(preset: str, n: int, d: int, on_disk: bool = False) -> str:
-    """The faiss factory string :meth:`DenseIndex.build` will use for ``n`` vectors of ``d``,
-    checked before anything is encoded (``rag-fast index build`` calls it first).
-
-    A factory string is sized before faiss allocates any of it (:func:`factory_sizes`,
-    :func:`check_corpus`): its inverted lists, PQ, HNSW and transform sizes against their
-    bounds and the corpus, and the build's estimated memory against the memory available.
-
-    Raises:
-        ValueError: an unknown preset or factory string, a size out of its bounds, a factory
-            whose quantisers need more training vectors than the corpus has (naming both
-            numbers), an estimate above the memory available (naming both), or ``on_disk``
-            with a preset or factory whose inverted lists faiss cannot memory-map.
-    """
-    if _check_on_disk(on_disk) and preset in ("exact", "hnsw"):
-        raise _on_disk_error(preset, "it has no inverted lists (only an IVF index has)")
-    if preset in PRESETS:
-        factory = preset_factory(preset, n, d, on_disk)[0]
-        check_corpus(preset, factory, factory_sizes(preset, factory, d), n, d)
-        return factory
-    index = _factory_index(preset, preset, d, n=n)
-    if on_disk and (reason := lists_mappable(index)) is not None:
-        raise _on_disk_error(preset, reason)
-    return preset
-
-
-_MAX_SETTING = 2**31 - 1  # faiss takes nprobe, efSearch and k as C ints
 SETTINGS = ("nprobe", "ef_search", "rerank")  # the search settings of params / search() / tune()
 _MANIFEST_KEYS = ("kind", "format", "preset", "factory", "count", "dim", "metric", "params",
                   "faiss_version", "meta", "files")
 _OPTIONAL_KEYS = ("on_disk",)  # absent from manifests written before it existed (= False)
-
-
-def _check_int(name: str, value: object, low: int = 1, high: int = _MAX_SETTING) -> int:
-    """``value`` as an int in ``[low, high]``.
-
-    Raises:
-        ValueError: naming ``name``, for a non-int (bools included) or an out-of-range value.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
-        raise ValueError(f"{name} must be an int >= {low}" + (f" and <= {high}" if high < _MAX_SETTING
-                                                             else "") + f", got {value!r}")
-    return int(value)
 
 
 class _Owned:
@@ -718,52 +160,11 @@ def _check_manifest(root: Path, manifest: dict) -> None:
     if "rerank" not in params:
         raise StorageError(f"{where}: missing key 'params.rerank' (an int >= 1)")
     for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_SETTING:
-            raise bad(f"params.{key}", f"an int >= 1 and <= {_MAX_SETTING}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SETTING:
+            raise bad(f"params.{key}", f"an int >= 1 and <= {MAX_SETTING}")
     if set(manifest["files"]) != {_INDEX_FILE, _VECTORS_FILE}:
         raise StorageError(f"{where}: key 'files' lists {sorted(manifest['files'])}, expected "
                            f"{sorted([_INDEX_FILE, _VECTORS_FILE])}")
-
-
-def _rows(embeddings, start: int, stop: int) -> np.ndarray:
-    """Rows ``[start, stop)`` of an array, tensor or list of shards, as float32 numpy."""
-    if isinstance(embeddings, (list, tuple)):
-        parts, offset = [], 0
-        for shard in embeddings:
-            lo, hi = max(start - offset, 0), min(stop - offset, len(shard))
-            if lo < hi:
-                parts.append(_rows(shard, lo, hi))
-            offset += len(shard)
-        return np.concatenate(parts) if len(parts) != 1 else parts[0]
-    chunk = embeddings[start:stop]
-    if isinstance(chunk, torch.Tensor):
-        chunk = chunk.detach().to("cpu", torch.float32).numpy()
-    return np.ascontiguousarray(chunk, dtype=np.float32)
-
-
-def _reads_a_copy(embeddings) -> bool:
-    """Whether :func:`_rows` of all the rows copies them (not float32 C-contiguous in RAM)."""
-    if isinstance(embeddings, (list, tuple)):
-        return len(embeddings) != 1 or _reads_a_copy(embeddings[0])
-    if isinstance(embeddings, torch.Tensor):
-        return (embeddings.dtype != torch.float32 or embeddings.device.type != "cpu"
-                or not embeddings.is_contiguous())
-    return not (isinstance(embeddings, np.ndarray) and not isinstance(embeddings, np.memmap)
-                and embeddings.dtype == np.float32 and embeddings.flags.c_contiguous)
-
-
-def _shape(embeddings) -> tuple[int, int]:
-    if isinstance(embeddings, (list, tuple)):
-        if not embeddings:
-            raise ValueError("embeddings: the corpus is empty (an empty list of shards)")
-        shapes = [_shape(s) for s in embeddings]
-        if len({d for _, d in shapes}) != 1:
-            raise ValueError(f"embeddings shards must share one dimension, got {[d for _, d in shapes]}")
-        return sum(n for n, _ in shapes), shapes[0][1]
-    shape = tuple(getattr(embeddings, "shape", ()))
-    if len(shape) != 2:
-        raise ValueError(f"embeddings must have shape [N, d], got {shape}")
-    return int(shape[0]), int(shape[1])
 
 
 class DenseIndex:
@@ -786,7 +187,7 @@ class DenseIndex:
         # entry (save copies that file instead of serialising lists faiss cannot write back)
         self._mapped_fd: int | None = None
         self._mapped_entry: dict | None = None
-        self._ivf = _extract_ivf(base)
+        self._ivf = extract_ivf(base)
         self._hnsw = isinstance(faiss.downcast_index(base), faiss.IndexHNSW)
         self._refine = faiss.IndexRefine(base, vectors) if self.params.get("rerank", 1) > 1 else None
         n, d = vectors.ntotal, vectors.d
@@ -860,18 +261,18 @@ class DenseIndex:
                 vectors, or an estimated memory above what is available (naming ``preset``,
                 the value, the bound and the corpus size).
         """
-        n, d = _shape(embeddings)
+        n, d = corpus_shape(embeddings)
         if n == 0:
             raise ValueError(f"embeddings: the corpus is empty (shape [{n}, {d}]); expected N >= 1 rows")
         if d == 0:
             raise ValueError(f"embeddings: shape [{n}, {d}] has no dimensions; expected d >= 1")
-        batch_size = _check_int("batch_size", batch_size)
+        batch_size = check_int("batch_size", batch_size)
         if queries is not None and (len(getattr(queries, "shape", ())) != 2 or queries.shape[1] != d
                                     or queries.shape[0] == 0):
             raise ValueError(f"queries must have shape [Q >= 1, d={d}] (the embeddings' dimension), "
                              f"got {tuple(getattr(queries, 'shape', ()))}")
-        if _check_on_disk(on_disk) and preset in ("exact", "hnsw"):
-            raise _on_disk_error(preset, "it has no inverted lists (only an IVF index has)")
+        if check_on_disk(on_disk) and preset in ("exact", "hnsw"):
+            raise on_disk_error(preset, "it has no inverted lists (only an IVF index has)")
         if preset in PRESETS:
             factory, default_rerank = preset_factory(preset, n, d, on_disk)
         else:
@@ -880,37 +281,38 @@ class DenseIndex:
         # available before faiss allocates any of it
         sizes = factory_sizes(preset, factory, d, n)
         train = default_train_points(sizes, n, None if train_size is None else
-                                     _check_int("train_size", train_size))
+                                     check_int("train_size", train_size))
         check_corpus(preset, factory, sizes, n, d, train, batch_size,
-                     reads_a_copy=_reads_a_copy(embeddings))
-        base = _new_index(preset, factory, d)
+                     reads_a_copy=reads_a_copy(embeddings))
+        base = new_index(preset, factory, d)
         small = preset in PRESETS and factory == "Flat"  # ivfpq on a small corpus: exact, no lists
         if on_disk and not small and (reason := lists_mappable(base)) is not None:
-            raise _on_disk_error(preset, reason)
+            raise on_disk_error(preset, reason)
         on_disk = on_disk and not small
-        rerank = default_rerank if rerank is None else _check_int("rerank", rerank, 0)
+        rerank = default_rerank if rerank is None else check_int("rerank", rerank, 0)
         params = {"rerank": max(1, rerank)}
-        ivf = _extract_ivf(base)
+        ivf = extract_ivf(base)
         if ivf is not None:
-            params["nprobe"] = _check_int("nprobe", nprobe) if nprobe is not None else max(1, ivf.nlist // 64)
+            params["nprobe"] = (check_int("nprobe", nprobe) if nprobe is not None
+                                else max(1, ivf.nlist // 64))
         if isinstance(base, faiss.IndexHNSW):
-            params["ef_search"] = _check_int("ef_search", ef_search) if ef_search is not None else 64
+            params["ef_search"] = check_int("ef_search", ef_search) if ef_search is not None else 64
 
         vectors = faiss.IndexScalarQuantizer(d, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
         if not base.is_trained:
             size = train
             rng = np.random.default_rng(seed)
             rows = np.sort(rng.choice(n, size=size, replace=False))
-            sample = np.concatenate([_rows(embeddings, int(r), int(r) + 1) for r in rows]) \
-                if size < n // 4 else _rows(embeddings, 0, n)[rows]
-            _check_finite("embeddings", sample)
+            sample = np.concatenate([corpus_rows(embeddings, int(r), int(r) + 1) for r in rows]) \
+                if size < n // 4 else corpus_rows(embeddings, 0, n)[rows]
+            check_finite("embeddings", sample)
             if progress:
                 tqdm.write(f"training {factory} on {size} vectors")
             base.train(sample)
         for start in tqdm(range(0, n, batch_size), desc=f"adding ({factory})", unit=" batch",
                           disable=not progress):
-            chunk = _rows(embeddings, start, min(start + batch_size, n))
-            _check_finite("embeddings", chunk, offset=start)
+            chunk = corpus_rows(embeddings, start, min(start + batch_size, n))
+            check_finite("embeddings", chunk, offset=start)
             vectors.add(chunk)
             base.add(chunk)
         index = cls(base, vectors, preset, factory, params, meta, on_disk=on_disk)
@@ -942,29 +344,9 @@ class DenseIndex:
             the fraction of queries whose top 5 are exact search's top 5; ``reached`` says
             both are >= ``target_recall``.
         """
-        k = _check_int("k", k)
-        q, exclude = self._tuning_queries(queries, k, n_queries, seed)
-        source = query_source or ("given" if exclude is None else "corpus (leave-one-out)")
-        approximate = self.factory != "Flat"
-        if approximate and exclude is None:
-            self._warn_small_sample(len(q), target_recall)
-        if tune and approximate:
-            if progress:
-                tqdm.write(f"tuning search settings: recall@{k} and same top 5 >= {target_recall} "
-                           f"against exact search on {len(q)} queries ({source})")
-            self.tune(target_recall, queries=q, k=k, seed=seed, _exclude=exclude, _warned=True)
-        per_query = self._quality(q, self._truth(q, k, exclude), exclude)[:2] if approximate else None
-        recall, same = (float(v.mean()) for v in per_query) if per_query else (1.0, 1.0)
-        reached = _reaches(per_query, target_recall) if per_query else True
-        timed = q[:256]  # a batch, as the tuning timed it
-        ms = _time_ms(lambda: self.search(timed, min(k, self.ntotal))) / max(1, len(timed))
-        quality = {
-            "target_recall": float(target_recall), "k": int(min(k, self.ntotal)), "queries": int(len(q)),
-            "query_source": source, "recall": round(float(recall), 4), "same_top5": round(float(same), 4),
-            "ms_per_query": round(float(ms), 4) if math.isfinite(ms) else None,
-            "reached": bool(reached),
-            "settings": {key: int(v) for key, v in self.params.items()},
-        }
+        quality = measure_quality(self, target_recall, tune=tune, k=k, n_queries=n_queries,
+                                  queries=queries, query_source=query_source, seed=seed,
+                                  progress=progress, **self._structure())
         self.meta = {**(self.meta or {}), "search_quality": quality}
         if not quality["reached"]:
             _warn_once(f"target-{id(self)}", f"no search setting of this {self.factory} index "
@@ -973,52 +355,11 @@ class DenseIndex:
                        "consider preset 'exact', another preset or factory, or a lower target")
         return quality
 
-    @staticmethod
-    def _warn_small_sample(count: int, target: float) -> None:
-        message = small_sample_message(count, target)
-        if message is not None:
-            warnings.warn(message, SmallSampleWarning, stacklevel=3)
-
-    def _tuning_queries(self, queries, k: int, n_queries: int, seed: int):
-        """(queries ``[Q, d]`` float32, the stored row each one is or None): the given queries,
-        or a seeded sample of stored vectors for a leave-one-out measurement."""
-        if queries is None:
-            n_queries = _check_int("n_queries", n_queries)
-            rows = np.sort(np.random.default_rng(seed).choice(
-                self.ntotal, min(n_queries, self.ntotal), replace=False))
-            return self.embeddings[rows].astype(np.float32), rows
-        q = self._validate(queries, min(k, self.ntotal))
-        q = np.ascontiguousarray(q.cpu().numpy() if isinstance(q, torch.Tensor) else q, dtype=np.float32)
-        if len(q) == 0:
-            raise ValueError("queries must hold at least one row")
-        _check_finite("queries", q)
-        return q, None
-
-    def _truth(self, q: np.ndarray, k: int, exclude: np.ndarray | None) -> np.ndarray | None:
-        """Exact top ids for :meth:`_quality` (``k + 1`` when leaving each query's own row out);
-        None when there is nothing to find (a one-vector corpus searched leave-one-out)."""
-        k = min(k, self.ntotal - (exclude is not None))
-        return exact_search(self.embeddings, torch.from_numpy(q), k + (exclude is not None))[1].numpy() \
-            if k >= 1 else None
-
-    def _quality(self, q: np.ndarray, truth: np.ndarray | None, exclude: np.ndarray | None,
-                 **settings) -> tuple[np.ndarray, np.ndarray, float]:
-        """Per query: recall@k and whether the top 5 are exact search's top 5, of :meth:`search`
-        with ``settings`` against ``truth`` (:meth:`_truth`), and that search's milliseconds per
-        query (without the scoring around it); leave-one-out when ``exclude`` names each
-        query's own row."""
-        if truth is None:
-            return np.ones(len(q)), np.ones(len(q)), 0.0
-        start = time.perf_counter()
-        found = self.search(q, truth.shape[1], **settings)[1]
-        ms = (time.perf_counter() - start) * 1e3 / len(q)
-        if exclude is not None:
-            k = truth.shape[1] - 1
-            truth, found = _leave_out(truth, exclude, k), _leave_out(found, exclude, k)
-        top = min(5, truth.shape[1])
-        recall = np.array([len(set(f[f >= 0].tolist()) & set(t.tolist())) / len(t) for f, t in zip(found, truth)])
-        same = np.array([set(f[:top].tolist()) == set(t[:top].tolist()) for f, t in zip(found, truth)], float)
-        return recall, same, ms
+    def _structure(self) -> dict:
+        """What the tuner sweeps (see :func:`~rag_fast.retrieval.tuning.tune_settings`): the
+        IVF's lists (``nlist``, None without an IVF), ``hnsw``, and whether it ``reranks``."""
+        return {"nlist": self._ivf.nlist if self._ivf is not None else None, "hnsw": self._hnsw,
+                "reranks": self._refine is not None}
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -1123,11 +464,11 @@ class DenseIndex:
             ValueError: naming ``k``, ``nprobe``, ``ef_search`` or ``rerank`` (a setting faiss
                 would reject, or abort the process on, never reaches it).
         """
-        k = _check_int("k", k, 1, max(1, self.ntotal))
+        k = check_int("k", k, 1, max(1, self.ntotal))
         nprobe = self._setting("nprobe", nprobe, self._ivf is not None)
         ef = self._setting("ef_search", ef_search, self._hnsw)
         if self._refine is None:
-            if rerank is not None and _check_int("rerank", rerank) > 1:
+            if rerank is not None and check_int("rerank", rerank) > 1:
                 raise ValueError("rerank: this index was built without re-ranking (rerank=1)")
             factor = None
         else:
@@ -1150,14 +491,14 @@ class DenseIndex:
         """A search setting given to a call (validated) or else the index default (validated
         too: ``params`` is public and :meth:`tune` or a caller may have changed it)."""
         if value is not None:
-            return _check_int(name, value)
+            return check_int(name, value)
         value = self.params.get(name)
         if value is None:
             if used:
                 raise ValueError(f"{name}: this index has no default {name} (params={self.params}); "
                                  f"pass {name}=...")
             return None
-        return _check_int(f"params[{name!r}]", value)
+        return check_int(f"params[{name!r}]", value)
 
     def _make_parameters(self, nprobe: int | None, ef: int | None, factor: float | None):
         base_params = None
@@ -1172,27 +513,6 @@ class DenseIndex:
             refine.base_index_params = base_params
             refine._base_params = base_params  # keep the Python object alive with its parent
         return refine
-
-    def _validate(self, queries, k) -> np.ndarray:
-        if isinstance(queries, torch.Tensor):
-            if not queries.is_floating_point():
-                raise ValueError(f"queries must be a floating tensor, got dtype {queries.dtype}")
-            q = queries.detach()
-        elif isinstance(queries, np.ndarray):
-            if not np.issubdtype(queries.dtype, np.floating):
-                raise ValueError(f"queries must be a floating array, got dtype {queries.dtype}")
-            q = queries
-        else:
-            raise ValueError(f"queries must be a numpy array or torch tensor [B, d], got {type(queries).__name__}")
-        if q.ndim != 2:
-            raise ValueError(f"queries must have shape [B, d={self.dim}], got {tuple(q.shape)}")
-        if q.shape[1] != self.dim:
-            raise ValueError(f"queries must have d={self.dim} columns (the index dimension), got {q.shape[1]}")
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
-        if k > self.ntotal:
-            raise ValueError(f"k={k} must be <= the number of indexed vectors ({self.ntotal})")
-        return q
 
     def search(
         self,
@@ -1218,13 +538,13 @@ class DenseIndex:
             ValueError: naming ``queries`` (type, shape, dimension, NaN/inf), ``k``, ``nprobe``,
                 ``ef_search`` or ``rerank``.
         """
-        q = self._validate(queries, k)
+        q = check_queries(queries, k, self.dim, self.ntotal)
         is_torch = isinstance(q, torch.Tensor)
         if self._gpu is not None and is_torch and q.is_cuda:
             return self._search_gpu(q, k, nprobe, ef_search, rerank)
         q_np = q.to("cpu", torch.float32).numpy() if is_torch else q
         q_np = np.ascontiguousarray(q_np, dtype=np.float32)
-        _check_finite("queries", q_np)
+        check_finite("queries", q_np)
         params = self.search_parameters(k, nprobe, ef_search, rerank)
         flat = self._flat_vectors()
         if flat is not None:  # the exact preset: rag_fast's kernel over faiss's own vectors
@@ -1333,14 +653,14 @@ class DenseIndex:
             nprobe = self._setting("nprobe", nprobe, True)
             params = faiss.SearchParametersIVF(nprobe=min(nprobe, GPU_MAX_K, self._ivf.nlist))
         if self._refine is None:
-            if rerank is not None and _check_int("rerank", rerank) > 1:
+            if rerank is not None and check_int("rerank", rerank) > 1:
                 raise ValueError("rerank: this index was built without re-ranking (rerank=1)")
-            scores, ids = _search_tensor(gpu_index, q, k, params)
+            scores, ids = search_tensor(gpu_index, q, k, params)
             scores = torch.where(ids < 0, torch.full_like(scores, -math.inf), scores)
             return scores, ids
         # the CPU's IndexRefine: rerank * max(k, 10) candidates, re-scored exactly on the fp16 vectors
         n_cand = min(self._rerank_candidates(k, self._setting("rerank", rerank, True)), GPU_MAX_K)
-        _, cand = _search_tensor(gpu_index, q, n_cand, params)  # [B, n_cand]
+        _, cand = search_tensor(gpu_index, q, n_cand, params)  # [B, n_cand]
         exact = torch.einsum("bd,bcd->bc", q, vectors[cand.clamp_min(0)].float())
         exact = torch.where(cand < 0, torch.full_like(exact, -math.inf), exact)
         scores, pos = exact.topk(k, dim=1)
@@ -1356,8 +676,6 @@ class DenseIndex:
         n_queries: int = 1000,
         rerank_factors: Sequence[int] = RERANK_FACTORS,
         seed: int = 0,
-        _exclude: np.ndarray | None = None,
-        _warned: bool = False,
     ) -> dict:
         """Pick the fastest ``nprobe`` (IVF) or ``ef_search`` (HNSW), and re-rank factor, whose
         search on ``queries`` reaches ``target_recall`` against exact search twice over: as
@@ -1380,58 +698,8 @@ class DenseIndex:
             ValueError: naming ``target_recall``, ``queries``, ``k``, ``n_queries`` or
                 ``rerank_factors``.
         """
-        if (isinstance(target_recall, bool) or not isinstance(target_recall, numbers.Real)
-                or not 0.0 < float(target_recall) <= 1.0):
-            raise ValueError(f"target_recall must be a number in (0, 1], got {target_recall!r}")
-        k = _check_int("k", k, 1, max(1, self.ntotal))
-        n_queries = _check_int("n_queries", n_queries)
-        if isinstance(rerank_factors, (str, bytes)) or not isinstance(rerank_factors, Sequence):
-            raise ValueError(f"rerank_factors must be a sequence of ints >= 1, got {rerank_factors!r}")
-        rerank_factors = [_check_int(f"rerank_factors[{i}]", f, 0) for i, f in enumerate(rerank_factors)]
-        if self._refine is not None and not any(f >= 1 for f in rerank_factors):
-            raise ValueError(f"rerank_factors must hold at least one int >= 1, got {rerank_factors!r}")
-        if _exclude is None:
-            q, _exclude = self._tuning_queries(queries, k, n_queries, seed)
-        else:
-            q = queries
-        if queries is not None and _exclude is None and not _warned and (self._ivf is not None
-                                                                          or self._hnsw):
-            self._warn_small_sample(len(q), target_recall)
-        if self._ivf is not None:
-            knob, grid = "nprobe", [2**i for i in range(int(math.log2(self._ivf.nlist)) + 1)]
-        elif self._hnsw:
-            knob, grid = "ef_search", [max(k, 2**i) for i in range(4, 12)]
-        else:
-            recall, same, _ = self._quality(q, self._truth(q, k, _exclude), _exclude)
-            recall, same = float(recall.mean()), float(same.mean())
-            return {"recall": recall, "same_top5": same, "reached": True,
-                    "ms_per_query": _time_ms(lambda: self.search(q, k)) / len(q)}
-        # largest re-rank first: it reaches the target at the smallest nprobe / ef_search, and
-        # its time then bounds the search of the others (a setting already slower than the
-        # best found stops its factor's sweep: larger values only cost more)
-        factors = sorted({f for f in rerank_factors if f >= 1}, reverse=True) if self._refine is not None else [None]
-        truth = self._truth(q, k, _exclude)
-        best, fallback = None, None
-        for factor in factors:
-            for value in grid:
-                kw = {knob: value, "rerank": factor}
-                *per_query, search_ms = self._quality(q, truth, _exclude, **kw)
-                rec, same = (float(v.mean()) for v in per_query)
-                if best is not None and search_ms > 1.5 * best["ms_per_query"]:
-                    break
-                if fallback is None or min(rec, same) > min(fallback["recall"], fallback["same_top5"]):
-                    fallback = {**kw, "recall": rec, "same_top5": same, "reached": False,
-                                "ms_per_query": math.nan}
-                if _reaches(per_query, target_recall):
-                    ms = _time_ms(lambda: self.search(q[:256], k, **kw)) / len(q[:256])
-                    if best is None or ms < best["ms_per_query"]:
-                        best = {**kw, "recall": rec, "same_top5": same, "reached": True, "ms_per_query": ms}
-                    break
-        choice = best or fallback
-        self.params[knob] = choice[knob]
-        if choice.get("rerank") is not None:
-            self.params["rerank"] = choice["rerank"]
-        return {key: v for key, v in choice.items() if v is not None}
+        return tune_settings(self, target_recall, queries, k, n_queries, rerank_factors, seed,
+                             **self._structure())
 
     # ---- persistence ----------------------------------------------------------------------
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
@@ -1458,8 +726,8 @@ class DenseIndex:
                 if self._mapped_fd is not None:
                     self._copy_mapped(tmp / _INDEX_FILE, shown / _INDEX_FILE)
                 else:
-                    _write_faiss(self._base, tmp / _INDEX_FILE, shown / _INDEX_FILE)
-                _write_faiss(self._vectors, tmp / _VECTORS_FILE, shown / _VECTORS_FILE)
+                    write_faiss(self._base, tmp / _INDEX_FILE, shown / _INDEX_FILE)
+                write_faiss(self._vectors, tmp / _VECTORS_FILE, shown / _VECTORS_FILE)
                 # the manifest's keys only (search_quality is in meta; what search runs is
                 # worked out at load, never saved)
                 described = {k: v for k, v in self.describe().items()
@@ -1484,7 +752,7 @@ class DenseIndex:
             reserve_space(out.fileno(), shown, os.fstat(fd).st_size)
             try:
                 while chunk := os.pread(fd, _WRITE_CHUNK, offset):
-                    _write_all(out.fileno(), chunk)
+                    write_all(out.fileno(), chunk)
                     offset += len(chunk)
             except OSError as exc:
                 raise no_space(exc, shown, os.fstat(fd).st_size) from None
@@ -1578,145 +846,6 @@ class DenseIndex:
         return index
 
 
-def _write_faiss(index, dest: Path, shown: Path) -> None:
-    """``faiss.write_index`` of ``index`` to ``dest`` (the file ``shown`` in messages), its
-    errors as ``OSError``: a full disk (faiss's ``RuntimeError`` ending in "No space left on
-    device") is one :class:`~rag_fast.retrieval.NoSpaceError` naming the file, the
-    bytes it needs (counted then, by a second serialisation that writes nothing) and the
-    bytes free. The bytes go through our own writes, not faiss's file: faiss prints a
-    "close error" line of its own on stderr when the disk fills under its file."""
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        faiss.write_index(index, faiss.PyCallbackIOWriter(lambda chunk: _write_all(fd, chunk)))
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise NoSpaceError(shown, _serialized_bytes(index), disk_free(dest),
-                               exc.errno) from None
-        raise
-    except RuntimeError as exc:
-        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", str(exc).strip().splitlines()[-1])
-        for code in (errno.ENOSPC, errno.EDQUOT):
-            if os.strerror(code) in reason:
-                raise NoSpaceError(shown, _serialized_bytes(index), disk_free(dest), code) from None
-        raise OSError(f"faiss could not write {shown}: {reason}") from None
-    finally:
-        os.close(fd)
-
-
-def _serialized_bytes(index) -> int:
-    """Bytes of ``faiss.write_index(index)``, counted without keeping them."""
-    size = 0
-
-    def count(chunk: bytes) -> None:
-        nonlocal size
-        size += len(chunk)
-
-    faiss.write_index(index, faiss.PyCallbackIOWriter(count))
-    return size
-
-
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
-    """Mean over queries of ``|found_i ∩ truth_i| / k`` (``[Q, k]`` int ids each)."""
-    found, truth = np.asarray(found), np.asarray(truth)
-    hits = sum(len(set(f[f >= 0].tolist()) & set(t.tolist())) for f, t in zip(found, truth))
-    return hits / truth.size
-
-
-def _reaches(per_query: tuple[np.ndarray, ...], target: float) -> bool:
-    """Whether each per-query measure's mean reaches ``target`` with 95% confidence: its
-    one-sided lower bound, mean - 1.645 * std / sqrt(n), is >= ``target`` (so a setting that
-    only just passes on this sample of queries is not chosen over one that surely does).
-
-    This normal approximation says nothing on a small sample whose queries all match exact
-    search (its std is 0, its bound the mean, 1): :func:`min_tuning_queries` is the sample
-    below which that 95% cannot hold, and :meth:`DenseIndex.tune` warns below it."""
-    return all(v.mean() - 1.645 * v.std() / math.sqrt(len(v)) >= target for v in per_query)
-
-
-TUNING_CONFIDENCE = 0.95  # the confidence _reaches asks of a setting
-
-
-class SmallSampleWarning(UserWarning):
-    """Too few tuning queries to show the target at the tuner's confidence (see
-    :func:`min_tuning_queries`)."""
-
-
-def min_tuning_queries(target: float, confidence: float = TUNING_CONFIDENCE) -> int | None:
-    """The fewest queries on which search quality ``target`` can be shown with ``confidence``:
-    the smallest Q whose exact one-sided (Clopper-Pearson) lower bound with all Q queries
-    matching exact search, ``(1 - confidence) ** (1 / Q)``, reaches ``target``. With fewer,
-    not even a perfect result shows the target (27 queries: 0.895 at most, short of 0.95,
-    which needs 59). None for ``target`` 1, which no finite sample shows."""
-    if not 0.0 < target <= 1.0 or not 0.0 < confidence < 1.0:
-        raise ValueError(f"target must be in (0, 1] and confidence in (0, 1), got {target!r}, "
-                         f"{confidence!r}")
-    if target >= 1.0:
-        return None
-    alpha = 1.0 - confidence
-    q = max(1, math.ceil(math.log(alpha) / math.log(target)))
-    while alpha ** (1.0 / q) < target:  # the float log ratio may land one off either way
-        q += 1
-    while q > 1 and alpha ** (1.0 / (q - 1)) >= target:
-        q -= 1
-    return q
-
-
-def small_sample_message(count: int, target: float, name: str = "queries") -> str | None:
-    """One line when ``count`` tuning queries are fewer than :func:`min_tuning_queries`
-    needs for ``target`` (naming ``name``: the argument or flag that gave them), else None."""
-    need = min_tuning_queries(float(target))
-    if need is None or count >= need:
-        return None
-    bound = (1.0 - TUNING_CONFIDENCE) ** (1.0 / max(1, count))
-    return (f"{name}: {count} queries are too few to show recall and same top 5 >= {target} "
-            f"with {TUNING_CONFIDENCE:.0%} confidence (even if all {count} matched exact search, "
-            f"the exact one-sided lower bound would be {bound:.3f}); give at least {need} "
-            "queries for this target, or the tuned settings may fall short of it on new ones")
-
-
-def _search_tensor(index, q: torch.Tensor, k: int, params) -> tuple[torch.Tensor, torch.Tensor]:
-    """faiss ``search`` on a contiguous float32 tensor, results as tensors on its device.
-
-    The raw ``search_c`` with the tensors' pointers (faiss GPU reads and writes device memory
-    in place): ``faiss.contrib.torch_utils`` would do the same but replaces ``search`` on
-    every faiss class, process-wide, with a version that takes no ``params``.
-    """
-    n = q.shape[0]
-    scores = torch.empty((n, k), dtype=torch.float32, device=q.device)
-    ids = torch.empty((n, k), dtype=torch.int64, device=q.device)
-    if q.is_cuda:  # faiss runs on its own stream: q must be ready, and the results before use
-        torch.cuda.synchronize(q.device)
-    index.search_c(n, faiss.cast_integer_to_float_ptr(q.data_ptr()), k,
-                   faiss.cast_integer_to_float_ptr(scores.data_ptr()),
-                   faiss.cast_integer_to_idx_t_ptr(ids.data_ptr()), params)
-    if q.is_cuda:
-        torch.cuda.synchronize(q.device)
-    return scores, ids
-
-
-def _leave_out(ids: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
-    """``[Q, k]``: each row of ``ids`` ``[Q, k + 1]`` without the query's own id ``own[i]``
-    (or without its last entry when the own id is not there)."""
-    keep = ids != own[:, None]
-    keep[keep.all(1), -1] = False
-    return ids[keep].reshape(len(ids), k)
-
-
-def _time_ms(fn, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
-
-
 def _has_inner_products() -> bool:
     """The compiled extension is loaded and has the exact preset's kernel (an extension built
     from older sources lacks it until rebuilt)."""
@@ -1735,13 +864,6 @@ def _flat_fallback_message() -> str:
             "Fix: reinstall rag_fast so the extension is compiled, `pip install .` (`pip install "
             "-e .` in a checkout; Python started in the repository root imports the source folder, "
             "which has no extension unless built in place). Said once per process.")
-
-
-def _check_finite(name: str, x: np.ndarray, offset: int = 0) -> None:
-    # The sum is NaN or inf when any entry is (or on overflow): a cheap test, then locate.
-    if not np.isfinite(x.sum(dtype=np.float64)) and not np.isfinite(x).all():
-        row = int(np.argwhere(~np.isfinite(x))[0][0]) + offset
-        raise ValueError(f"{name} contain NaN or inf (row {row})")
 
 
 def _mark_missing(scores: np.ndarray, ids: np.ndarray) -> None:

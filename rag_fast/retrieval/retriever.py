@@ -26,7 +26,7 @@ from rag_fast.retrieval.passages import PassageStore, TokenizedPassages, tokeniz
 
 
 
-def _special_tokens(tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def special_tokens(tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """The ids the tokenizer puts before and after a single text (e.g. [CLS] ... [SEP])."""
     probe = "retrieval"
     plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
@@ -91,7 +91,7 @@ class Retriever:
             if tokenizer.pad_token_id is None:
                 raise ValueError("tokenizer must have a pad token (set tokenizer.pad_token)")
             self._tokenizer_key = tokenizer_key(tokenizer)
-            self._prefix, self._suffix = _special_tokens(tokenizer)
+            self._prefix, self._suffix = special_tokens(tokenizer)
             specials = len(self._prefix) + len(self._suffix)
             if not isinstance(max_length, int) or max_length <= specials:
                 raise ValueError(f"max_length must be an int > the {specials} special tokens, got {max_length!r}")

@@ -53,9 +53,10 @@ import torch
 import torch.distributed as dist
 
 from rag_fast.retrieval.encoders import parse_shard, shard_rows
-from rag_fast.retrieval.index import DenseIndex, _check_int
+from rag_fast.retrieval.index import DenseIndex
+from rag_fast.retrieval.inputs import check_int
 from rag_fast.retrieval.passages import PassageStore, tokenizer_key
-from rag_fast.retrieval.retriever import RetrievedPassages, _special_tokens
+from rag_fast.retrieval.retriever import RetrievedPassages, special_tokens
 
 _SETTINGS = ("nprobe", "ef_search", "rerank")
 
@@ -195,7 +196,7 @@ class ShardedIndex:
         try:
             if not isinstance(index, DenseIndex):
                 raise ValueError(f"index must be a DenseIndex, got {type(index).__name__}")
-            offset = _check_int("offset", offset, 0, 2**62)
+            offset = check_int("offset", offset, 0, 2**62)
             if shard is not None:
 
                 shard = parse_shard(shard)
@@ -384,10 +385,10 @@ class ShardedIndex:
         settings = {"nprobe": nprobe, "ef_search": ef_search, "rerank": rerank}
         try:
             q = self._check_queries(queries)
-            k = _check_int("k", k, 1, max(1, self.total))
+            k = check_int("k", k, 1, max(1, self.total))
             for name, value in settings.items():
                 if value is not None:
-                    _check_int(name, value)
+                    check_int(name, value)
         except ValueError as exc:
             error, q = exc, None
         n_r = q.shape[0] if q is not None else 0
@@ -543,7 +544,7 @@ class ShardedIndex:
             return entry[1]
         if getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("tokenizer must have a pad token (set tokenizer.pad_token)")
-        prefix, suffix = _special_tokens(tokenizer)
+        prefix, suffix = special_tokens(tokenizer)
         parts = {"key": tokenizer_key(tokenizer), "prefix": prefix, "suffix": suffix}
         cache[id(tokenizer)] = (tokenizer, parts)
         return parts

@@ -17,16 +17,16 @@ import pytest
 
 from rag_fast import cli
 from rag_fast.retrieval import DenseIndex
-from rag_fast.retrieval import index as index_module
-from rag_fast.retrieval.index import (
+from rag_fast.retrieval import factory as factory_module
+from rag_fast.retrieval.factory import (
     HNSW_DEGREES,
     MAX_LISTS,
     PQ_BITS,
-    _factory_index,
     check_corpus,
     factory_sizes,
     plan_factory,
 )
+from rag_fast.retrieval.factory import factory_index
 from utils import save_tiny_bert
 
 FAST = 5.0  # seconds: a refused factory string is refused before faiss does any work
@@ -101,7 +101,7 @@ def test_each_size_is_checked_against_its_bound(factory, n, d, expected):
 
 
 def test_the_estimate_above_the_available_memory_is_refused(monkeypatch):
-    monkeypatch.setattr(index_module, "available_memory", lambda: (1 << 20, "MemAvailable (test)"))
+    monkeypatch.setattr(factory_module, "available_memory", lambda: (1 << 20, "MemAvailable (test)"))
     x = np.random.default_rng(0).standard_normal((4000, 32)).astype(np.float32)
     message, elapsed = _refused(DenseIndex.build, x, "IVF16,Flat", progress=False)
     assert elapsed < FAST
@@ -112,7 +112,7 @@ def test_the_estimate_above_the_available_memory_is_refused(monkeypatch):
     message, _ = _refused(plan_factory, "ivfpq", 10**6, 768)
     assert message.startswith("preset 'ivfpq' (faiss factory 'IVF1024,PQ96x4fs') needs about ")
     # and what faiss allocates while parsing, where the corpus is not known yet
-    message, _ = _refused(_factory_index, "IVF4M,Flat", "IVF4M,Flat", 16)
+    message, _ = _refused(factory_index, "IVF4M,Flat", "IVF4M,Flat", 16)
     assert "needs about 640.0 MiB of memory to parse it" in message, message
 
 
