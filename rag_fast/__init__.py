@@ -16,9 +16,8 @@ Public API (the heavier parts are imported on first use):
 """
 from __future__ import annotations
 
-import importlib
-
 from rag_fast import _interrupt, _threads
+from rag_fast._lazy import lazy_attributes
 
 # the rag-fast command: Ctrl-C while it starts (the seconds of importing torch) is one line and
 # exit 130, not a traceback of whichever module was loading
@@ -67,12 +66,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rag_fast' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [

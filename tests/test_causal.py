@@ -1,5 +1,5 @@
 """Decoder-only generators (any ``*ForCausalLM``) in RagModel: training losses, gradients and
-decoding against rag_fast.generation.reference_causal, an fp64 oracle that runs the generator's
+decoding against tests/reference_causal.py, an fp64 oracle that runs the generator's
 own forward once per (question, passage[, hypothesis]) unpadded, without cache.
 
 Tiny random Llama, Qwen2 and GPT-2 configs (2 layers, no hub), in float64; prompts of different
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag_fast.generation import reference_causal as rc
+import reference_causal as rc
 from rag_fast.generation import causal
 from rag_fast.generation.causal import _resolve_settings, causal_generate
 from rag_fast.models import RagModel, _causal

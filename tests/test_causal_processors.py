@@ -1,7 +1,7 @@
 """Sampling, repetition penalty and no-repeat n-grams with a decoder-only generator.
 
 There is no ``transformers`` RAG model with a decoder-only generator to compare with, so the
-ids are checked against rag_fast/generation/reference_causal.py: fresh unpadded fp64 forwards per
+ids are checked against tests/reference_causal.py: fresh unpadded fp64 forwards per
 step, the processors written out over token lists of ``prompt_k ++ answer``, draws from the same
 seeded ``torch.Generator``. With one passage, RAG-Sequence is the generator's own ``generate``
 on the prompt, which is checked against ``transformers`` too (its repetition penalty and n-gram
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag_fast.generation import reference_causal as rc
+import reference_causal as rc
 from rag_fast.generation.causal import _resolve_settings, causal_generate
 from rag_fast.models import RagModel
 from test_causal import EOS, LENGTHS, PAD, _generator, _ids, _prompts, _scores

@@ -1,9 +1,12 @@
 """The package's layering (docs/architecture.md), read from the source's imports:
 
-- no import cycle between rag_fast's first-level packages and modules;
-- a ``rag_fast`` import inside a function only with a ``# deferred: <reason>`` comment, and few;
-- no module imports another first-level package's private (``_name``) module;
-- no library module imports the command line.
+- no import cycle between rag_fast's first-level packages and modules, nor between its files;
+- a ``rag_fast`` import inside a function only for an optional dependency, with a
+  ``# deferred: <reason>`` comment;
+- no module imports another first-level package's private (``_name``) module, nor a private
+  name from another module;
+- no library module imports the command line;
+- no file over 900 lines.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import pytest
 import rag_fast
 
 PACKAGE = Path(rag_fast.__file__).resolve().parent
-MAX_DEFERRED = 15  # issue 31: at most 15 deferred imports, each with its reason
+MAX_DEFERRED = 2  # issue 47: only imports of an optional dependency (Triton) wait for a call
+MAX_LINES = 900  # issue 47: no file of rag_fast longer
 
 
 def _modules():
@@ -115,7 +119,7 @@ def test_the_cycle_finder_sees_a_cycle():
 
 
 def test_deferred_imports_are_few_and_give_their_reason():
-    deferred, unexplained = [], []
+    deferred, unexplained, reasons = [], [], []
     for path, parts in _modules():
         lines = path.read_text(encoding="utf-8").splitlines()
         for node, _, in_function in _imports(path, parts):
@@ -124,10 +128,14 @@ def test_deferred_imports_are_few_and_give_their_reason():
             where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
             deferred.append(where)
             around = lines[node.lineno - 2: node.end_lineno]
-            if not any("# deferred:" in line for line in around):
+            said = [line.split("# deferred:", 1)[1] for line in around if "# deferred:" in line]
+            if not said:
                 unexplained.append(where)
+            reasons.extend((where, reason) for reason in said)
     assert not unexplained, f"deferred imports without a '# deferred: reason' comment: {unexplained}"
     assert len(deferred) <= MAX_DEFERRED, deferred
+    not_optional = [w for w, reason in reasons if "optional dependency" not in reason]
+    assert not not_optional, f"deferred imports of what is no optional dependency: {not_optional}"
 
 
 def test_no_import_of_another_packages_private_module():
@@ -175,3 +183,52 @@ def test_training_and_decoding_import_without_faiss():
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rag_fast's index needs faiss" in proc.stdout
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines inside ``if TYPE_CHECKING:`` blocks (imports for annotations only)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _file_imports():
+    """(file, line, importing module, imported module, imported name or None) for each
+    module-level import of rag_fast (annotation-only imports left out): a target
+    ``rag_fast.a.b.name`` resolves to the longest module prefix, the rest is the name."""
+    modules = {".".join(parts) for _, parts in _modules()}
+    for path, parts in _modules():
+        skip = _type_checking_lines(ast.parse(path.read_text(encoding="utf-8")))
+        me = ".".join(parts)
+        for node, targets, in_function in _imports(path, parts):
+            if in_function or node.lineno in skip:
+                continue
+            for target in targets:
+                names = target.split(".")
+                cut = next(i for i in range(len(names), 0, -1) if ".".join(names[:i]) in modules)
+                rest = names[cut:]
+                yield (path, node.lineno, me, ".".join(names[:cut]), rest[0] if rest else None)
+
+
+def test_no_import_circle_between_files():
+    edges: dict[str, set[str]] = {}
+    for _, _, me, module, _ in _file_imports():
+        if module != me:
+            edges.setdefault(me, set()).add(module)
+    assert _cycles(edges) == []
+
+
+def test_no_private_name_imported_from_another_module():
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} {module}.{name}"
+           for path, line, me, module, name in _file_imports()
+           if module != me and name and name.startswith("_") and not name.startswith("__")]
+    assert not bad, bad
+
+
+def test_no_file_is_over_900_lines():
+    long = {str(path.relative_to(PACKAGE.parent)): n for path, _ in _modules()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}, long

@@ -130,9 +130,19 @@ def test_generate_answers_with_the_trained_model(ran):
 
 
 # ---- the README documents what the code does ----------------------------------------------
-def test_readme_holds_the_training_schema_and_the_example_config():
-    from rag_fast.training.run import schema_markdown
+def schema_markdown() -> str:
+    """The ``train`` section's fields as a Markdown table, as README.md holds it."""
+    from rag_fast.training import TrainConfig
 
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for name, kind, default, text in TrainConfig.schema():
+        shown = json.dumps(list(default) if isinstance(default, tuple) else default)
+        cells = [f"`{name}`", kind, f"`{shown}`", text]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def test_readme_holds_the_training_schema_and_the_example_config():
     text = (REPO / "README.md").read_text(encoding="utf-8")
     assert "<!-- train-schema -->\n" + schema_markdown() + "\n" in text
     example = (REPO / "examples/workflow/train.json").read_text(encoding="utf-8").strip()

@@ -28,14 +28,12 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
-from rag_fast._jsonl import read_objects
-from rag_fast._validation import not_a_file, not_a_folder
+from rag_fast._validation import not_a_folder
 from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
                                  decoding_settings, describe_decoding, load_model)
-from rag_fast.evaluation.report import passage_record
+from rag_fast.evaluation.answers import answer_questions, read_question_file
 from rag_fast.models.checkpoint import resolve_model_dir
 from rag_fast.storage import atomic_file, check_apart
 
@@ -100,30 +98,12 @@ def _check_out(args) -> None:
 
 
 def read_questions(args) -> list[dict]:
-    """Questions as dicts with "question" (and optional "passages", "scores")."""
+    """``--question`` as one question, or the questions of ``--questions``."""
     if args.question is not None:
         if not args.question.strip():
             raise ValueError("--question must not be empty")
         return [{"question": args.question}]
-    path = Path(args.questions)
-    if not path.is_file():
-        raise FileNotFoundError(f"--questions {path}: {not_a_file(path)}")
-    rows = []
-    for _, where, row in read_objects(path):
-        if not isinstance(row.get("question"), str) or not row["question"].strip():
-            raise ValueError(f"{where}: expected an object with a non-empty string 'question'")
-        if "passages" in row and not (isinstance(row["passages"], list) and all(
-                isinstance(p, dict) and isinstance(p.get("text"), str) for p in row["passages"])):
-            raise ValueError(f"{where}: 'passages' must be a list of {{'title', 'text'}} objects")
-        if "scores" in row and not (isinstance(row["scores"], list) and all(
-                isinstance(s, (int, float)) for s in row["scores"])
-                and len(row["scores"]) == len(row.get("passages", []))):
-            raise ValueError(f"{where}: 'scores' must be a list of numbers, one per passage")
-        row["where"] = where
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no questions")
-    return rows
+    return read_question_file(args.questions)
 
 
 def _load(args):
@@ -141,23 +121,6 @@ def _load(args):
     if model.generator_tokenizer is None:
         raise ValueError(f"--model {model_dir} has no generator tokenizer: pass --tokenizer DIR")
     return model
-
-
-def _batch_from_rows(model, rows: list[dict]):
-    """Contexts and scores of questions that bring their own passages (no index)."""
-    K = model.n_docs
-    passages, scores = [], []
-    for n, r in enumerate(rows):
-        found = list(r.get("passages") or [])[:K]
-        if not found:
-            raise ValueError(f"{r.get('where', f'question {n + 1}')}: no passages: give --index "
-                             "(or record one in the model) or 'passages' in the JSONL")
-        given = list(r.get("scores") or [0.0] * len(found))[:K]
-        passages.append(found)
-        scores.append(given + [float("-inf")] * (K - len(found)))
-    ctx = model.build_contexts([r["question"] for r in rows], passages)
-    doc_scores = torch.tensor(scores, dtype=torch.float32, device=ctx["input_ids"].device)
-    return ctx, doc_scores, passages
 
 
 def run(args) -> int:
@@ -187,25 +150,8 @@ def run(args) -> int:
 def _answer_all(model, rows, args, settings, record, out, bar) -> None:
     """Decode ``rows`` in batches and write one JSON line per question to ``out``, each with
     the decoding settings (``record``) that made it."""
-    for start in range(0, len(rows), args.batch_size):
-        batch = rows[start:start + args.batch_size]
-        questions = [r["question"] for r in batch]
-        if model.retriever is not None:
-            result = model.generate(questions, **settings)
-        else:
-            ctx, doc_scores, passages = _batch_from_rows(model, batch)
-            result = model.generate(questions, passages=None,
-                                    context_input_ids=ctx["input_ids"],
-                                    context_attention_mask=ctx["attention_mask"],
-                                    doc_scores=doc_scores, **settings)
-            result.passages = passages
-        for i, (r, text) in enumerate(zip(batch, result.texts)):
-            found = result.passages[i] if result.passages is not None else []
-            out.write(json.dumps({
-                "question": r["question"], "answer": text,
-                "passages": [passage_record(p, s)
-                             for p, s in zip(found, result.doc_scores[i].tolist())],
-                "decoding": record,
-            }, ensure_ascii=False) + "\n")
+    for records in answer_questions(model, rows, settings, args.batch_size):
+        for answer in records:
+            out.write(json.dumps({**answer, "decoding": record}, ensure_ascii=False) + "\n")
         if bar is not None:
-            bar.update(len(batch))
+            bar.update(len(records))

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 
 from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
-from rag_fast.reference_decoding import select_top
+from rag_fast._topk import select_top
 
 NEG = -1.0e9  # the "excluded" score transformers uses (not -inf: it must stay orderable)
 # RAG-Sequence's thorough rescoring skips (hypothesis, passage) pairs whose share of a score is

@@ -39,7 +39,7 @@ from rag_fast.generation._search import (
 )
 from rag_fast.generation.encoder_decoder import EncoderDecoder
 from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
-from rag_fast.reference_decoding import select_top
+from rag_fast._topk import select_top
 
 
 @torch.no_grad()

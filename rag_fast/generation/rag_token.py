@@ -35,7 +35,6 @@ from rag_fast.generation._search import (
 )
 from rag_fast.generation.encoder_decoder import EncoderDecoder
 from rag_fast.ops.rag_token_beam_step import rag_token_beam_step
-from rag_fast.reference_decoding import rag_token_beam_candidates
 
 
 @torch.no_grad()
@@ -102,9 +101,10 @@ def _marginal(logits: torch.Tensor, log_prior: torch.Tensor) -> torch.Tensor:
     """``logsumexp_k (log p(z_k|x) + log p(v | z_k, prefix))`` of ``logits [B, W, K, V]``
     -> ``[B, W, V]`` (float64 for float64 logits, else float32): what transformers' RAG-Token
     forward hands its generate loop."""
-    B, W = logits.shape[:2]
-    zeros = torch.zeros((B, W), dtype=log_prior.dtype, device=logits.device)
-    return rag_token_beam_candidates(logits, log_prior, zeros)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp = torch.log_softmax(logits.to(dtype), dim=-1)  # [B, W, K, V]
+    # a missing passage's -inf prior adds nothing (logsumexp handles it without NaN)
+    return torch.logsumexp(logp + log_prior.to(dtype)[:, None, :, None], dim=2)
 
 
 def _greedy(adapter: GeneratorAdapter, log_prior, s: DecodingSettings, B: int, K: int,

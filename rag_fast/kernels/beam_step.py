@@ -16,7 +16,7 @@ import triton.language as tl
 
 from rag_fast.kernels.rag_losses import (launch_chunked, row_stats, split_lse, tile_marginal,
                                          with_tuned_restore)
-from rag_fast.reference_decoding import select_top
+from rag_fast._topk import select_top
 
 
 @with_tuned_restore()

@@ -501,19 +501,6 @@ def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
     return state
 
 
-
-
-def schema_markdown() -> str:
-    """The ``train`` section's fields as a Markdown table (README.md holds this table verbatim;
-    a test keeps them equal)."""
-    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
-    for name, kind, default, text in TrainConfig.schema():
-        shown = json.dumps(list(default) if isinstance(default, tuple) else default)
-        cells = [f"`{name}`", kind, f"`{shown}`", text]
-        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(rows)
-
-
 def schema_help() -> str:
     """The config file's sections and the ``train`` section's fields, as ``rag-fast train
     --help`` ends with them."""
