@@ -300,6 +300,12 @@ def _run(args: argparse.Namespace) -> int:
                 pass
         _interrupt.say_last(f"rag-fast: interrupted; {said}")  # a second Ctrl-C adds nothing
         return 130
+    except RecursionError as exc:  # a JSON input nested deeper than any reader here checks
+        _end_progress_bars()
+        print("rag-fast: error: an input is nested too deeply to be read (a JSON file given, or "
+              f"one in a folder given; {one_line(exc)}): rag_fast writes none like it",
+              file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001  (a bug: said in one line, traceback kept)
         _end_progress_bars()
         if _out_of_memory(exc):  # a request too large for the machine: the user's to change

@@ -33,6 +33,8 @@ def parse_value(text: str):
         return json.loads(text)
     except ValueError:
         return text
+    except RecursionError:
+        raise ValueError(f"value {text[:40]!r}... is JSON nested too deeply") from None
 
 
 class _Override(argparse.Action):
@@ -51,7 +53,11 @@ class _Override(argparse.Action):
                 raise argparse.ArgumentError(
                     self, f"expected KEY=VALUE with KEY a dotted path into the training config "
                           f"(such as train.lr=1e-4 or model.n_docs=3), got {values!r}")
-            value, option = parse_value(text), f"{option_string} {_shown(values)}"
+            try:
+                value = parse_value(text)
+            except ValueError as e:  # JSON nested too deeply
+                raise argparse.ArgumentError(self, str(e)) from None
+            option = f"{option_string} {_shown(values)}"
         else:
             try:
                 value = self.kind(values)

@@ -70,7 +70,7 @@ def _index_size(index: str) -> int | None:
     try:
         with open(os.path.join(index, "index", "manifest.json"), encoding="utf-8") as f:
             count = json.load(f).get("count")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return count if isinstance(count, int) else None
 
@@ -195,6 +195,9 @@ def _loading(what: str, name: str, load):
     the local cache) as one ValueError line naming ``what``."""
     try:
         return load()
+    except RecursionError:  # transformers' json.load of a file nested too deeply
+        raise ValueError(f"{what} {name!r}: a JSON file of it is nested too deeply to be "
+                         "read") from None
     except (OSError, ValueError) as e:
         if isinstance(e, OSError) or needs_code(e):
             raise unloadable(what, name, e) from None

@@ -289,10 +289,12 @@ def _pretrained_class(folder: str, what: str, fallback: str):
 
     config_path = os.path.join(folder, "config.json")
     try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelDirError(f"{config_path}: cannot read the {what}'s config: {e}") from None
+        config = read_json_file(config_path)
+    except OSError as e:
+        raise ModelDirError(f"{config_path}: cannot read the {what}'s config: "
+                            f"{e.strerror or e}") from None
+    except ValueError as e:  # not a regular file, too large, not JSON, nested too deeply
+        raise ModelDirError(f"cannot read the {what}'s config: {e}") from None
     arch = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if cls is None or not hasattr(cls, "from_pretrained"):
@@ -336,11 +338,13 @@ def _rag_architecture(path: str) -> str:
         raise ModelDirError(f"{path} is not a model directory: no config.json (expected "
                               f"`rag-fast init`/`train` output or a transformers RAG folder){hint}")
     try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelDirError(f"{config_path} is not valid JSON: {e}") from None
+        config = read_json_file(config_path)
+    except ValueError as e:  # not a regular file, too large, not JSON, nested too deeply
+        raise ModelDirError(str(e)) from None
+    if not isinstance(config, dict):
+        raise ModelDirError(f"{config_path}: not a JSON object, so not a model's config")
     arch = (config.get("architectures") or [None])[0]
+    arch = arch if isinstance(arch, str) else repr(arch)
     if config.get("model_type") != "rag" or arch not in ARCHITECTURES.values():
         raise ModelDirError(
             f"{config_path}: model_type {config.get('model_type')!r} / architecture {arch!r} is "

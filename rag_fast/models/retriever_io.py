@@ -10,13 +10,12 @@ with its own generator tokenizer. Only the public API of ``rag_fast.retrieval`` 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
 from rag_fast.retrieval.bundle import BUNDLE_KIND
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
-from rag_fast.storage import check_seal, read_manifest
+from rag_fast.storage import check_seal, read_json_file, read_manifest
 
 
 def read_bundle_manifest(path: str | Path) -> dict | None:
@@ -30,10 +29,7 @@ def read_bundle_manifest(path: str | Path) -> dict | None:
     manifest_path = Path(path) / "manifest.json"
     if not manifest_path.is_file():
         return None
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{manifest_path} is not valid JSON: {e}") from None
+    manifest = read_json_file(manifest_path)  # (ValueError: not a small regular JSON file)
     if not isinstance(manifest, dict) or manifest.get("kind") != BUNDLE_KIND:
         kind = manifest.get("kind") if isinstance(manifest, dict) else None
         raise ValueError(f"{manifest_path} describes a {kind!r}, expected an index directory "

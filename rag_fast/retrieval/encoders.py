@@ -54,7 +54,9 @@ def sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
     """(pooling, normalize) from a sentence-transformers folder, or None if it is not one."""
     try:
         modules = json.loads((path / "modules.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         return None
     normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
     pooling = "cls"
@@ -62,8 +64,9 @@ def sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
         if m.get("type", "").endswith("Pooling"):
             try:
                 cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 cfg = {}
+            cfg = cfg if isinstance(cfg, dict) else {}
             pooling = "mean" if cfg.get("pooling_mode_mean_tokens") else "cls"
     return pooling, normalize
 
@@ -87,6 +90,9 @@ def _encoder_config(name: str):
                          "holding a transformers model)")
     try:
         return transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
+    except RecursionError:
+        raise ValueError(f"encoder {name!r}: its config.json is JSON nested too deeply to be "
+                         "read") from None
     except (OSError, ValueError, KeyError) as e:  # not on the hub, offline and not cached, a bad name
         raise unloadable("encoder", name, e) from None
 

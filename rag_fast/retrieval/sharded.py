@@ -323,7 +323,7 @@ class ShardedIndex:
                                  f"(staged: {staged or 'none'})")
             try:
                 key = json.loads((root / "key.json").read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 raise ValueError(f"directory: {str(root)!r} has no readable key.json (not a staging "
                                  "directory of `rag-fast index build --shard`)") from None
             store = PassageStore.load(root / "passages", verify=verify)

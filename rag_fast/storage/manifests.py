@@ -195,6 +195,9 @@ def read_json_file(path: str | os.PathLike) -> object:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{os.fspath(path)} is not valid JSON ({exc})") from None
+    except RecursionError:  # (Python's decoder recurses once per level)
+        raise ValueError(f"{os.fspath(path)} is JSON nested too deeply to be read: not a file "
+                         "rag_fast writes") from None
 
 
 MANIFEST_FORMATS = (1,)  # the "format" every manifest.json of this version writes and reads
@@ -332,7 +335,11 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
         if name.endswith("/" + MANIFEST) and listed.parent != root:  # a part of a bundle
             part = _load_json(listed)
             unchanged = describe_files(root, [name])[name] == meta
-            recorded = (payload.get("parts") or {}).get(name)
+            parts = payload.get("parts") or {}
+            if not isinstance(parts, dict):
+                raise StorageError(f"{path}: its 'parts' is not an object of part digests (an "
+                                   "edited manifest); not resealed: rebuild the index directory")
+            recorded = parts.get(name)
             # the data the part listed at build time; without that record (an index directory
             # of an earlier rag_fast) an edit cannot be told from a part of another build
             other = (recorded is None
