@@ -97,14 +97,18 @@ def _is_empty_dir(path: Path) -> bool:
 
 
 def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = False,
-                        flag: str = "output", reuse: bool = False) -> None:
+                        flag: str = "output", reuse: bool = False,
+                        links_checked: bool = False) -> None:
     """Refuse to write the folder ``out`` where that could destroy what rag_fast did not write.
 
     ``out`` may be missing or an empty folder. An existing folder of the same ``kind`` (its
     marker says so) is replaced only with ``overwrite``, or written into with ``reuse`` (a
     training run resuming, an evaluation written again). Anything else is refused, whatever
     ``overwrite`` says: a file, a folder of another kind, one that holds files rag_fast did not
-    write, or (unless ``reuse``) a symbolic link, which a replacement would swap out.
+    write, or (unless ``reuse``) a symbolic link, which a replacement would swap out. A folder
+    written into again (``reuse``) may hold no symbolic link, which writing would replace,
+    unless the caller checks the links itself (``links_checked``: a training run refuses those
+    that lead out of it).
 
     Raises:
         FileExistsError: naming ``flag`` and ``out``, and what to do instead.
@@ -124,7 +128,15 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
         return
     found = folder_kind(out)
     if found == kind:
-        if reuse:
+        if reuse:  # written into again: a link in it would be replaced (or written through)
+            link = None if links_checked else next(
+                (p for p in sorted(out.rglob("*")) if p.is_symlink()), None)
+            if link is not None:
+                raise FileExistsError(
+                    f"{flag} {str(out)!r} is {words} but holds the symbolic link "
+                    f"{str(link.relative_to(out))!r} (to {os.readlink(link)!r}) that rag_fast "
+                    "did not write; refused (writing again would replace it): move it away or "
+                    "choose another path")
             return
         if not overwrite:
             raise FileExistsError(f"{flag} {str(out)!r} already exists (pass --overwrite to "

@@ -412,7 +412,7 @@ def check_run_folder(output_dir: str, flag: str = "output_dir") -> None:
         FileExistsError: naming ``flag`` and the folder.
     """
     if not _earlier_run(output_dir):
-        check_output_folder(output_dir, RUN_KIND, reuse=True, flag=flag)
+        check_output_folder(output_dir, RUN_KIND, reuse=True, flag=flag, links_checked=True)
     # the trained model is saved to model/ at the end: a folder there must be a model's
     check_output_folder(os.path.join(output_dir, "model"), "rag_fast.model", overwrite=True,
                         flag=f"{flag}'s model/")

@@ -99,3 +99,25 @@ def test_reseal_refuses_an_index_manifest_whose_parts_is_no_object(world, tmp_pa
     code, err = run_cli("reseal", kb)
     one_error(code, err, "parts")
     assert manifest.read_bytes() == before
+
+
+@pytest.mark.filterwarnings("ignore:.*has gold passage ids")  # (the dev file has none)
+@pytest.mark.parametrize("command", ["eval", "index eval"])
+def test_an_output_folder_written_again_keeps_a_link_planted_in_it(world, tmp_path, command):
+    """An eval (or index eval) folder of rag_fast's own, one of whose files the user replaced by
+    a symbolic link: writing it again replaced the link by a regular file (exit 0). It is
+    refused now, naming the link, which stays."""
+    out = tmp_path / "ev"
+    args = (["eval", "--data", world["dev"], "--model", world["model"], "--max-new-tokens", "2",
+             "--no-progress"] if command == "eval" else
+            ["index", "eval", "--data", world["dev"], "--index", world["kb"]])
+    code, err = run_cli(*args, "--out", out)
+    assert code == 0, err
+    victim = sorted(p for p in out.iterdir() if p.name != "rag_fast-output.json")[0]
+    outside = tmp_path / "outside.txt"
+    outside.write_text("mine")
+    victim.unlink()
+    victim.symlink_to(outside)
+    code, err = run_cli(*args, "--out", out)
+    one_error(code, err, "--out", "symbolic link", victim.name)
+    assert victim.is_symlink() and outside.read_text() == "mine"
