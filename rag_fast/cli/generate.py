@@ -76,7 +76,10 @@ def _check_out(args) -> None:
         why = ("ends with a path separator: give a file name" if args.out.endswith(os.sep)
                else f"its folder {folder!r} {not_a_folder(folder)}")
         raise FileNotFoundError(f"--out {args.out!r} {why}; refused (nothing was written)")
-    if not path.exists() and not path.is_symlink():
+    if path.is_symlink():  # writing would replace the link (its target is never written)
+        raise FileExistsError(f"--out {args.out!r} is a symbolic link (to "
+                              f"{os.readlink(path)!r}); refused: give the file's own path")
+    if not path.exists():
         return
     if not path.is_file():
         raise FileExistsError(f"--out {args.out!r} exists and is not a file; refused")

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from rag_fast.cli.common import check_positive, resolve_device, warn
@@ -296,7 +297,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_apart(args.out, "--out", {"--data": args.data, "--index": args.index})
         check_output_folder(args.out, RETRIEVAL_EVAL_KIND, reuse=True, flag="--out")
-    examples = load_retrieval_data(args.data)
+    with warnings.catch_warnings(record=True) as said:  # the data's warnings: said at the end
+        warnings.simplefilter("always")
+        examples = load_retrieval_data(args.data)
     searcher = open_bundle_search(args.index, device=args.device, verify=not args.no_verify)
     if ks[-1] > len(searcher.index):
         raise ValueError(f"-k {ks[-1]} is more passages than the index {args.index!r} holds "
@@ -308,8 +311,6 @@ def run_eval(args: argparse.Namespace) -> int:
     scores = [[s for s, r in zip(sc, found) if r >= 0]
               for sc, found in zip(scores.tolist(), rows.tolist())]
     report = retrieval_report(examples, passages, scores, store, ks)
-    for message in report.warnings:
-        warn(message)
     print(f"{len(examples)} questions, index {args.index} ({len(store)} passages), searched once "
           f"at k={ks[-1]}")
     print(format_table(report))
@@ -317,6 +318,9 @@ def run_eval(args: argparse.Namespace) -> int:
         write_retrieval_report(args.out, report, data=args.data, index=args.index)
         print(f"metrics: {Path(args.out) / 'metrics.json'}; per question: "
               f"{Path(args.out) / 'retrieval.jsonl'}")
+    # the data's warnings once the outputs are written, so that a failure is one line
+    for message in [str(w.message) for w in said] + list(report.warnings):
+        warn(message)
     return 0
 
 

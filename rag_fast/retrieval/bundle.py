@@ -501,11 +501,36 @@ def _complete_shards(staging: Path, count: int) -> list[Path] | None:
                         f"encoded): edited, damaged or replaced; encode shard {i}/{n} again "
                         f"(delete the file and its record first) or remove {staging}")
                 lo, hi = shard_rows(count, (i, n))
-                if np.load(f, mmap_mode="r").shape[0] != hi - lo:
+                if _open_staged(f).shape[0] != hi - lo:
                     raise ValueError(f"--shard: staged {f} has the wrong number of rows for "
                                      f"{count} passages; delete {staging} and encode again")
             return files
     return None
+
+
+def _open_staged(path: Path, dim: int | None = None) -> np.ndarray:
+    """A staged shard's embeddings, memory-mapped: ``[rows, dim]`` float16 or float32 (``dim``:
+    the encoder's, when given), every value finite.
+
+    Raises:
+        ValueError: naming the file: not such an array (a crafted shard whose record was forged
+            to match it).
+    """
+    where = f"--out's staging folder: {path}"
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as e:  # object arrays cannot be mapped, a bad header
+        raise ValueError(f"{where} is not a shard of embeddings ({e}); encode it again") from None
+    if array.ndim != 2 or array.dtype not in (np.float16, np.float32) or (
+            dim is not None and array.shape[1] != dim):
+        raise ValueError(f"{where} holds a {array.dtype} array of shape {array.shape}, not "
+                         f"[rows, {dim or 'dim'}] float16 embeddings; encode it again")
+    for start in range(0, array.shape[0], 1 << 16):
+        block = np.asarray(array[start:start + (1 << 16)], dtype=np.float32)
+        if not np.isfinite(block).all():
+            row = start + int(np.argwhere(~np.isfinite(block))[0][0])
+            raise ValueError(f"{where} has NaN or inf (row {row}); encode it again")
+    return array
 
 
 def _encoder(flag: str, name: str, **kwargs) -> Encoder:
@@ -692,7 +717,7 @@ def build_index_bundle(
         if shards is None:
             shards = [_stage_embeddings(passage_encoder, store, staging, (0, 1), batch_size,
                                         progress)]
-        embeddings = [np.load(f, mmap_mode="r") for f in shards]
+        embeddings = [_open_staged(f, passage_encoder.dim) for f in shards]
         vectors, source = None, None
         if factory != "Flat":  # exact search needs no measuring
             if questions is None:

@@ -85,7 +85,10 @@ def unlisted_files(root: str | os.PathLike) -> list[str]:
             owned.add(here / name)
             if isinstance(payload.get("files"), dict):
                 owned.update(here / str(n) for n in payload["files"])
-    return sorted(str(p.relative_to(root)) for p in found if p not in owned)
+    # what a killed atomic write of a file of rag_fast's left (NAME.tmp-PID) is rag_fast's
+    writes = owned | {p.parent / name for p in found for name in _MARKER_FILES}
+    return sorted(str(p.relative_to(root)) for p in found
+                  if p not in owned and not _dead_writers_file(p, writes))
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -94,6 +97,35 @@ def _is_empty_dir(path: Path) -> bool:
             return next(entries, None) is None
     except OSError:
         return False
+
+
+_FILE_TEMPORARY = re.compile(r"(?P<name>.+)\.tmp-(?P<pid>\d+)")  # disk.atomic_file's
+
+
+def _dead_writers_file(path: Path, ours: set[Path]) -> bool:
+    """Whether ``path`` is a regular file ``NAME.tmp-PID`` that an atomic write of one of
+    ``ours`` left, killed before its rename by a process that is gone."""
+    found = _FILE_TEMPORARY.fullmatch(path.name)
+    return (found is not None and path.with_name(found["name"]) in ours
+            and not path.is_symlink() and path.is_file()
+            and not swap.pid_alive(int(found["pid"])))
+
+
+def _only_dead_writers_files(path: Path) -> bool:
+    """Whether the folder ``path`` holds nothing but the temporaries of its marker that dead
+    writers left (at least one): a command killed while it wrote its marker, its first file
+    there; they are removed."""
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return False
+    markers = {path / name for name in _MARKER_FILES}
+    if not entries or not all(_dead_writers_file(e, markers) for e in entries):
+        return False
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            entry.unlink()
+    return True
 
 
 def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = False,
@@ -124,7 +156,7 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
     if not out.is_dir():
         raise FileExistsError(f"{flag} {str(out)!r} exists and is not a folder (expected "
                               f"{words}); refused: choose another path")
-    if _is_empty_dir(out):
+    if _is_empty_dir(out) or _only_dead_writers_files(out):
         return
     found = folder_kind(out)
     if found == kind:

@@ -104,6 +104,10 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {self.precision!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        for f in fields(self):  # a step or count a checkpoint can record (its manifest's bound)
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 2**63:
+                raise ValueError(f"{f.name} must be below 2**63, got {value!r}")
         for name in ("max_steps", "micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

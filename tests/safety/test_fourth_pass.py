@@ -121,3 +121,108 @@ def test_an_output_folder_written_again_keeps_a_link_planted_in_it(world, tmp_pa
     code, err = run_cli(*args, "--out", out)
     one_error(code, err, "--out", "symbolic link", victim.name)
     assert victim.is_symlink() and outside.read_text() == "mine"
+
+
+@pytest.mark.parametrize("key", ["max_steps", "checkpoint_every", "warmup_steps"])
+def test_a_step_count_no_checkpoint_could_record_is_refused(world, tmp_path, key):
+    """`--set train.max_steps=99999999999999999999999` was accepted and trained until killed;
+    a checkpoint's manifest records steps below 2**63."""
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", tmp_path / "r", "--set", f"train.{key}={10**23}")
+    one_error(code, err, key, "2**63")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def staged_shards(world, tmp_path_factory):
+    """OUT.staging of two `--shard i/2` builds of the world's passages."""
+    root = tmp_path_factory.mktemp("shards")
+    for i in range(2):
+        code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
+                            world["encoder"], "--out", root / "kb", "--no-progress", "--shard",
+                            f"{i}/2")
+        assert code == 0, err
+    return root / "kb.staging"
+
+
+@pytest.mark.parametrize("craft", ["objects", "other-dim", "nan", "not-npy"])
+def test_a_crafted_staged_shard_with_a_forged_record_is_named(world, staged_shards, tmp_path,
+                                                              craft):
+    """A staged shard replaced by a crafted array whose record was forged to match (sizes,
+    SHA-256, seal): the merge refused it in a line naming no file."""
+    import hashlib
+
+    import numpy as np
+
+    from rag_fast.storage import sealed
+
+    staging = tmp_path / "kb.staging"
+    shutil.copytree(staged_shards, staging)
+    shard, record = staging / "embeddings-0-of-2.npy", staging / "shard-0-of-2.json"
+    rows, dim = np.load(shard).shape
+    if craft == "objects":
+        np.save(shard, np.array([{"a": 1}] * rows, dtype=object), allow_pickle=True)
+    elif craft == "other-dim":
+        np.save(shard, np.zeros((rows, dim + 3), dtype=np.float16))
+    elif craft == "nan":
+        values = np.zeros((rows, dim), dtype=np.float16)
+        values[rows - 1, 2] = np.nan
+        np.save(shard, values)
+    else:
+        shard.write_bytes(b"\x93NUMPY garbage" * 40)
+    payload = json.loads(record.read_text())
+    data = shard.read_bytes()
+    payload["files"][shard.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    record.write_text(json.dumps(sealed({k: v for k, v in payload.items() if k != "seal"})))
+    code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
+                        world["encoder"], "--out", tmp_path / "kb", "--no-progress")
+    one_error(code, err, str(shard))
+    assert not (tmp_path / "kb").exists()
+
+
+def test_an_eval_killed_while_writing_its_first_file_leaves_a_folder_a_rerun_takes(world,
+                                                                                    tmp_path):
+    """SIGKILLed while it wrote its marker, `eval` left --out holding only
+    rag_fast-output.json.tmp-PID; every re-run refused the folder as holding files rag_fast
+    did not write. A dead writer's temporary is rag_fast's: the re-run removes it and writes."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "ev"
+    out.mkdir()
+    leftover = out / f"rag_fast-output.json.tmp-{dead.pid}"
+    leftover.write_text('{"kind": "rag_fa')
+    code, err = run_cli("eval", "--data", world["dev"], "--model", world["model"], "--out", out,
+                        "--max-new-tokens", "2", "--no-progress")
+    assert code == 0, err
+    assert not leftover.exists() and (out / "metrics.json").is_file()
+
+
+def test_a_live_writers_temporary_is_still_refused(world, tmp_path):
+    import os
+
+    out = tmp_path / "ev"
+    out.mkdir()
+    (out / f"rag_fast-output.json.tmp-{os.getpid()}").write_text("{}")
+    code, err = run_cli("eval", "--data", world["dev"], "--model", world["model"], "--out", out,
+                        "--max-new-tokens", "2", "--no-progress")
+    one_error(code, err, "--out", "did not write")
+
+
+def test_generate_out_that_is_a_link_is_refused_and_kept(world, tmp_path):
+    """`generate --out LINK` (the user's link to an earlier answers file) replaced the link by
+    a regular file."""
+    answers = tmp_path / "a.jsonl"
+    code, err = run_cli("generate", "--model", world["model"], "--question", "x",
+                        "--max-new-tokens", "2", "--out", answers, "--no-progress")
+    assert code == 0, err
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(answers)
+    before = answers.read_bytes()
+    code, err = run_cli("generate", "--model", world["model"], "--question", "y",
+                        "--max-new-tokens", "2", "--out", link, "--no-progress")
+    one_error(code, err, "--out", "symbolic link")
+    assert link.is_symlink() and answers.read_bytes() == before
+
