@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from rag_fast.retrieval.faiss_support import LazyFaiss, lists_mappable
+from rag_fast.storage import StorageError
 
 faiss = LazyFaiss(__name__)
 
@@ -513,3 +514,20 @@ def plan_factory(preset: str, n: int, d: int, on_disk: bool = False) -> str:
         raise on_disk_error(preset, reason)
     return preset
 
+
+def check_recorded_factory(manifest_path: Path, index_file: Path, manifest: dict, base) -> None:
+    """An index manifest's recorded ``factory`` describes the index faiss read from
+    ``index_file``: an inverted file of as many lists (``IVF<n>``) exactly when it is one.
+
+    Raises:
+        StorageError: naming the manifest and what the index file holds.
+    """
+    try:
+        ivf = faiss.extract_index_ivf(base)
+    except RuntimeError:
+        ivf = None
+    lists = re.search(r"(?:^|,)IVF(\d+)", manifest["factory"])
+    if (ivf.nlist if ivf is not None else None) != (int(lists.group(1)) if lists else None):
+        held = f"an inverted file of {ivf.nlist} lists" if ivf is not None else "no inverted file"
+        raise StorageError(f"{manifest_path}: key 'factory' is {manifest['factory']!r:.80} but "
+                           f"{index_file} holds {held} (an edited manifest, or mixed-up files)")

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from rag_fast import _ext
 from rag_fast.retrieval._exact import exact_search
 from rag_fast.retrieval.factory import (PRESETS, SMALL_CORPUS, check_corpus, check_on_disk,
+                                        check_recorded_factory,
                                         default_train_points, factory_sizes,
                                         new_index, on_disk_error, plan_factory, preset_factory)
 from rag_fast.retrieval.faiss_support import (LazyFaiss, extract_ivf, faiss_gpu_count,
@@ -827,6 +828,7 @@ class DenseIndex:
                 if needed and key not in manifest["params"]:
                     raise StorageError(f"{root / MANIFEST}: missing key 'params.{key}' (an int >= 1), "
                                        f"which a {manifest['factory']!r} index needs")
+            check_recorded_factory(root / MANIFEST, root / _INDEX_FILE, manifest, base)
             index = cls(base, vectors, manifest["preset"], manifest["factory"], manifest["params"],
                         manifest.get("meta"), source=root, on_disk=on_disk)
             if mapped_fd is not None:

@@ -356,6 +356,11 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
             raise StorageError(f"{listed} differs from its record in {path} (a corrupt or "
                                "replaced file, not a manifest edit): not resealed; rebuild it")
     if path.name == "rag_fast.json":  # a model directory: files added on purpose are listed
+        odd = next((p for p in sorted(root.rglob("*")) if not p.is_symlink()
+                    and not p.is_file() and not p.is_dir()), None)
+        if odd is not None:  # a pipe, a device or a socket is never a model's file
+            raise StorageError(f"{odd} is not a regular file (a named pipe, a device or a "
+                               "socket): not listed; remove it")
         for file in sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink()):
             name = file.relative_to(root).as_posix()
             if name != path.name and name not in updated:

@@ -226,3 +226,31 @@ def test_generate_out_that_is_a_link_is_refused_and_kept(world, tmp_path):
     one_error(code, err, "--out", "symbolic link")
     assert link.is_symlink() and answers.read_bytes() == before
 
+
+
+@pytest.mark.parametrize("factory", ["IVF99999999,PQ64", "IVF4,Flat"])
+def test_a_recorded_factory_that_does_not_describe_the_index_is_refused(world, tmp_path,
+                                                                        factory):
+    """T21d: an index manifest's factory edited (and resealed) to an IVF over an exact index
+    loaded and searched, and `index info` reported the false factory."""
+    kb = _copy(world["kb"], tmp_path, "kb")
+    manifest = kb / "index" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    assert "IVF" not in record["factory"]  # (the world's small corpus: exact search)
+    record["factory"] = factory
+    manifest.write_text(json.dumps(record))
+    code, err = run_cli("reseal", kb)
+    assert code == 0, err
+    code, err = run_cli("index", "search", kb, "river")
+    one_error(code, err, "factory", "no inverted file")
+
+
+def test_reseal_refuses_a_pipe_added_to_a_model_folder(world, tmp_path):
+    """M14: `reseal` said every seal matched while `generate` refused the pipe and told the user
+    to list it with `reseal`: advice that looped."""
+    import os
+
+    model = _copy(world["model"], tmp_path, "m")
+    os.mkfifo(model / "extra.json")
+    code, err = run_cli("reseal", model)
+    one_error(code, err, "extra.json", "not a regular file")
