@@ -26,14 +26,8 @@ from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_p
                                  resolve_device)
 from rag_fast.evaluation import answer_metrics, evaluate, label_accuracy, load_qa
 from rag_fast.evaluation.data import fields_read
-from rag_fast.evaluation.report import EVAL_FILES, round_metrics, write_evaluation
-from rag_fast.storage import (
-    EVAL_KIND,
-    check_apart,
-    check_output_folder,
-    folder_kind,
-    read_json_file,
-)
+from rag_fast.evaluation.report import check_evaluation_folder, round_metrics, write_evaluation
+from rag_fast.storage import check_apart
 
 
 def _print_metrics(metrics: dict, as_json: bool = False) -> None:
@@ -50,36 +44,11 @@ def _print_metrics(metrics: dict, as_json: bool = False) -> None:
               "gives recall against gold passage ids)")
 
 
-def _earlier_evaluation(out: Path) -> bool:
-    """Whether ``out`` is an evaluation folder of an earlier rag_fast (no marker): exactly its
-    two files, regular files (no link), which read as what eval writes (metrics.json an object
-    with "examples" and a "metrics" object; predictions.jsonl's first line an object with a
-    "question"). A user's files of those names are not."""
-    import json
-
-    if not out.is_dir() or out.is_symlink() or folder_kind(out) is not None:
-        return False
-    if sorted(p.name for p in out.iterdir()) != sorted(EVAL_FILES):
-        return False
-    metrics, predictions = out / "metrics.json", out / "predictions.jsonl"
-    if metrics.is_symlink() or predictions.is_symlink() or not predictions.is_file():
-        return False
-    try:
-        record = read_json_file(metrics)
-        with open(predictions, "rb") as f:
-            first = json.loads(f.readline(1 << 20).decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return (isinstance(record, dict) and isinstance(record.get("metrics"), dict)
-            and "examples" in record and isinstance(first, dict) and "question" in first)
-
-
 def _check_out(out: Path, args) -> None:
     """``--out`` apart from the inputs, and empty or an evaluation's own folder (an earlier
     rag_fast's, holding only its two files, included)."""
     check_apart(out, "--out", {"--data": args.data, "--model": args.model, "--index": args.index})
-    if not _earlier_evaluation(out):
-        check_output_folder(out, EVAL_KIND, reuse=True, flag="--out")
+    check_evaluation_folder(out, "--out")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,16 +26,15 @@ import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from rag_fast._validation import not_a_folder
 from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
                                  decoding_settings, describe_decoding, load_model)
-from rag_fast.evaluation.answers import answer_questions, read_question_file
+from rag_fast.evaluation.answers import answer_questions, is_answer_record, read_question_file
 from rag_fast.models.checkpoint import resolve_model_dir
-from rag_fast.storage import atomic_file, check_apart
+from rag_fast.storage import atomic_file, check_apart, check_output_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,40 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _check_out(args) -> None:
-    """``--out`` apart from the inputs, and missing, empty or an earlier answers file of
-    ``rag-fast generate`` (every line an object with exactly "question", "answer" (a string),
-    "passages" (a list) and "decoding" (absent before it was recorded), as it writes them): a
-    file it did not write is never replaced."""
+    """``--out`` apart from the inputs, and missing or an earlier answers file of ``rag-fast
+    generate`` (:func:`rag_fast.evaluation.answers.is_answer_record` for every line): a file it
+    did not write is never replaced."""
     check_apart(args.out, "--out", {"--questions": args.questions, "--model": args.model,
                                     "--index": args.index, "--tokenizer": args.tokenizer})
-    path = Path(args.out)
-    if args.out.endswith(os.sep) or not os.path.isdir(os.path.dirname(args.out) or "."):
-        folder = os.path.dirname(args.out.rstrip(os.sep)) or "."
-        why = ("ends with a path separator: give a file name" if args.out.endswith(os.sep)
-               else f"its folder {folder!r} {not_a_folder(folder)}")
-        raise FileNotFoundError(f"--out {args.out!r} {why}; refused (nothing was written)")
-    if path.is_symlink():  # writing would replace the link (its target is never written)
-        raise FileExistsError(f"--out {args.out!r} is a symbolic link (to "
-                              f"{os.readlink(path)!r}); refused: give the file's own path")
-    if not path.exists():
-        return
-    if not path.is_file():
-        raise FileExistsError(f"--out {args.out!r} exists and is not a file; refused")
-    if path.stat().st_size == 0:  # never an answers file (those hold one line per question)
-        raise FileExistsError(f"--out {args.out!r} exists (an empty file rag-fast generate did "
-                              "not write); refused: choose another path")
-    try:
-        with open(path, encoding="utf-8") as f:
-            ours = all(isinstance(row := json.loads(line), dict)
-                       and set(row) - {"decoding"} == {"question", "answer", "passages"}
-                       and isinstance(row["answer"], str) and isinstance(row["passages"], list)
-                       for line in f if line.strip())
-    except (OSError, ValueError):
-        ours = False
-    if not ours:
-        raise FileExistsError(f"--out {args.out!r} exists and is not an answers file of "
-                              "`rag-fast generate`; refused (it is never replaced): choose "
-                              "another path")
+    check_output_file(args.out, "--out", is_answer_record, "an answers file of `rag-fast generate`")
 
 
 def read_questions(args) -> list[dict]:

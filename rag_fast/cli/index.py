@@ -26,7 +26,7 @@ from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, loa
                                        staging_folder)
 from rag_fast.retrieval.index import PRESETS
 from rag_fast.storage import (RETRIEVAL_EVAL_KIND, atomic_write_bytes, check_apart,
-                              check_output_folder, shared_lock)
+                              check_output_file, check_output_folder, shared_lock)
 
 SEARCH_TEXT_CHARS = 200  # characters of each passage's text in the JSON lines of a batch search
 
@@ -214,26 +214,18 @@ def _hit(store, rank: int, score: float, row: int, chars: int | None) -> dict:
             "text": p.text if chars is None else p.text[:chars]}
 
 
+def _is_search_record(row: object) -> bool:
+    """One line of an ``index search --out`` file: exactly "question" and "hits" (a list)."""
+    return isinstance(row, dict) and set(row) == {"question", "hits"} and isinstance(
+        row["hits"], list)
+
+
 def _check_search_out(args: argparse.Namespace) -> None:
-    """``--out`` apart from the inputs, and missing or a results file of ``index search``
-    (every line an object with exactly "question" and "hits", a list): nothing else is
-    replaced."""
+    """``--out`` apart from the inputs, and missing or a results file of ``index search``:
+    nothing else is replaced."""
     check_apart(args.out, "--out", {"DIR": args.dir, "--queries": args.queries})
-    path = Path(args.out)
-    if not path.exists() and not path.is_symlink():
-        return
-    if not path.is_file():
-        raise FileExistsError(f"--out {args.out!r} exists and is not a file; refused")
-    try:
-        with open(path, encoding="utf-8") as f:
-            ours = all(isinstance(row := json.loads(line), dict) and set(row) == {"question", "hits"}
-                       and isinstance(row["hits"], list) for line in f if line.strip())
-    except (OSError, ValueError):
-        ours = False
-    if not ours:
-        raise FileExistsError(f"--out {args.out!r} exists and is not a results file of "
-                              "`rag-fast index search`; refused (it is never replaced): choose "
-                              "another path")
+    check_output_file(args.out, "--out", _is_search_record,
+                      "a results file of `rag-fast index search`")
 
 
 def run_search(args: argparse.Namespace) -> int:

@@ -19,6 +19,14 @@ from rag_fast._validation import not_a_file
 from rag_fast.evaluation.report import passage_record
 
 
+def is_answer_record(row: object) -> bool:
+    """Whether ``row`` (one JSON line) is a record as ``rag-fast generate`` writes it: exactly
+    "question", "answer" (a string), "passages" (a list) and "decoding" (absent in files of
+    earlier versions)."""
+    return (isinstance(row, dict) and set(row) - {"decoding"} == {"question", "answer", "passages"}
+            and isinstance(row["answer"], str) and isinstance(row["passages"], list))
+
+
 def read_question_file(path: str | Path, flag: str = "--questions") -> list[dict]:
     """The questions of a JSONL file, each with ``"where"`` (file and line) added.
 
@@ -91,4 +99,4 @@ def answer_questions(model: Any, rows: list[dict], settings: dict,
         yield records
 
 
-__all__ = ["answer_questions", "read_question_file"]
+__all__ = ["answer_questions", "is_answer_record", "read_question_file"]

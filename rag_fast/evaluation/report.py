@@ -18,7 +18,10 @@ from rag_fast.evaluation.metrics import exact_match_one, f1_one
 from rag_fast.storage import (
     EVAL_KIND,
     atomic_write_bytes,
+    check_output_folder,
+    folder_kind,
     new_folder_removed_on_failure,
+    read_json_file,
     write_marker,
 )
 
@@ -83,5 +86,39 @@ def write_evaluation(out: str | Path, examples: Sequence[QAExample], result: Eva
     return metrics, len(rows)
 
 
-__all__ = ["EVAL_FILES", "PASSAGE_TEXT_CHARS", "passage_record", "prediction_rows",
-           "round_metrics", "write_evaluation"]
+def _earlier_evaluation(out: Path) -> bool:
+    """Whether ``out`` is an evaluation folder of an earlier rag_fast (no marker): exactly its
+    two files, regular files (no link), which read as what eval writes (metrics.json an object
+    with "examples" and a "metrics" object; predictions.jsonl's first line an object with a
+    "question"). A user's files of those names are not."""
+    if not out.is_dir() or out.is_symlink() or folder_kind(out) is not None:
+        return False
+    if sorted(p.name for p in out.iterdir()) != sorted(EVAL_FILES):
+        return False
+    metrics, predictions = out / "metrics.json", out / "predictions.jsonl"
+    if metrics.is_symlink() or predictions.is_symlink() or not predictions.is_file():
+        return False
+    try:
+        record = read_json_file(metrics)
+        with open(predictions, "rb") as f:
+            first = json.loads(f.readline(1 << 20).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return (isinstance(record, dict) and isinstance(record.get("metrics"), dict)
+            and "examples" in record and isinstance(first, dict) and "question" in first)
+
+
+def check_evaluation_folder(out: str | Path, flag: str = "--out") -> None:
+    """Refuse an evaluation output folder that writing could destroy what rag_fast did not
+    write in: it may be missing, empty, an evaluation folder (its marker says so, and it holds
+    no symbolic link), or an earlier rag_fast's evaluation folder without a marker.
+
+    Raises:
+        FileExistsError: naming ``flag`` and ``out``.
+    """
+    if not _earlier_evaluation(Path(out)):
+        check_output_folder(out, EVAL_KIND, reuse=True, flag=flag)
+
+
+__all__ = ["EVAL_FILES", "PASSAGE_TEXT_CHARS", "check_evaluation_folder", "passage_record",
+           "prediction_rows", "round_metrics", "write_evaluation"]

@@ -33,8 +33,8 @@ from .swap import (exchange, pid_alive, recover_directory, remove_leftovers, sib
 from .disk import (append_line, atomic_file, atomic_write, atomic_write_bytes, disk_errors,
                    disk_free, fsync_dir, fsync_tree, is_no_space, no_space, NoSpaceError,
                    reserve_space, write_synced)
-from .folders import (atomic_directory, check_apart, check_output_folder, EVAL_KIND, folder_kind,
-                      new_folder_removed_on_failure, OUTPUT_MARKER, REFRESHED_KIND,
+from .folders import (atomic_directory, check_apart, check_output_file, check_output_folder,
+                      EVAL_KIND, folder_kind, new_folder_removed_on_failure, OUTPUT_MARKER, REFRESHED_KIND,
                       RETRIEVAL_EVAL_KIND, RUN_KIND, TOKENIZER_KIND, unlisted_files, write_marker)
 from .locks import (output_lock, OutputLockedError, shared_lock)
 from .ragged import (RaggedArray, RaggedWriter)
@@ -47,6 +47,7 @@ __all__ = [
     "atomic_write_bytes",
     "check_apart",
     "check_files_entry",
+    "check_output_file",
     "check_output_folder",
     "check_seal",
     "content_digest",

@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 
 from .disk import atomic_write_bytes
@@ -188,6 +188,46 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
             "even with --overwrite, rag_fast replaces only a folder of its own kind")
     raise FileExistsError(f"{flag} {str(out)!r} {what}; refused ({rule}): choose another path "
                           "or an empty folder")
+
+
+def check_output_file(out: str, flag: str, ours: Callable[[object], bool], what: str) -> None:
+    """Refuse to write the file ``out`` where that could destroy what rag_fast did not write:
+    it may be missing (in an existing folder), or a file every line of which is a JSON value
+    ``ours`` accepts (an earlier output of the same command, ``what``). Anything else is
+    refused, and never replaced: a path ending in a separator, a missing folder, a symbolic
+    link (writing would replace the link), a folder, an empty file, any other file.
+
+    Raises:
+        FileNotFoundError, FileExistsError: naming ``flag`` and ``out`` as given.
+    """
+    path = Path(out)
+    folder = os.path.dirname(out.rstrip(os.sep)) or "."
+    if out.endswith(os.sep):
+        raise FileNotFoundError(f"{flag} {out!r} ends with a path separator: give a file name; "
+                                "refused (nothing was written)")
+    if not os.path.isdir(folder):
+        where = ("does not exist" if not os.path.lexists(folder) else "is a file, not a folder"
+                 if os.path.isfile(folder) else "is not a folder")
+        raise FileNotFoundError(f"{flag} {out!r}: its folder {folder!r} {where}; refused "
+                                "(nothing was written)")
+    if path.is_symlink():
+        raise FileExistsError(f"{flag} {out!r} is a symbolic link (to {os.readlink(path)!r}); "
+                              "refused: give the file's own path")
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise FileExistsError(f"{flag} {out!r} exists and is not a file; refused")
+    if path.stat().st_size == 0:  # never an output (those hold a line per question)
+        raise FileExistsError(f"{flag} {out!r} exists (an empty file rag_fast did not write); "
+                              "refused: choose another path")
+    try:
+        with open(path, encoding="utf-8") as f:
+            mine = all(ours(json.loads(line)) for line in f if line.strip())
+    except (OSError, ValueError, RecursionError):
+        mine = False
+    if not mine:
+        raise FileExistsError(f"{flag} {out!r} exists and is not {what}; refused (it is never "
+                              "replaced): choose another path")
 
 
 def _real(path: str | os.PathLike) -> str:

@@ -254,3 +254,21 @@ def test_reseal_refuses_a_pipe_added_to_a_model_folder(world, tmp_path):
     os.mkfifo(model / "extra.json")
     code, err = run_cli("reseal", model)
     one_error(code, err, "extra.json", "not a regular file")
+
+
+@pytest.mark.parametrize("plant", ["empty", "link"])
+def test_index_search_out_keeps_an_empty_file_or_a_link_of_the_user(world, tmp_path, plant):
+    """`index search --out` took an empty file of the user's for an earlier results file (no
+    line to check) and replaced it, and replaced a link by a file; `generate --out` already
+    refused both. One rule (storage.check_output_file) serves both commands now."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("")
+    out = mine
+    if plant == "link":
+        out = tmp_path / "link.jsonl"
+        out.symlink_to(mine)
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"question": "which river is paris on"}\n')
+    code, err = run_cli("index", "search", world["kb"], "--queries", queries, "--out", out)
+    one_error(code, err, "--out")
+    assert mine.read_text() == "" and out.is_symlink() == (plant == "link")
