@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
 import sys
@@ -36,7 +35,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -49,8 +48,9 @@ from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_dige
                                          stand_in_questions)
 from rag_fast.storage import (NoSpaceError, StorageError, atomic_directory, check_apart,
                               check_output_folder, check_seal, describe_files, disk_errors,
-                              fsync_dir, part_digests, pid_alive, read_json_file, read_manifest,
-                              sha256_file, unlisted_files, write_json, write_manifest)
+                              fsync_dir, part_digests, pid_alive, private_folder, read_json_file,
+                              read_manifest, sha256_file, unlisted_files, write_json,
+                              write_manifest)
 
 BUNDLE_KIND = "rag_fast.index_bundle"
 STAGING_KEY = "key.json"
@@ -115,18 +115,12 @@ def _check_staging_path(staging: Path) -> None:
                               "folder; refused: move it away or choose another --out")
 
 
-@contextlib.contextmanager
-def _temporary(staging: Path, name: str) -> Iterator[Path]:
+def _temporary(staging: Path, name: str) -> contextlib.AbstractContextManager[Path]:
     """A private folder ``staging/.NAME.tmp-PID-HEX`` in which ``name`` is written before it is
-    moved into place, removed on every way out. A build's temporaries are folders holding
-    only ``name`` and its writers' own temporaries, so that a file of the user's named like
-    one is never taken for one (:func:`_is_leftover`)."""
-    tmp = staging / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    moved into place, removed on every way out (:func:`rag_fast.storage.private_folder`). A
+    build's temporaries are folders holding only ``name`` and its writers' own temporaries,
+    so that a file of the user's named like one is never taken for one (:func:`_is_leftover`)."""
+    return private_folder(staging, name)
 
 
 def _encoder_fingerprint(name: str) -> str | None:

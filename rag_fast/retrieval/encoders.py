@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rag_fast._validation import brief_error
-from rag_fast.storage import no_space, reserve_space
+from rag_fast.storage import atomic_file, no_space, reserve_space
 from rag_fast.retrieval.passages import PassageStore
 
 POOLINGS = ("auto", "cls", "mean", "pooler")
@@ -312,13 +312,12 @@ def encode_passages(
         raise ValueError(f"shard {i}/{n} of a {len(store)}-passage store is empty; use fewer shards")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     header = _npy_header((hi - lo, encoder.dim), np.float16)
     row_bytes = encoder.dim * 2
     needed = len(header) + (hi - lo) * row_bytes
-    try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
-        try:
+    try:  # (the temporary is removed before the free space is read for the message)
+        with atomic_file(out, "wb", hidden=True) as f:
+            fd = f.fileno()  # rows are written in place (pwrite), longest passages first
             reserve_space(fd, out, needed)
             os.pwrite(fd, header, 0)
             order = lo + np.argsort(-store.text_lengths()[lo:hi], kind="stable")
@@ -331,13 +330,6 @@ def encode_passages(
                     _write_rows(fd, len(header), row_bytes, rows - lo, values)
                     bar.update(len(rows))
             bar.close()
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, out)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)  # before the free space is read for the message
         raise no_space(exc, out, needed) from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return out

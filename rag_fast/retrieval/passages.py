@@ -26,7 +26,6 @@ import re
 import secrets
 import shutil
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -53,6 +52,7 @@ from rag_fast.storage import (
     atomic_directory,
     describe_files,
     disk_errors,
+    private_folder,
     read_manifest,
     write_manifest,
 )
@@ -669,9 +669,7 @@ class PassageStore:
             OSError: ``root`` cannot be written.
         """
         root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = root.parent / f".{key}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        try:
+        with private_folder(root.parent, key) as tmp:
             titles = RaggedWriter(tmp, "titles", np.int32)
             texts = RaggedWriter(tmp, "texts", np.int32)
             try:
@@ -707,8 +705,6 @@ class PassageStore:
                     with contextlib.suppress(OSError):
                         os.rename(root, trash)
                     shutil.rmtree(trash, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _as_passage(item: Passage | dict | tuple, row: int) -> tuple[Passage, bool]:

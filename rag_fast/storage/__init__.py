@@ -29,7 +29,8 @@ from .manifests import (check_files_entry, check_seal, content_digest, describe_
                         part_digests, read_json_file, read_manifest, reseal, reseal_command,
                         RESEAL_HINT, SEAL, sealed, sha256_file, StorageError, write_json,
                         write_manifest)
-from .swap import (exchange, pid_alive, recover_directory, remove_leftovers, sibling)
+from .swap import (exchange, pid_alive, private_folder, recover_directory, remove_leftovers,
+                   sibling)
 from .disk import (append_line, atomic_file, atomic_write, atomic_write_bytes, disk_errors,
                    disk_free, fsync_dir, fsync_tree, is_no_space, no_space, NoSpaceError,
                    reserve_space, write_synced)
@@ -73,6 +74,7 @@ __all__ = [
     "OutputLockedError",
     "part_digests",
     "pid_alive",
+    "private_folder",
     "RaggedArray",
     "RaggedWriter",
     "read_json_file",

@@ -62,15 +62,18 @@ def atomic_write(path: str | os.PathLike, write) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+def atomic_file(path: str | os.PathLike, mode: str = "w", hidden: bool = False) -> Iterator[IO]:
     """A file opened (``mode``: ``"w"`` text in UTF-8, or ``"wb"``) on a temporary beside
     ``path`` that becomes ``path`` when the block ends normally: flushed, fsynced, renamed
     over ``path``, the rename made durable. On any failure (a full disk: a
     :class:`NoSpaceError` naming ``path``; an interruption) the temporary is removed and
-    ``path`` is as it was. The folder of ``path`` must exist."""
+    ``path`` is as it was. The folder of ``path`` must exist. The temporary is ``PATH.tmp-PID``,
+    or (``hidden``) ``.NAME.tmp-PID`` beside it, as an index build's staging folder names its
+    writers' files."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = (os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}") if hidden
+           else f"{path}.tmp-{os.getpid()}")
     encoding = None if "b" in mode else "utf-8"
     try:
         with disk_errors(path):
@@ -133,8 +136,9 @@ def no_space(exc: OSError, path: str | os.PathLike, needed: int | None = None) -
     """``exc`` as a :class:`NoSpaceError` naming ``path`` when it says the disk is full, else
     ``exc`` itself. The free space is read now (after the caller removed its temporary
     files); a :class:`NoSpaceError` keeps the file and the bytes it names."""
-    if isinstance(exc, NoSpaceError):
-        return NoSpaceError(exc.path, exc.needed, disk_free(exc.path), exc.errno)
+    if isinstance(exc, NoSpaceError):  # (the caller's ``needed`` where the writer knew none)
+        return NoSpaceError(exc.path, exc.needed if exc.needed is not None else needed,
+                            disk_free(exc.path), exc.errno)
     if not is_no_space(exc):
         return exc
     return NoSpaceError(path, needed, disk_free(path), exc.errno)

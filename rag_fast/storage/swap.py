@@ -10,6 +10,7 @@ import re
 import secrets
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 
 # ---- atomic directories ---------------------------------------------------------------------
@@ -106,3 +107,16 @@ def remove_leftovers(out: Path) -> None:
     """Remove the temporary siblings of ``out`` whose writers are no longer alive."""
     for _, path in _leftovers(out):
         shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def private_folder(parent: Path, name: str) -> Iterator[Path]:
+    """A new folder ``parent/.NAME.tmp-PID-HEX`` that only this writer uses (several threads or
+    processes may build the same ``name`` beside one another), removed with what it still
+    holds on every way out: what is finished is moved out of it first."""
+    tmp = Path(parent) / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
