@@ -231,3 +231,25 @@ def real_disk(disk):
             pytest.fail("CI must be able to mount a small tmpfs (run as root)")
         pytest.skip("mounting a tmpfs needs root")
     return disk
+
+
+@pytest.fixture(scope="session")
+def fitted_tokenizer(world, tmp_path_factory):
+    """A tokenizer folder `tokenizer fit` wrote."""
+    out = tmp_path_factory.mktemp("tok") / "tok"
+    code, err = run_cli("tokenizer", "fit", "--passages", world["passages"], "--vocab-size",
+                        "300", "--out", out)
+    assert code == 0, err
+    return out
+
+
+@pytest.fixture(scope="session")
+def staged_shards(world, tmp_path_factory):
+    """OUT.staging of two `--shard i/2` builds of the world's passages."""
+    root = tmp_path_factory.mktemp("shards")
+    for i in range(2):
+        code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
+                            world["encoder"], "--out", root / "kb", "--no-progress", "--shard",
+                            f"{i}/2")
+        assert code == 0, err
+    return root / "kb.staging"

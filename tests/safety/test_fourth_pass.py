@@ -13,15 +13,6 @@ from conftest import TOKENIZER, one_error, run_cli
 DEEP = '{"a":' * 50000 + "1" + "}" * 50000
 
 
-@pytest.fixture(scope="module")
-def fitted_tokenizer(world, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tok") / "tok"
-    code, err = run_cli("tokenizer", "fit", "--passages", world["passages"], "--vocab-size",
-                        "300", "--out", out)
-    assert code == 0, err
-    return out
-
-
 def _copy(src, tmp_path, name):
     dest = tmp_path / name
     shutil.copytree(src, dest)
@@ -131,18 +122,6 @@ def test_a_step_count_no_checkpoint_could_record_is_refused(world, tmp_path, key
                         "--output-dir", tmp_path / "r", "--set", f"train.{key}={10**23}")
     one_error(code, err, key, "2**63")
     assert not (tmp_path / "r").exists()
-
-
-@pytest.fixture(scope="module")
-def staged_shards(world, tmp_path_factory):
-    """OUT.staging of two `--shard i/2` builds of the world's passages."""
-    root = tmp_path_factory.mktemp("shards")
-    for i in range(2):
-        code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
-                            world["encoder"], "--out", root / "kb", "--no-progress", "--shard",
-                            f"{i}/2")
-        assert code == 0, err
-    return root / "kb.staging"
 
 
 @pytest.mark.parametrize("craft", ["objects", "other-dim", "nan", "not-npy"])

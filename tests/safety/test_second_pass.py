@@ -313,16 +313,6 @@ def test_run_file_names_the_filesystem_cannot_hold_are_refused_before_the_run(
     assert len(line) < 400 and not out.exists(), line
 
 
-@pytest.fixture(scope="module")
-def fitted_tokenizer(world, tmp_path_factory):
-    """A tokenizer folder `tokenizer fit` wrote."""
-    out = tmp_path_factory.mktemp("tok") / "tok"
-    code, err = run_cli("tokenizer", "fit", "--passages", world["passages"], "--vocab-size",
-                        "300", "--out", out)
-    assert code == 0, err
-    return out
-
-
 @pytest.mark.parametrize("marker", ["kept", "removed"])
 @pytest.mark.parametrize("edit", ["empty-object", "bad-json", "bad-model-type"])
 def test_init_refuses_a_hand_edited_tokenizer_in_one_line(world, fitted_tokenizer, tmp_path,
@@ -395,18 +385,6 @@ def test_an_index_manifest_of_another_format_is_refused_even_resealed(world, cop
 
 
 # ---- the fourth pass ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def staged_shards(world, tmp_path_factory):
-    """OUT.staging of two `--shard i/2` builds of the world's passages."""
-    root = tmp_path_factory.mktemp("shards")
-    for i in range(2):
-        code, err = run_cli("index", "build", "--passages", world["passages"], "--encoder",
-                            world["encoder"], "--out", root / "kb", "--no-progress", "--shard",
-                            f"{i}/2")
-        assert code == 0, err
-    return root / "kb.staging"
-
-
 @pytest.mark.parametrize("tamper", ["flipped-byte", "truncated", "fifo", "dev-zero",
                                     "record-edited", "record-folder"])
 def test_a_merge_checks_every_staged_shard_against_its_record(world, staged_shards, tmp_path,
