@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rag_fast._quiet import quiet_transformers
-from rag_fast._validation import brief_error
+from rag_fast._validation import brief_error, not_a_file
 from rag_fast.models.family import family_of_config
 from rag_fast.models.options import check_arguments
 from rag_fast.models.rag_model import RagModel
@@ -182,7 +182,11 @@ def _check_source(value: str, what: str, config_ok: bool = False) -> None:
     """A model name, folder (or, with ``config_ok``, JSON config) argument that can only be a
     path (see ``looks_like_path``; or a ``.json`` name) and does not exist: a ValueError naming
     ``what`` (the argument or flag) instead of the hub's complaint about the name's form."""
-    if Path(value).expanduser().exists():
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_file() and not path.is_dir():  # /dev/zero, a pipe
+        raise ValueError(f"{what} {value!r} {not_a_file(path)}: expected a model name, a "
+                         "folder holding a transformers model or a JSON config")
+    if path.exists():
         return
     if looks_like_path(value) or value.endswith(".json"):
         config = ", or a JSON config for random weights" if config_ok else ""

@@ -48,7 +48,15 @@ def append_line(path: str | os.PathLike, line: str) -> None:
     through a symbolic link in its place (``O_NOFOLLOW``). A full disk is a
     :class:`NoSpaceError` naming ``path``."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-    with disk_errors(path), open(os.open(path, flags, 0o666), "a", encoding="utf-8") as f:
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):  # O_NOFOLLOW met a link
+            raise OSError(errno.ELOOP, f"{os.fspath(path)} is a symbolic link (to "
+                          f"{os.readlink(path)!r}); refused: lines are never appended through "
+                          "a link") from None
+        raise
+    with disk_errors(path), open(fd, "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rag_fast._validation import not_a_file
 from rag_fast.storage import (RUN_KIND, atomic_write, check_output_folder, disk_errors,
                               folder_kind, fsync_dir, pid_alive, read_json_file, sha256_file,
                               write_marker, write_synced)
@@ -227,6 +228,10 @@ def _verify(path: str) -> dict:
     manifest = _manifest_path(path)
     restart = (f"; to start from scratch instead, delete {path} and {manifest} (or do not "
                "resume)")
+    for name in (path, manifest):  # a pipe or a device in a checkpoint file's place
+        if os.path.lexists(name) and not os.path.isfile(name) and not os.path.isdir(name):
+            raise CheckpointError(f"checkpoint file {name} {not_a_file(name)}: refused "
+                                  f"unread{restart}")
     if not os.path.isfile(path):
         if not os.path.isfile(manifest):
             raise FileNotFoundError(f"no checkpoint at {path}")

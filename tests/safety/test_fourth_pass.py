@@ -251,3 +251,47 @@ def test_index_search_out_keeps_an_empty_file_or_a_link_of_the_user(world, tmp_p
     code, err = run_cli("index", "search", world["kb"], "--queries", queries, "--out", out)
     one_error(code, err, "--out")
     assert mine.read_text() == "" and out.is_symlink() == (plant == "link")
+
+
+def _trained(world, out):
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", out)
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("name", ["checkpoint-last.json", "checkpoint-last.pt"])
+def test_a_pipe_in_a_checkpoint_file_s_place_is_named_as_one(world, tmp_path, name):
+    """C16/C17: a FIFO as the checkpoint's manifest was "has no manifest", as its payload
+    "is missing": true, but not what the user has to look at."""
+    import os
+
+    out = _trained(world, tmp_path / "r")
+    (out / name).unlink()
+    os.mkfifo(out / name)
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", out, "--max-steps", "3")
+    one_error(code, err, name, "not a regular file")
+
+
+def test_a_generator_that_is_a_device_is_named_as_one(world, tmp_path):
+    """I42: `init --generator` a link to /dev/zero was "no model of that name could be
+    loaded", with transformers' long message after it."""
+    link = tmp_path / "zlink.jsonl"
+    link.symlink_to("/dev/zero")
+    code, err = run_cli("init", "--index", world["kb"], "--generator", link,
+                        "--generator-tokenizer", TOKENIZER, "--out", tmp_path / "m")
+    one_error(code, err, "--generator", "not a regular file")
+
+
+def test_a_metrics_file_that_is_a_link_inside_the_run_is_named_as_one(world, tmp_path):
+    """L02: a metrics.jsonl linked to a file inside the run was refused with the system's
+    'Too many levels of symbolic links' (O_NOFOLLOW's ELOOP)."""
+    out = _trained(world, tmp_path / "r")
+    (out / "mine.jsonl").write_text("")
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").symlink_to("mine.jsonl")
+    code, err = run_cli("train", "--config", world["config"], "--model", world["model"],
+                        "--output-dir", out, "--max-steps", "3", "--set", "train.progress=false")
+    one_error(code, err, "metrics.jsonl", "is a symbolic link (to")
+    assert (out / "metrics.jsonl").is_symlink() and (out / "mine.jsonl").read_text() == ""
