@@ -185,3 +185,16 @@ def test_is_causal_is_decided_in_the_family_module_only():
                 deciders.append(f"{path.relative_to(root)}:{n}")
     allowed = {"generation/causal.py", "generation/_decoder.py", "models/_seq2seq.py"}
     assert {d.split(":")[0] for d in deciders} <= allowed, deciders
+
+
+def test_a_decoder_only_model_whose_config_claims_an_encoder_is_refused():
+    """The fifth hostile pass (M03): a decoder-only model folder whose generator config was
+    edited to is_encoder_decoder=True decoded through the encoder-decoder path and ended in an
+    AttributeError. The encoder-decoder family's check refuses a model with no encoder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    g = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=64,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    g.config.is_encoder_decoder = True
+    with pytest.raises(ValueError, match="has no encoder of its own"):
+        RagModel(g, n_docs=2)

@@ -42,6 +42,9 @@ def check_seq2seq(generator: nn.Module) -> None:
             )
     if not getattr(getattr(generator, "config", None), "is_encoder_decoder", False):
         raise ValueError(f"generator {type(generator).__name__} is not an encoder-decoder model")
+    if generator.get_encoder() is generator:  # a decoder-only model whose config says otherwise
+        raise ValueError(f"generator {type(generator).__name__} has no encoder of its own, but "
+                         "its config says is_encoder_decoder=True (an edited config?)")
     head = generator.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"generator's output embeddings must be nn.Linear, got {type(head).__name__}")
