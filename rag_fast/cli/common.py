@@ -86,6 +86,8 @@ def decoding_settings(args: argparse.Namespace, model) -> tuple[dict, dict]:
             settings[name] = value
     record = {"rag_mode": model.mode, **settings}
     if args.seed is not None:
+        if not 0 <= args.seed < 2**63:  # torch seeds are 64-bit
+            raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
         settings["rng"] = _generator(model.device, args.seed)
         record["seed"] = args.seed
     config = getattr(model, "generation_config", None)

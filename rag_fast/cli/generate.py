@@ -29,7 +29,7 @@ import sys
 
 from tqdm.auto import tqdm
 
-from rag_fast._validation import not_a_folder
+from rag_fast._validation import brief_error, not_a_folder
 from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
                                  decoding_settings, describe_decoding, load_model)
 from rag_fast.evaluation.answers import answer_questions, is_answer_record, read_question_file
@@ -90,8 +90,16 @@ def _load(args):
     if args.tokenizer is not None:
         from transformers import AutoTokenizer  # deferred: import time
 
-        model.generator_tokenizer = AutoTokenizer.from_pretrained(
-            args.tokenizer, trust_remote_code=False)
+        if not os.path.isdir(args.tokenizer):  # a tokenizer is a folder (or a hub name)
+            if os.path.exists(args.tokenizer) or os.sep in args.tokenizer:
+                raise ValueError(f"--tokenizer {args.tokenizer!r} {not_a_folder(args.tokenizer)} "
+                                 "(expected a tokenizer's folder)")
+        try:
+            model.generator_tokenizer = AutoTokenizer.from_pretrained(
+                args.tokenizer, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001  (whatever the library says: the flag's fault)
+            raise ValueError(f"--tokenizer {args.tokenizer!r}: not a tokenizer transformers can "
+                             f"load ({brief_error(e, 200)})") from None
     if model.generator_tokenizer is None:
         raise ValueError(f"--model {model_dir} has no generator tokenizer: pass --tokenizer DIR")
     return model

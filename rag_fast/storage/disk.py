@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import shutil
 from pathlib import Path
 from typing import IO, Iterator
+
+from .swap import pid_alive
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -24,11 +27,12 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_synced(path: str | os.PathLike, write) -> None:
+def write_synced(path: str | os.PathLike, write, shown: str | os.PathLike | None = None) -> None:
     """``write(f)`` to a new file at ``path`` (binary), flushed and fsynced: one step of a
     protocol that renames the file itself (a training checkpoint's payload, then its
-    manifest). A full disk is a :class:`NoSpaceError` naming ``path``."""
-    with disk_errors(path), open(path, "wb") as f:
+    manifest). A full disk is a :class:`NoSpaceError` naming ``shown`` (default ``path``): the
+    file the temporary becomes."""
+    with disk_errors(path if shown is None else shown), open(path, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
@@ -91,9 +95,24 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", hidden: bool = False) 
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         fsync_dir(folder)
+        _remove_dead_temporaries(path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+def _remove_dead_temporaries(path: str) -> None:
+    """Remove what atomic writes of ``path`` by processes that are gone left (``PATH.tmp-PID``
+    and ``.NAME.tmp-PID``, killed before their rename): the path is written now."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for stale in (glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".tmp-*"))
+                  + glob.glob(os.path.join(glob.escape(folder), "." + glob.escape(name)
+                                           + ".tmp-*"))):
+        pid = stale.rsplit(".tmp-", 1)[1]
+        if pid.isdigit() and not pid_alive(int(pid)) and os.path.isfile(stale) \
+                and not os.path.islink(stale):
+            with contextlib.suppress(OSError):
+                os.remove(stale)
 
 
 # ---- a full disk ---------------------------------------------------------------------------

@@ -87,8 +87,9 @@ def unlisted_files(root: str | os.PathLike) -> list[str]:
                 owned.update(here / str(n) for n in payload["files"])
     # what a killed atomic write of a file of rag_fast's left (NAME.tmp-PID) is rag_fast's
     writes = owned | {p.parent / name for p in found for name in _MARKER_FILES}
+    # a symbolic link is never rag_fast's, even at a name its marker lists (it writes files)
     return sorted(str(p.relative_to(root)) for p in found
-                  if p not in owned and not _dead_writers_file(p, writes))
+                  if (p not in owned or p.is_symlink()) and not _dead_writers_file(p, writes))
 
 
 def _is_empty_dir(path: Path) -> bool:

@@ -323,6 +323,18 @@ def reseal(folder: str | os.PathLike) -> list[Path]:
                        "rag_fast.json): nothing to reseal")
 
 
+_SAVED_CONFIGS = ("config.json", "generation_config.json")
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def _written_by_every_save(name: str) -> bool:
+    """Whether ``name`` (relative to a model directory) is a file its save writes for every
+    model: weights anywhere, the configs at the top or of either model side by side."""
+    parts = name.split("/")
+    return name.endswith(_WEIGHTS) or (parts[-1] in _SAVED_CONFIGS and (
+        len(parts) == 1 or (len(parts) == 2 and parts[0] in ("generator", "question_encoder"))))
+
+
 def _reseal_file(root: Path, path: Path) -> list[Path]:
     payload = _load_json(path)
     files = check_files_entry(path, payload.get("files"), root)
@@ -364,6 +376,11 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
         for file in sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink()):
             name = file.relative_to(root).as_posix()
             if name != path.name and name not in updated:
+                if _written_by_every_save(name):  # its record was removed, not a file added
+                    raise StorageError(
+                        f"{file} is not listed in {path}, but a model's save always writes it "
+                        "(weights or a config): a record removed by hand is not a file added "
+                        "on purpose; not resealed: restore the record, or save the model again")
                 listed_path(root, name, path)
                 updated[name] = describe_files(root, [name])[name]
     new = {**payload, "files": updated}

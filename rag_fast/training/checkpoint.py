@@ -118,12 +118,13 @@ def _write_checkpoint(payload: dict, path: str, step: int) -> None:
     renamed = False
     try:
         with disk_errors(path):  # a full disk: one error naming the checkpoint
-            write_synced(tmp_payload, lambda f: torch.save(payload, f))
+            write_synced(tmp_payload, lambda f: torch.save(payload, f), shown=path)
         size, sha256 = _digest(tmp_payload)
         record = {"format": CHECKPOINT_FORMAT, "payload": os.path.basename(path), "size": size,
                   "sha256": sha256, "step": step}
         with disk_errors(manifest):
-            write_synced(tmp_manifest, lambda f: f.write(json.dumps(record, indent=1).encode()))
+            write_synced(tmp_manifest, lambda f: f.write(json.dumps(record, indent=1).encode()),
+                         shown=manifest)
         os.replace(tmp_payload, path)
         renamed = True
         fsync_dir(folder)
