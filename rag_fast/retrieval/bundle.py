@@ -43,6 +43,7 @@ from rag_fast._jsonl import check_regular_file, decoded_lines, read_objects
 from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard, shard_rows
 from rag_fast.retrieval.factory import PRESETS, SMALL_CORPUS, factory_index, plan_factory
 from rag_fast.retrieval.index import INDEX_KIND, DenseIndex
+from rag_fast.retrieval.inputs import NonFiniteError
 from rag_fast.retrieval.tuning import SmallSampleWarning, small_sample_message
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
                                          stand_in_questions)
@@ -504,7 +505,8 @@ def _complete_shards(staging: Path, count: int) -> list[Path] | None:
 
 def _open_staged(path: Path, dim: int | None = None) -> np.ndarray:
     """A staged shard's embeddings, memory-mapped: ``[rows, dim]`` float16 or float32 (``dim``:
-    the encoder's, when given), every value finite.
+    the encoder's, when given). (The build checks every value is finite; a merge names the
+    shard of a row that is not: :func:`_shard_of_row`.)
 
     Raises:
         ValueError: naming the file: not such an array (a crafted shard whose record was forged
@@ -519,12 +521,16 @@ def _open_staged(path: Path, dim: int | None = None) -> np.ndarray:
             dim is not None and array.shape[1] != dim):
         raise ValueError(f"{where} holds a {array.dtype} array of shape {array.shape}, not "
                          f"[rows, {dim or 'dim'}] float16 embeddings; encode it again")
-    for start in range(0, array.shape[0], 1 << 16):
-        block = np.asarray(array[start:start + (1 << 16)], dtype=np.float32)
-        if not np.isfinite(block).all():
-            row = start + int(np.argwhere(~np.isfinite(block))[0][0])
-            raise ValueError(f"{where} has NaN or inf (row {row}); encode it again")
     return array
+
+
+def _shard_of_row(shards: list[Path], embeddings: list[np.ndarray], row: int) -> tuple[Path, int]:
+    """The staged shard holding global ``row`` of the merged embeddings, and its row there."""
+    for path, array in zip(shards, embeddings):
+        if row < array.shape[0]:
+            return path, row
+        row -= array.shape[0]
+    return shards[-1], row
 
 
 def _encoder(flag: str, name: str, **kwargs) -> Encoder:
@@ -726,9 +732,14 @@ def build_index_bundle(
             vectors = question_encoder.encode_queries(questions).numpy()
         with warnings.catch_warnings():  # a small --queries is said above, naming the flag
             warnings.simplefilter("ignore", SmallSampleWarning)
-            index = DenseIndex.build(embeddings, preset, progress=progress, on_disk=on_disk,
-                                     target_recall=target_recall, queries=vectors,
-                                     query_source=source)
+            try:
+                index = DenseIndex.build(embeddings, preset, progress=progress,
+                                         on_disk=on_disk, target_recall=target_recall,
+                                         queries=vectors, query_source=source)
+            except NonFiniteError as e:  # a staged shard's values: named with its file
+                path, row = _shard_of_row(shards, embeddings, e.row)
+                raise ValueError(f"--out's staging folder: {path} has NaN or inf (row {row}); "
+                                 "encode it again") from None
         with atomic_directory(out, overwrite=overwrite, kind=BUNDLE_KIND) as tmp, \
                 disk_errors(shown):
             shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"))

@@ -53,8 +53,8 @@ from rag_fast.retrieval.factory import (PRESETS, SMALL_CORPUS, check_corpus, che
 from rag_fast.retrieval.faiss_support import (LazyFaiss, extract_ivf, faiss_gpu_count,
                                               faiss_gpu_supports, lists_mappable, search_tensor,
                                               write_all, write_faiss)
-from rag_fast.retrieval.inputs import (MAX_SETTING, check_finite, check_int, check_queries,
-                                       corpus_rows, corpus_shape, reads_a_copy)
+from rag_fast.retrieval.inputs import (MAX_SETTING, NonFiniteError, check_finite, check_int,
+                                       check_queries, corpus_rows, corpus_shape, reads_a_copy)
 from rag_fast.retrieval.tuning import (RERANK_FACTORS, SmallSampleWarning, measure_quality,
                                        min_tuning_queries, recall_at_k, small_sample_message,
                                        tune_settings)
@@ -306,7 +306,11 @@ class DenseIndex:
             rows = np.sort(rng.choice(n, size=size, replace=False))
             sample = np.concatenate([corpus_rows(embeddings, int(r), int(r) + 1) for r in rows]) \
                 if size < n // 4 else corpus_rows(embeddings, 0, n)[rows]
-            check_finite("embeddings", sample)
+            try:
+                check_finite("embeddings", sample)
+            except NonFiniteError as e:  # the sample's row, as the corpus row it is
+                row = int(rows[e.row])
+                raise NonFiniteError(f"embeddings contain NaN or inf (row {row})", row) from None
             if progress:
                 tqdm.write(f"training {factory} on {size} vectors")
             base.train(sample)

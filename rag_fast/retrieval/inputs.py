@@ -25,12 +25,21 @@ def check_int(name: str, value: object, low: int = 1, high: int = MAX_SETTING) -
     return int(value)
 
 
+class NonFiniteError(ValueError):
+    """Vectors holding NaN or inf; ``row``: the first such row."""
+
+    def __init__(self, message: str, row: int):
+        super().__init__(message)
+        self.row = row
+
+
 def check_finite(name: str, x: np.ndarray, offset: int = 0) -> None:
-    """Raise a ValueError naming ``name`` and the first row (plus ``offset``) with NaN or inf."""
+    """Raise a :class:`NonFiniteError` naming ``name`` and the first row (plus ``offset``)
+    with NaN or inf."""
     # The sum is NaN or inf when any entry is (or on overflow): a cheap test, then locate.
     if not np.isfinite(x.sum(dtype=np.float64)) and not np.isfinite(x).all():
         row = int(np.argwhere(~np.isfinite(x))[0][0]) + offset
-        raise ValueError(f"{name} contain NaN or inf (row {row})")
+        raise NonFiniteError(f"{name} contain NaN or inf (row {row})", row)
 
 
 def check_queries(queries, k, dim: int, ntotal: int) -> np.ndarray | torch.Tensor:

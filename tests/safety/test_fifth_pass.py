@@ -114,3 +114,18 @@ def test_a_full_disk_in_training_names_the_checkpoint_not_its_temporary(world, r
                         "--output-dir", out, "--set", "train.progress=false")
     line = one_error(code, err)
     assert ".tmp-" not in line, line
+
+
+def test_a_nan_in_the_training_sample_is_named_by_its_corpus_row():
+    """An IVF build checks its k-means sample first: the row it named was the sample's, not
+    the corpus row holding the NaN (a merge names the staged shard and row from it)."""
+    import numpy as np
+
+    from rag_fast.retrieval import DenseIndex
+    from rag_fast.retrieval.inputs import NonFiniteError
+
+    x = np.random.default_rng(0).standard_normal((4000, 8)).astype(np.float32)
+    x[3777, 5] = np.nan
+    with pytest.raises(NonFiniteError, match=r"\(row 3777\)") as info:
+        DenseIndex.build(x, "IVF16,Flat", progress=False)
+    assert info.value.row == 3777
