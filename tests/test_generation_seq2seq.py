@@ -222,3 +222,39 @@ def test_rag_model_with_t5_generator(mode):
                              doc_scores=scores, **settings)
         assert torch.equal(out.sequences, expected), settings
         hf.eval()
+
+
+@pytest.mark.parametrize("kind", ["bart", "t5"])
+@pytest.mark.parametrize("seed,settings", SETTINGS[:4])
+def test_masked_sequence_searches_do_not_depend_on_padding(kind, seed, settings):
+    """``mask_searches=True``: RAG-Sequence's searches read the encoder with the context mask,
+    so more padding columns (as a longer question elsewhere in the batch adds) change no
+    answer; the default, ``transformers``' unmasked searches, is what padding can change. With
+    no padding both are the same."""
+    model = tiny_rag(kind, "sequence", seed)
+    pad = model.rag.generator.config.pad_token_id
+    ids, mask, scores = tiny_inputs(seed, pad)
+    more_ids = torch.cat([ids, torch.full((B * K, 7), pad)], dim=1)
+    more_mask = torch.cat([mask, torch.zeros(B * K, 7, dtype=mask.dtype)], dim=1)
+    masked = rag_sequence_generate(model, ids, mask, scores, mask_searches=True, **settings)
+    padded = rag_sequence_generate(model, more_ids, more_mask, scores, mask_searches=True,
+                                   **settings)
+    assert torch.equal(masked, padded), f"\n{masked}\n!=\n{padded}"
+    full_ids, full_mask, _ = tiny_inputs(seed, pad, padded=False)
+    assert torch.equal(
+        rag_sequence_generate(model, full_ids, full_mask, scores, mask_searches=True, **settings),
+        hf_generate(model, full_ids, full_mask, scores, **settings))
+
+
+def test_unmasked_searches_do_depend_on_padding():
+    """Why mask_searches exists: transformers' RAG-Sequence answers change with padding."""
+    changed = 0
+    for seed in range(4):
+        model = tiny_rag("bart", "sequence", seed)
+        ids, mask, scores = tiny_inputs(seed, 1)
+        more_ids = torch.cat([ids, torch.full((B * K, 7), 1)], dim=1)
+        more_mask = torch.cat([mask, torch.zeros(B * K, 7, dtype=mask.dtype)], dim=1)
+        a = rag_sequence_generate(model, ids, mask, scores, num_beams=1, max_length=10)
+        b = rag_sequence_generate(model, more_ids, more_mask, scores, num_beams=1, max_length=10)
+        changed += not torch.equal(a, b)
+    assert changed

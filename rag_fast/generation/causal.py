@@ -397,6 +397,7 @@ def causal_generate(
     n_docs: int | None = None,
     num_return_sequences: int | None = None,
     rng: torch.Generator | None = None,
+    mask_searches: bool = True,
     **settings,
 ) -> torch.Tensor:
     """Answer with RAG-Token (``mode="token"``) or RAG-Sequence (``"sequence"``) decoding over a
@@ -414,6 +415,9 @@ def causal_generate(
         generation_config: defaults (None: the generator's ``generation_config``).
         num_return_sequences: answers per question (RAG-Token: at most num_beams).
         rng: the ``torch.Generator`` sampling draws from (None: torch's global generator).
+        mask_searches: accepted for symmetry with
+            :func:`~rag_fast.generation.rag_sequence_generate`: a decoder-only prompt's
+            padding is always masked, so False is refused.
         **settings: ``num_beams``, ``max_new_tokens`` / ``max_length`` (answer tokens),
             ``min_new_tokens`` / ``min_length``, ``length_penalty``, ``early_stopping``,
             ``eos_token_id``, ``pad_token_id``, ``forced_bos_token_id`` (the first answer
@@ -433,6 +437,9 @@ def causal_generate(
     if mode not in ("token", "sequence"):
         raise ValueError(f"mode must be 'token' or 'sequence', got {mode!r}")
     check_decoding(decoding)
+    if not mask_searches:
+        raise ValueError("mask_searches=False: a decoder-only generator's searches always mask "
+                         "the prompts' padding")
     check_causal(generator)
     check_rng(rng)
     if not isinstance(doc_scores, torch.Tensor) or doc_scores.dim() != 2 \

@@ -69,8 +69,11 @@ class EncoderDecoder:
     sample_per_question = True  # transformers samples RAG-Sequence one question at a time
 
     def __init__(self, generator: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                 K: int, *, rag_config=None) -> None:
+                 K: int, *, rag_config=None, mask_searches: bool = False) -> None:
         self.dec = make_decoder(generator)
+        # RAG-Sequence's searches read the encoder with the context mask too (see
+        # rag_sequence_generate's mask_searches); RAG-Token's always do
+        self.mask_searches = bool(mask_searches)
         self.generator, self.ids, self.mask, self.K = generator, ids, mask, K
         self.device = ids.device
         self.rag_config = rag_config
@@ -96,7 +99,7 @@ class EncoderDecoder:
 
     def session(self, Q: int, max_length: int, *, search: str = "token", rows=None):
         # transformers runs RAG-Sequence's searches with no encoder mask (padding attended)
-        cross = self._encoded(masked=search == "token")
+        cross = self._encoded(masked=search == "token" or self.mask_searches)
         E = self.ids.shape[0]
         if rows is not None:
             cross, E = self.dec.select_cross(cross, rows), rows.shape[0]
@@ -119,7 +122,8 @@ class EncoderDecoder:
         # the searches' scores sum, so they bound nothing then.
         forced = s.forced_bos_token_id is not None or s.forced_eos_token_id is not None
         fill = s.greedy_fill_token_id if s.num_beams == 1 else s.fill_token_id
-        return (bool(self.mask.bool().all()) and not forced and not s.processed
+        return ((self.mask_searches or bool(self.mask.bool().all())) and not forced
+                and not s.processed
                 and fill == self._pad())
 
     def _pad(self) -> int:

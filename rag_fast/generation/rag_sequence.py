@@ -54,6 +54,7 @@ def rag_sequence_generate(
     decoding: str = "thorough",
     impl: str = "auto",
     rng: torch.Generator | None = None,
+    mask_searches: bool = False,
     **settings,
 ) -> torch.Tensor:
     """Generate answers with RAG-Sequence decoding over an encoder-decoder generator.
@@ -71,6 +72,11 @@ def rag_sequence_generate(
             (``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"``; "cpp" needs CPU tensors).
         rng: the ``torch.Generator`` sampling draws from (None: torch's global generator, as
             ``transformers`` uses).
+        mask_searches: the per-passage searches read the encoder with ``context_attention_mask``
+            (True), or attend to the contexts' padding as ``transformers`` does (False, the
+            default). Padding depends on the longest context of the batch, so only True makes
+            a question's answer independent of the questions batched with it (what
+            ``rag-fast serve`` uses); the rescoring is masked either way.
         **settings: the per-passage search's ``num_beams``, ``max_length`` /
             ``max_new_tokens``, ``min_length`` / ``min_new_tokens``, ``length_penalty``,
             ``early_stopping``, token ids, ``do_sample``, ``temperature``, ``top_k``,
@@ -90,7 +96,7 @@ def rag_sequence_generate(
                          use_generator_config=True)
     check_rng(rng)
     adapter = EncoderDecoder(inp.generator, inp.context_input_ids, inp.context_attention_mask,
-                             inp.K, rag_config=inp.rag_config)
+                             inp.K, rag_config=inp.rag_config, mask_searches=mask_searches)
     adapter._pad()  # answers are padded: the generator needs a pad token
     if "num_beams" not in settings or settings["num_beams"] is None:
         settings["num_beams"] = getattr(inp.rag_config, "num_beams", None) or 1
