@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
                                 max_context_length=args.max_context_length, seed=args.seed)
     except ValueError as e:  # an error about an argument, said as the flag that gave it
         message = str(e)
-        for name in ("generator", "generator_tokenizer", "question_encoder"):
+        for name in ("generator", "generator_tokenizer", "question_encoder",
+                     "max_context_length"):
             if message.startswith(f"{name} "):
                 raise ValueError("--" + name.replace("_", "-") + message[len(name):]) from None
         raise

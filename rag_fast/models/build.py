@@ -331,5 +331,11 @@ def build_rag_model(
                      question_pooling=pooling if pooling in ("cls", "mean") else "auto",
                      normalize_questions=normalize, max_context_length=max_context_length,
                      max_question_length=max_question_length)
+    positions = model.max_positions
+    if positions is not None and model.family.prompt_positions(max_context_length) >= positions:
+        raise ValueError(f"max_context_length {max_context_length} leaves no position for an "
+                         f"answer: the {model.family.name} generator has {positions} positions, "
+                         f"shared by the prompt and its answer; use at most {positions - 1} "
+                         "(less leaves room for longer answers)")
     model.index_path = os.path.abspath(index) if index is not None else None
     return model

@@ -60,11 +60,15 @@ def check_new_tokens(model, max_new_tokens: int, flag: str = "--max-new-tokens")
     if not isinstance(positions, int):
         return  # relative positions (T5): no fixed bound
     room = positions - model.family.prompt_positions(model.max_context_length)
+    if room < 1:
+        raise ValueError(f"the model's prompts (max_context_length {model.max_context_length}) "
+                         f"fill all {positions} positions of its generator: no room for an "
+                         "answer; make the model again with a smaller --max-context-length")
     if max_new_tokens > room:
         raise ValueError(f"{flag} {max_new_tokens} is more than the generator can place "
                          f"({positions} positions" + (f", {model.max_context_length} of them the "
                                                       "prompt" if room != positions else "")
-                         + f"); use at most {max(room, 1)}")
+                         + f"); use at most {room}")
 
 
 __all__ = ["check_new_tokens", "load_for_inference"]
