@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
                       progress=not args.no_progress, **settings)
     metrics, count = write_evaluation(out, examples, result, data=args.data, model=args.model,
                                       decoding=record)
+    # a Ctrl-C from here on: what was written, not "nothing was written"
+    args.on_interrupt = lambda: f"the evaluation was written whole to {args.out}"
     _print_metrics(metrics, args.json)
     if args.json:
         return 0

@@ -121,6 +121,8 @@ def run(args) -> int:
         bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
     with atomic_file(args.out) if args.out else contextlib.nullcontext(sys.stdout) as out:
         _answer_all(model, rows, args, settings, record, out, bar)
+    if args.out:
+        args.on_interrupt = lambda: f"the answers were written whole to {args.out}"
     if bar is not None:
         bar.close()
     # how the answers were decoded, said once they are out (each line records it too)

@@ -193,14 +193,14 @@ def run_build(args: argparse.Namespace) -> int:
         lock = shared_lock(staging_folder(args.out), bool(args.shard), "--out's staging folder",
                            who)
     try:
-        with lock:
+        with lock as alone:
             build_index_bundle(
                 args.passages, args.encoder, args.out, query_encoder=args.query_encoder,
                 preset=args.preset, on_disk=args.on_disk, target_recall=args.target_recall,
                 queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
                 max_length=args.max_length, batch_size=args.batch_size, device=args.device,
                 overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress,
-                warn=warn, remove_staging=args.remove_staging)
+                warn=warn, remove_staging=args.remove_staging, alone=alone)
     except (FileNotFoundError, ValueError) as e:  # the reader names it: say the flag
         if str(e).startswith("passages: "):
             raise type(e)("--passages: " + str(e).removeprefix("passages: ")) from None

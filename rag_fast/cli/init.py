@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--" + name.replace("_", "-") + message[len(name):]) from None
         raise
     model.save(str(out))
+    args.on_interrupt = lambda: f"the model directory was written whole to {args.out}"
     params = sum(p.numel() for p in model.parameters())
     kind = f"{model.family.name} " if model.family.decoder_only else ""
     print(f"initialised a {kind}RAG-{args.mode.capitalize()} model "

@@ -414,6 +414,9 @@ def _staged_store(passages: str, split: int | None, dedupe: bool, staging: Path,
     """The passages staged under ``staging/passages`` (created once; concurrent shard
     processes build their own copy and the first rename wins)."""
     path = staging / "passages"
+    if path.is_symlink() or (path.exists() and not path.is_dir()):  # not a build's
+        raise ValueError(f"--out's staging folder {staging}: its passages is a symbolic link "
+                         "or not a folder; refused (builds stage passages there): remove it")
     if not (path / "manifest.json").exists():
         with _temporary(staging, "passages") as tmp:
             try:
@@ -607,6 +610,7 @@ def build_index_bundle(
     remove_staging: bool = False,
     log: Callable[[str], None] = print,
     warn: Callable[[str], None] | None = None,
+    alone: Callable[[], bool] | None = None,
 ) -> Path:
     """Encode ``passages`` and write the index directory ``out`` (see the module docstring).
 
@@ -640,8 +644,10 @@ def build_index_bundle(
             either way, and a set of shards it did not use is kept either way. Only what
             builds staged there is ever removed: a staging folder the build would remove that
             holds anything else is refused before any work (:func:`_staging_entries`). A
-            build that fails removes the staging folder it created (never one of ``shard``
-            builds).
+            build that fails removes the staging folder it created (a ``shard`` build only
+            when ``alone()``, and never a staged shard).
+        alone: whether a ``shard`` build is now its staging folder's only user (its lock's;
+            None: a failed ``shard`` build keeps the folder).
         log: where the lines on progress and the result go (default ``print``).
         warn: where warnings go (default: stderr, after ``warning: ``): ``--queries`` fewer
             than the target needs to be shown with the tuner's confidence
@@ -758,7 +764,8 @@ def build_index_bundle(
                 "files": describe_files(tmp, files),
             })
     except BaseException:  # KeyboardInterrupt too: the staging this build made goes with it
-        if created and shard is None:  # never a staging --shard builds made (training reads it)
+        # a --shard build's only while no other build uses it (staged shards are kept anyway)
+        if created and (shard is None or (alone is not None and alone())):
             with contextlib.suppress(OSError):
                 _discard_staging(staging, remove=False)
         raise

@@ -6,6 +6,8 @@ import contextlib
 import errno
 import glob
 import os
+import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import IO, Iterator
@@ -79,13 +81,15 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", hidden: bool = False) 
     ``path`` that becomes ``path`` when the block ends normally: flushed, fsynced, renamed
     over ``path``, the rename made durable. On any failure (a full disk: a
     :class:`NoSpaceError` naming ``path``; an interruption) the temporary is removed and
-    ``path`` is as it was. The folder of ``path`` must exist. The temporary is ``PATH.tmp-PID``,
-    or (``hidden``) ``.NAME.tmp-PID`` beside it, as an index build's staging folder names its
-    writers' files."""
+    ``path`` is as it was. The folder of ``path`` must exist. The temporary is
+    ``PATH.tmp-PID-HEX``, or (``hidden``) ``.NAME.tmp-PID-HEX`` beside it, as an index build's
+    staging folder names its writers' files (HEX: 8 random hexadecimal digits, so that a
+    user's file named like ``PATH.tmp-PID`` is never taken for one)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = (os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}") if hidden
-           else f"{path}.tmp-{os.getpid()}")
+    tag = f"tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = (os.path.join(folder, f".{os.path.basename(path)}.{tag}") if hidden
+           else f"{path}.{tag}")
     encoding = None if "b" in mode else "utf-8"
     try:
         with disk_errors(path):
@@ -101,15 +105,22 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", hidden: bool = False) 
             os.remove(tmp)
 
 
+# what atomic_file names its temporaries: NAME.tmp-PID-HEX (hidden: .NAME.tmp-PID-HEX)
+TEMPORARY = re.compile(r"(?P<hidden>\.?)(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
+
+
 def _remove_dead_temporaries(path: str) -> None:
-    """Remove what atomic writes of ``path`` by processes that are gone left (``PATH.tmp-PID``
-    and ``.NAME.tmp-PID``, killed before their rename): the path is written now."""
+    """Remove what atomic writes of ``path`` by processes that are gone left (``PATH.tmp-PID-HEX``
+    and ``.NAME.tmp-PID-HEX``, killed before their rename): the path is written now. A file
+    named otherwise (``PATH.tmp-PID``, say) is not rag_fast's and stays."""
     folder, name = os.path.split(os.path.abspath(path))
     for stale in (glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".tmp-*"))
                   + glob.glob(os.path.join(glob.escape(folder), "." + glob.escape(name)
                                            + ".tmp-*"))):
-        pid = stale.rsplit(".tmp-", 1)[1]
-        if pid.isdigit() and not pid_alive(int(pid)) and os.path.isfile(stale) \
+        found = TEMPORARY.fullmatch(os.path.basename(stale))
+        if found is None or found["name"] != name:
+            continue
+        if not pid_alive(int(found["pid"])) and os.path.isfile(stale) \
                 and not os.path.islink(stale):
             with contextlib.suppress(OSError):
                 os.remove(stale)

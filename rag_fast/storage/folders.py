@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator
 
 from .disk import atomic_write_bytes
 from .manifests import KIND_WORDS, MANIFEST, read_json_file
-from . import swap
+from . import disk, swap
 from .swap import recover_directory, remove_leftovers, sibling
 
 # ---- what an output folder is, and whether a command may write it ---------------------------
@@ -41,11 +41,13 @@ def _names_its_kind(marker: str, kind: object) -> bool:
 
 def folder_kind(path: str | os.PathLike) -> str | None:
     """The kind of rag_fast folder ``path`` is (``"rag_fast.model"``, ``"rag_fast.index_bundle"``,
-    ...), read from its marker file; None when it has none (or is not a folder)."""
+    ...), read from its marker file; None when it has none (or is not a folder). A marker that
+    is a symbolic link vouches for nothing (rag_fast writes its markers as files): it may lead
+    to another folder's."""
     path = Path(path)
     for name in _MARKER_FILES:
         marker = path / name
-        if not marker.is_file():
+        if marker.is_symlink() or not marker.is_file():
             continue
         try:
             payload = read_json_file(marker)
@@ -85,7 +87,7 @@ def unlisted_files(root: str | os.PathLike) -> list[str]:
             owned.add(here / name)
             if isinstance(payload.get("files"), dict):
                 owned.update(here / str(n) for n in payload["files"])
-    # what a killed atomic write of a file of rag_fast's left (NAME.tmp-PID) is rag_fast's
+    # what a killed atomic write of a file of rag_fast's left (NAME.tmp-PID-HEX) is rag_fast's
     writes = owned | {p.parent / name for p in found for name in _MARKER_FILES}
     # a symbolic link is never rag_fast's, even at a name its marker lists (it writes files)
     return sorted(str(p.relative_to(root)) for p in found
@@ -100,14 +102,11 @@ def _is_empty_dir(path: Path) -> bool:
         return False
 
 
-_FILE_TEMPORARY = re.compile(r"(?P<name>.+)\.tmp-(?P<pid>\d+)")  # disk.atomic_file's
-
-
 def _dead_writers_file(path: Path, ours: set[Path]) -> bool:
-    """Whether ``path`` is a regular file ``NAME.tmp-PID`` that an atomic write of one of
+    """Whether ``path`` is a regular file ``NAME.tmp-PID-HEX`` that an atomic write of one of
     ``ours`` left, killed before its rename by a process that is gone."""
-    found = _FILE_TEMPORARY.fullmatch(path.name)
-    return (found is not None and path.with_name(found["name"]) in ours
+    found = disk.TEMPORARY.fullmatch(path.name)
+    return (found is not None and not found["hidden"] and path.with_name(found["name"]) in ours
             and not path.is_symlink() and path.is_file()
             and not swap.pid_alive(int(found["pid"])))
 
@@ -182,8 +181,12 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
             + (f" and {len(foreign) - 1} more file(s)" if len(foreign) > 1 else "")
             + " that rag_fast did not write; refused (--overwrite would delete them): move them "
             "away or choose another path")
-    what = (f"is {KIND_WORDS.get(found, found)}, not {words}" if found is not None else
-            "holds files rag_fast did not write")
+    what = f"is {KIND_WORDS.get(found, found)}, not {words}"
+    if found is None:
+        linked = [name for name in _MARKER_FILES if (out / name).is_symlink()]
+        what = (f"holds its marker {linked[0]} as a symbolic link (to "
+                f"{os.readlink(out / linked[0])!r}), which vouches for nothing" if linked
+                else "holds files rag_fast did not write")
     # a command that writes into its own folder again (reuse: train, eval) has no --overwrite
     rule = ("rag_fast writes only into a folder of its own kind" if reuse else
             "even with --overwrite, rag_fast replaces only a folder of its own kind")

@@ -7,7 +7,7 @@ import errno
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 # ---- one writer at a time ------------------------------------------------------------------
@@ -84,12 +84,17 @@ def output_lock(out: str | os.PathLike, flag: str = "output") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def shared_lock(path: str | os.PathLike, shared: bool, flag: str, who: str) -> Iterator[None]:
+def shared_lock(path: str | os.PathLike, shared: bool, flag: str,
+                who: str) -> Iterator[Callable[[], bool]]:
     """Hold a lock on ``path`` (a folder, existing or not; keyed like :func:`output_lock`)
     for the block: ``shared`` with the other holders of a shared lock, or exclusive. The
     ``--shard`` builds of one index hold it shared on its staging folder and a full build
     exclusive, so a full build never discards or removes a staging folder that a shard build
     is writing, and a shard build never writes one a full build is working in.
+
+    Yields ``alone()``: whether this holder is now the only one, the lock made exclusive
+    (a shared holder that fails its work asks before it removes what it created; a False may
+    leave it holding no lock, which is fine for one that is about to end).
 
     Raises:
         OutputLockedError: the other kind is held; the message names ``flag``, ``path`` as
@@ -110,6 +115,14 @@ def shared_lock(path: str | os.PathLike, shared: bool, flag: str, who: str) -> I
             raise OutputLockedError(
                 f"{flag} {os.fspath(path)!r} is in use by {who}{pid}; refused: wait for it to "
                 "end") from None
-        yield
+
+        def alone() -> bool:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False
+            return True
+
+        yield alone
     finally:
         os.close(fd)  # (the lock goes with it)

@@ -327,12 +327,21 @@ _SAVED_CONFIGS = ("config.json", "generation_config.json")
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
+# the tokenizer folders of a model directory and the files every save writes in them (a fast
+# tokenizer's, as rag_fast saves both tokenizers)
+_TOKENIZER_FOLDERS = ("generator_tokenizer", "question_encoder_tokenizer")
+_SAVED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def _written_by_every_save(name: str) -> bool:
     """Whether ``name`` (relative to a model directory) is a file its save writes for every
-    model: weights anywhere, the configs at the top or of either model side by side."""
+    model: weights anywhere, the configs at the top or of either model side by side, and the
+    two files of each tokenizer folder."""
     parts = name.split("/")
     return name.endswith(_WEIGHTS) or (parts[-1] in _SAVED_CONFIGS and (
-        len(parts) == 1 or (len(parts) == 2 and parts[0] in ("generator", "question_encoder"))))
+        len(parts) == 1 or (len(parts) == 2 and parts[0] in ("generator", "question_encoder")))
+    ) or (len(parts) == 2 and parts[0] in _TOKENIZER_FOLDERS
+          and parts[1] in _SAVED_TOKENIZER_FILES)
 
 
 def _reseal_file(root: Path, path: Path) -> list[Path]:
@@ -379,7 +388,7 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
                 if _written_by_every_save(name):  # its record was removed, not a file added
                     raise StorageError(
                         f"{file} is not listed in {path}, but a model's save always writes it "
-                        "(weights or a config): a record removed by hand is not a file added "
+                        "(weights, a config or a tokenizer's file): a record removed by hand is not a file added "
                         "on purpose; not resealed: restore the record, or save the model again")
                 listed_path(root, name, path)
                 updated[name] = describe_files(root, [name])[name]

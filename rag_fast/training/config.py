@@ -7,6 +7,7 @@ import difflib
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from numbers import Integral, Real
@@ -213,6 +214,10 @@ MAX_NAME_BYTES = 255  # a file name's bytes on Linux's filesystems (NAME_MAX)
 MAX_RUN_FILE_DEPTH = 16  # folders a metrics or plot file may lie in, inside the run
 
 
+# a name of the form of a writer's temporary (NAME.tmp-PID[-HEX], .NAME.new-..., ...)
+_TEMPORARY_LIKE = re.compile(r"\.(tmp|new|old|trash)-\d", re.IGNORECASE)
+
+
 def _check_run_files(*files: tuple[str, str | None]) -> None:
     """``metrics_file`` and ``plot_file``: each a relative path that stays inside output_dir,
     names nothing else the run writes, and is not the other one.
@@ -247,6 +252,10 @@ def _check_run_files(*files: tuple[str, str | None]) -> None:
             raise ValueError(f"{name} {value!r} would overwrite what the run itself writes in "
                              f"output_dir ({clash.rstrip('.') + ('*' if clash.endswith('.') else '')}"
                              f"); choose another name")
+        if any(_TEMPORARY_LIKE.search(p) for p in parts):
+            raise ValueError(f"{name} {value!r} is named like a temporary file (NAME.tmp-...): "
+                             "writes in the run remove such files once their writer is gone; "
+                             "choose another name")
         key = "/".join(parts).casefold()
         for other, other_name in seen.items():  # the same file, or one inside the other
             if key == other or key.startswith(other + "/") or other.startswith(key + "/"):

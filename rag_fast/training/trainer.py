@@ -484,14 +484,18 @@ class Trainer:
 
     @staticmethod
     def _say(message: str, bar, category) -> None:
-        """One line for the user: above the progress bar when there is one; else a warning of
-        ``category``, or (None) a line on stderr."""
-        if bar is not None:  # the bar stays intact below the line
-            bar.write(f"rag_fast: {'warning: ' if category else ''}{message}", file=sys.stderr)
-        elif category is not None:
-            warnings.warn(message, category, stacklevel=3)
+        """One line for the user: a warning of ``category`` on stderr (above the progress bar
+        when there is one), or (None) a notice on stdout with the run's log, so that a run
+        that then fails still prints one line on stderr."""
+        if category is None:
+            if bar is not None:  # the bar stays intact below the line
+                bar.write(f"rag_fast: {message}", file=sys.stdout)
+            else:
+                print(f"rag_fast: {message}", flush=True)
+        elif bar is not None:
+            bar.write(f"rag_fast: warning: {message}", file=sys.stderr)
         else:
-            print(f"rag_fast: {message}", file=sys.stderr)
+            warnings.warn(message, category, stacklevel=3)
 
     def refresh_index(self) -> dict:
         """Re-embed the passages and swap the rebuilt index in on every rank (collective), as

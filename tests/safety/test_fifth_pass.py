@@ -73,14 +73,19 @@ def test_the_next_write_removes_a_killed_writer_s_temporary(world, tmp_path):
     """KL04: after a SIGKILL, the next `generate --out` into the same folder left the dead
     writer's NAME.tmp-PID behind."""
     out = tmp_path / "a.jsonl"
-    stale = tmp_path / f"a.jsonl.tmp-{_dead_pid()}"
+    dead = _dead_pid()
+    stale = tmp_path / f"a.jsonl.tmp-{dead}-0123abcd"
     stale.write_text('{"question"')
-    alive = tmp_path / "a.jsonl.tmp-1"  # (process 1 is alive)
+    alive = tmp_path / "a.jsonl.tmp-1-0123abcd"  # (process 1 is alive)
     alive.write_text("a live writer's")
+    # sixth pass, O01: a user's file that only looks like one (no random tag) stays
+    lookalike = tmp_path / f"a.jsonl.tmp-{dead}"
+    lookalike.write_text("my draft")
     code, err = run_cli("generate", "--model", world["model"], "--question", "x",
                         "--max-new-tokens", "2", "--out", out, "--no-progress")
     assert code == 0, err
     assert not stale.exists() and alive.exists() and out.is_file()
+    assert lookalike.read_text() == "my draft"
 
 
 @pytest.mark.parametrize("plant", ["fifo", "dev-zero", "index-folder"])

@@ -162,7 +162,7 @@ def test_a_crafted_staged_shard_with_a_forged_record_is_named(world, staged_shar
 def test_an_eval_killed_while_writing_its_first_file_leaves_a_folder_a_rerun_takes(world,
                                                                                     tmp_path):
     """SIGKILLed while it wrote its marker, `eval` left --out holding only
-    rag_fast-output.json.tmp-PID; every re-run refused the folder as holding files rag_fast
+    rag_fast-output.json.tmp-PID-HEX; every re-run refused the folder as holding files rag_fast
     did not write. A dead writer's temporary is rag_fast's: the re-run removes it and writes."""
     import subprocess
     import sys
@@ -171,7 +171,7 @@ def test_an_eval_killed_while_writing_its_first_file_leaves_a_folder_a_rerun_tak
     dead.wait()
     out = tmp_path / "ev"
     out.mkdir()
-    leftover = out / f"rag_fast-output.json.tmp-{dead.pid}"
+    leftover = out / f"rag_fast-output.json.tmp-{dead.pid}-0123abcd"
     leftover.write_text('{"kind": "rag_fa')
     code, err = run_cli("eval", "--data", world["dev"], "--model", world["model"], "--out", out,
                         "--max-new-tokens", "2", "--no-progress")
@@ -184,7 +184,7 @@ def test_a_live_writers_temporary_is_still_refused(world, tmp_path):
 
     out = tmp_path / "ev"
     out.mkdir()
-    (out / f"rag_fast-output.json.tmp-{os.getpid()}").write_text("{}")
+    (out / f"rag_fast-output.json.tmp-{os.getpid()}-0123abcd").write_text("{}")
     code, err = run_cli("eval", "--data", world["dev"], "--model", world["model"], "--out", out,
                         "--max-new-tokens", "2", "--no-progress")
     one_error(code, err, "--out", "did not write")
