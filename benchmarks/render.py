@@ -45,6 +45,7 @@ DOCS_SECTIONS: dict[str, tuple[str, str]] = {
     "decoding": ("cpu-decoding-full.json", "bench_decoding"),
     "index": ("cpu-index-full.json", "bench_index"),
     "distributed": ("cpu-distributed-full.json", "bench_distributed"),
+    "serve": ("cpu-serve-full.json", "bench_serve"),
     "knowledge-swap": ("knowledge-swap.json", "knowledge_swap"),
     "knowledge-swap-causal": ("knowledge-swap-causal.json", "knowledge_swap"),
     "losses-xeon": ("cpu-full.json", "bench_losses"),
@@ -304,6 +305,22 @@ def _decoding(full: Full) -> str:
     return f"{caption}\n\n{table}"
 
 
+def _serve(full: Full) -> str:
+    swap = [x for x in full.text.split("\n\n")[0].split(". ") if x.startswith("Swap case")]
+    caption = (
+        f"`rag-fast serve` on loopback under locust users asking one question at a time, "
+        f"batching on (`--max-batch 32`) against off (`--max-batch 1`) in the same run. "
+        f"{full.machine} (`{full.path}`)"
+        + (f"; {swap[0].rstrip('.').replace('Swap case:', 'index swaps under load:')}"
+           if swap else "")
+        + f"; every case, the stages and the method: {_docs('serving')}.")
+    table = _markdown(
+        ["case", "requests/s (spread)", "p50 ms", "p99 ms", "x 1 client", "x batching off"],
+        [[r["case"], r["requests/s (spread)"], r["p50 ms"], r["p99 ms"], r["x 1 client"],
+          r["x batching off"]] for r in full.table() if r["batching"] == "on"])
+    return f"{caption}\n\n{table}"
+
+
 def _index(full: Full) -> str:
     rows = full.table(0)
     caption = (
@@ -477,6 +494,7 @@ SECTIONS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "contention-summary": (("contention",), _contention),
     "lm_head-summary": (("lm_head",), _lm_head),
     "decoding-summary": (("decoding",), _decoding),
+    "serve-summary": (("serve",), _serve),
     "index-summary": (("index",), _index),
     "exact-summary": (("index",), _exact),
     "distributed-summary": (("distributed",), _distributed),

@@ -7,7 +7,7 @@ leaves the checkout clean; ``--out PATH`` writes elsewhere, e.g. a results file 
 ``benchmarks/results/*.json``). ``--quick`` (the default) took 306 s on 2 idle CPU cores the
 first time, when the index bench embeds its real-text corpus (cached under the git-ignored
 ``benchmarks/results/local/cache``), and about 260 s after (one run, an estimate:
-docs/benchmarks.md).
+docs/benchmarks.md), before the serving bench added its own quick run (about 150 s).
 
 Every row records the allocator its times were taken with (``extra["allocator"]``): glibc's as it
 is by default, unless the bench set its own (the training bench times in fresh processes) or
@@ -71,10 +71,11 @@ CPP_KERNELS: dict[str, tuple[str, ...]] = {
     "decoding": ("rag_token_beam_step", "row_stats"),  # the beam step; RAG-Sequence's scores
     "index": ("inner_products",),  # the exact preset
     "distributed": ("inner_products",),
+    "serve": ("rag_token_beam_step", "inner_products"),  # the server's decoding and search
 }
 # benches whose rag_fast rows run on the CPU whatever --device says; the others run Triton's
 # kernels under --device cuda
-CPU_ONLY = ("decoding", "index", "distributed", "contention")
+CPU_ONLY = ("decoding", "index", "distributed", "contention", "serve")
 
 
 def refusal(names: list[str], device: str) -> str | None:

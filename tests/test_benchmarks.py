@@ -831,7 +831,7 @@ def test_readme_summaries_hold_only_figures_of_their_full_tables():
         caption = section.split("\n\n")[0]
         for source in render.sources(name):
             assert f"`benchmarks/results/{source}`" in caption, name
-        assert "AMD EPYC, 2 cores" in caption, name
+        assert render._full(fulls[0]).machine in caption, name  # the machine it ran on
         assert caption.count(". ") <= 1 and caption.endswith("."), name  # two sentences at most
 
 

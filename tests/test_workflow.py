@@ -19,11 +19,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def workflow_block() -> str:
-    """The README's workflow commands (the first fenced block after the marker)."""
+def workflow_block(marker: str = "<!-- workflow -->") -> str:
+    """The README's commands of the first fenced block after ``marker``."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    marker = "<!-- workflow -->"
-    assert marker in text, "README.md lost its <!-- workflow --> block"
+    assert marker in text, f"README.md lost its {marker} block"
     after = text.split(marker, 1)[1]
     fence = after.index("```")
     body = after[after.index("\n", fence) + 1:]
@@ -127,6 +126,41 @@ def test_generate_answers_with_the_trained_model(ran):
     expected = model.generate([got["question"]], num_beams=4, max_new_tokens=32)
     assert expected.texts[0] == got["answer"]
     assert [p["title"] for p in got["passages"]] == [p.title for p in expected.passages[0]]
+
+
+@pytest.fixture(scope="module")
+def served(ran):
+    """The README's Serve block, verbatim, in the workflow's folder (after the workflow)."""
+    root = ran[0]
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    script = "set -euo pipefail\n" + workflow_block("<!-- serve -->")
+    proc = subprocess.run(["bash", "-c", script], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, \
+        f"serve block failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return root, proc.stdout, proc.stderr
+
+
+@pytest.mark.slow  # the README's workflow, run once: minutes on 2 cores
+def test_serve_block_answers_swaps_and_stops(served):
+    from rag_fast.serving.answerer import index_checksum
+
+    root, out, err = served
+    first, swap, second = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    kb, later = index_checksum(root / "work/kb"), index_checksum(root / "work/kb-later")
+    assert first["index"] == kb and swap == {"index": later, "previous": kb,
+                                             "path": "work/kb-later", "passages": 200}
+    assert second["index"] == later
+    ids_later = {json.loads(x)["id"] for x in (root / "work/passages-later.jsonl").read_text(
+        encoding="utf-8").splitlines()}
+    before = [p["id"] for p in first["answers"][0]["passages"]]
+    after = [p["id"] for p in second["answers"][0]["passages"]]
+    assert set(after) <= ids_later and not set(before) <= ids_later  # the other index answered
+    # the server said where it listened and that it stopped, nothing else
+    said = [line for line in err.splitlines() if line.startswith("rag-fast serve:")]
+    assert "on http://127.0.0.1:8000" in said[0]
+    assert said[-1] == "rag-fast serve: SIGTERM: answered the requests in flight and stopped"
 
 
 # ---- the README documents what the code does ----------------------------------------------

@@ -32,7 +32,7 @@ from typing import Callable
 from rag_fast import _interrupt, _pool, _threads
 from rag_fast._quiet import restore_environment, set_verbose
 from rag_fast.cli import eval as eval_command
-from rag_fast.cli import generate, index, init, reseal, tokenizer, train
+from rag_fast.cli import generate, index, init, reseal, serve, tokenizer, train
 from rag_fast.storage import StorageError, output_lock
 
 # top-level command -> its registrar (the order of `rag-fast --help`)
@@ -44,6 +44,7 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "train": train.register,
     "eval": eval_command.register,
     "generate": generate.register,
+    "serve": serve.register,
 }
 
 
@@ -76,8 +77,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="rag-fast", description="Fast Retrieval-Augmented Generation. The workflow: "
-        "index build -> init -> train -> eval -> generate, each reading what the one before wrote; "
-        "tokenizer fit makes a generator tokenizer for a generator trained from scratch.")
+        "index build -> init -> train -> eval -> generate (or serve), each reading what the one "
+        "before wrote; tokenizer fit makes a generator tokenizer for a generator trained from "
+        "scratch.")
     parser.add_argument("--verbose", action="store_true",
                         help="show third-party logs and progress bars (transformers, hub)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")

@@ -1,0 +1,180 @@
+"""``rag-fast serve``: a trained model answering over HTTP, in batches, its index swappable.
+
+    rag-fast serve --model DIR [--index DIR] [--host 127.0.0.1] [--port 8000]
+                   [--max-batch 16] [--max-wait-ms 5] [--admin-token-file F --index-root DIR]
+
+The model and index load before the port opens (a bad model or index is the usual one-line
+error, exit 2); then one line says where it listens. SIGTERM (or Ctrl-C) stops taking
+connections, answers the requests in flight, and exits 0 (130 for Ctrl-C) with one line; a
+second signal exits at once. docs/serving.md describes the routes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import sys
+
+from rag_fast import _interrupt
+from rag_fast._validation import not_a_folder
+from rag_fast.cli.common import check_positive
+from rag_fast.serving.answerer import Answerer, Limits
+from rag_fast.serving.app import create_app, read_token_file
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` sub-command (sets ``func``)."""
+    p = subparsers.add_parser("serve", help="answer questions over HTTP (docs/serving.md)")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="model directory (rag-fast init/train, or a training run's folder)")
+    p.add_argument("--index", metavar="DIR", default=None,
+                   help="index directory (default: the one the model records)")
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, metavar="N", default=8000,
+                   help="port (default 8000; 0: any free one)")
+    p.add_argument("--max-batch", type=int, metavar="N", default=16,
+                   help="questions decoded together at most (default 16)")
+    p.add_argument("--max-wait-ms", type=float, metavar="MS", default=5.0,
+                   help="how long a request waits for others to join its batch (default 5)")
+    p.add_argument("--max-queue", type=int, metavar="N", default=1024,
+                   help="questions waiting at most; more get 503 (default 1024)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", default=60.0,
+                   help="seconds a request may take before 504 (default 60)")
+    p.add_argument("--max-n-docs", type=int, metavar="N", default=32,
+                   help="largest n_docs a request may ask (default 32)")
+    p.add_argument("--max-beams", type=int, metavar="N", default=8,
+                   help="largest num_beams a request may ask (default 8)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", default=128,
+                   help="largest max_new_tokens a request may ask (default 128)")
+    p.add_argument("--admin-token-file", metavar="FILE", default=None,
+                   help="file whose first line is the token of the admin routes (index swap); "
+                        "without it they are off")
+    p.add_argument("--index-root", metavar="DIR", default=None,
+                   help="the folder whose index directories the admin routes may load")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--log-requests", action="store_true", help="one log line per request")
+    p.set_defaults(func=run)
+
+
+def check_args(args) -> str | None:
+    """Every option checked before anything loads; returns the admin token (or None)."""
+    check_positive(("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                   ("--max-n-docs", args.max_n_docs), ("--max-beams", args.max_beams),
+                   ("--max-new-tokens", args.max_new_tokens))
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 <= args.max_wait_ms <= 60_000:
+        raise ValueError(f"--max-wait-ms must be in [0, 60000], got {args.max_wait_ms}")
+    if not 0 < args.timeout <= 86_400:
+        raise ValueError(f"--timeout must be in (0, 86400] seconds, got {args.timeout}")
+    for flag, value, bound in (("--max-batch", args.max_batch, 4096),
+                               ("--max-queue", args.max_queue, 1_000_000),
+                               ("--max-n-docs", args.max_n_docs, 1024),
+                               ("--max-beams", args.max_beams, 64),
+                               ("--max-new-tokens", args.max_new_tokens, 4096)):
+        if value > bound:
+            raise ValueError(f"{flag} must be at most {bound}, got {value}")
+    if args.admin_token_file is None:
+        if args.index_root is not None:
+            raise ValueError("--index-root is for the admin routes: give --admin-token-file too")
+        return None
+    if args.index_root is None:
+        raise ValueError("--admin-token-file needs --index-root DIR (the folder whose indexes "
+                         "the admin routes may load)")
+    if not os.path.isdir(args.index_root):
+        raise ValueError(f"--index-root {args.index_root}: {not_a_folder(args.index_root)}")
+    return read_token_file(args.admin_token_file)
+
+
+def run(args) -> int:
+    token = check_args(args)
+    import uvicorn  # deferred: only this command serves (not every rag-fast command's start-up)
+
+    limits = Limits(max_n_docs=args.max_n_docs, max_beams=args.max_beams,
+                    max_new_tokens=args.max_new_tokens)
+    answerer = Answerer.load(args.model, args.index, device=args.device,
+                             max_batch=args.max_batch, limits=limits)
+    app = create_app(answerer, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                     timeout_s=args.timeout, admin_token=token, index_root=args.index_root)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            access_log=args.log_requests, lifespan="on",
+                            # connections past the queue's questions get uvicorn's 503
+                            limit_concurrency=args.max_queue + 64,
+                            timeout_graceful_shutdown=args.timeout + 5, workers=1)
+    sock = _listen(args.host, args.port)
+    server = _Server(config)
+    server.model_dir, server.index = args.model, answerer.index
+    server.run(sockets=[sock])
+    done = f"{server.signal_name}: answered the requests in flight and stopped"
+    if server.signal_name == "SIGINT":
+        _interrupt.say_last(f"rag-fast: interrupted; {done}")
+        return 130
+    print(f"rag-fast serve: {done}", file=sys.stderr)
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, or one line naming ``--host``/``--port``."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host[:200]!r}: not an address of this machine "
+                         f"({getattr(e, 'strerror', None) or e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there "
+                         f"({e.strerror or e})") from None
+    return sock
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with this command's signals: the first SIGTERM or SIGINT drains
+        (stop accepting, answer what is in flight), a second exits at once; the port and
+        failures are said in one line each."""
+
+        signal_name = "SIGTERM"
+        model_dir = ""
+        index = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            def on_signal(signum, frame):
+                if self.should_exit:
+                    os.write(2, f"rag-fast serve: second {signal.Signals(signum).name}: exiting "
+                                "now, requests in flight are dropped\n".encode())
+                    os._exit(128 + signum)
+                self.signal_name = signal.Signals(signum).name
+                self.should_exit = True
+
+            saved = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in saved.items():
+                    signal.signal(s, handler)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            host, port = sockets[0].getsockname()[:2]
+            print(f"rag-fast serve: {self.model_dir} answering from index "
+                  f"{self.index.checksum[:12]} ({self.index.size} passages) on "
+                  f"http://{host}:{port} (SIGTERM or Ctrl-C stops)", file=sys.stderr, flush=True)
+
+    return Server
+
+
+def _Server(config):  # noqa: N802  (a class made on first use: uvicorn imports late)
+    return _server_class()(config)
