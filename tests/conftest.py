@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from utils import IN_CI, ext_available, triton_cpu_available  # noqa: E402
+from serving_fixtures import serving_world  # noqa: E402,F401  (tests/serving's fixture)
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import QUESTIONS
+from serving_fixtures import QUESTIONS
 
 from rag_fast.generation import rag_sequence_generate
 from rag_fast.serving import Answerer, Batcher, Limits, Overloaded
@@ -110,7 +110,7 @@ def test_swap_is_verified_and_records_name_their_index(serving_world, tmp_path):
 
 
 def test_swap_refuses_another_encoder(serving_world, tmp_path):
-    from conftest import run_cli
+    from serving_fixtures import run_cli
     from utils import save_tiny_bert
 
     (tmp_path / "enc").mkdir()

@@ -8,7 +8,7 @@ import json
 import threading
 
 import pytest
-from conftest import QUESTIONS
+from serving_fixtures import QUESTIONS
 from starlette.testclient import TestClient
 
 from rag_fast.serving import Answerer

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from serving_fixtures import run_cli
 
 TESTS = Path(__file__).resolve().parents[1]
 

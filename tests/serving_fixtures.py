@@ -1,4 +1,5 @@
-"""Fixtures of the serving tests: a tiny encoder, two index directories over different
+"""Fixtures of the serving tests (tests/serving; the root conftest.py imports the fixture, so
+that no second module named ``conftest`` replaces the safety suite's): a tiny encoder, two index directories over different
 passages (ids ``a*`` and ``b*``, so every answer's passages show which index it came from),
 and model directories of both generator families, built once through the ``rag-fast`` command.
 """
@@ -11,7 +12,7 @@ import pytest
 
 from utils import save_tiny_bert
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "examples" / "workflow" / "generator-tokenizer"
 WORDS = ["paris", "seine", "river", "city", "capital", "france", "rome", "tiber", "what", "which",
          "is", "on", "the", "of", "lies", "nile", "cairo", "thames", "london"]
