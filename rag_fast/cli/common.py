@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rag_fast._jsonl import lone_surrogate
 from rag_fast.models.inference import check_new_tokens, load_for_inference
 from rag_fast.training.trainer import resolve_device
 
@@ -15,6 +16,18 @@ def check_positive(*options: tuple[str, int]) -> None:
     for flag, value in options:
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def check_text(flag: str, value: str) -> None:
+    """Refuse a command-line text that is not valid UTF-8 (Python keeps each bad byte as a
+    lone surrogate, which no tokenizer takes), naming ``flag`` and the byte."""
+    found = lone_surrogate(value)
+    if found is not None:
+        _, index, char = found
+        code = ord(char)
+        what = (f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF
+                else f"an encoded surrogate \\u{code:04x}")
+        raise ValueError(f"{flag} is not valid UTF-8: {what} at character {index + 1}")
 
 
 def warn(message: str) -> None:
@@ -122,5 +135,5 @@ def describe_decoding(record: dict) -> str:
 
 
 __all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "add_decoding_options", "check_new_tokens",
-           "check_positive", "decoding_settings", "describe_decoding", "load_model",
+           "check_positive", "check_text", "decoding_settings", "describe_decoding", "load_model",
            "resolve_device", "warn"]

@@ -18,7 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from rag_fast.cli.common import check_positive, resolve_device, warn
+from rag_fast.cli.common import check_positive, check_text, resolve_device, warn
 from rag_fast.evaluation.retrieval import (format_table, load_retrieval_data, retrieval_report,
                                            write_retrieval_report)
 from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
@@ -240,6 +240,7 @@ def run_search(args: argparse.Namespace) -> int:
     else:
         if not args.question.strip():
             raise ValueError("question must not be empty")
+        check_text("question", args.question)
         questions = [args.question]
     searcher = open_bundle_search(args.dir, device=args.device, verify=not args.no_verify)
     scores, rows = searcher.search(questions, args.k, nprobe=args.nprobe, ef_search=args.ef_search)

@@ -11,7 +11,8 @@ import torch
 
 from rag_fast.models.build import check_n_docs
 from rag_fast.models.rag_model import RagModel
-from rag_fast.models.retriever_io import load_retriever
+from rag_fast.models.retriever_io import (check_same_encoder, load_retriever,
+                                          read_bundle_manifest)
 
 
 def load_for_inference(model_dir: str, index: str | None, device: torch.device | str,
@@ -34,6 +35,10 @@ def load_for_inference(model_dir: str, index: str | None, device: torch.device |
         if index is not None:  # before the model loads
             check_n_docs(n_docs, index, name="--n-docs")
     model = RagModel.load(model_dir, **({} if n_docs is None else {"n_docs": n_docs}))
+    recorded = model.index_path
+    if index is not None and recorded and os.path.isdir(recorded) \
+            and os.path.realpath(index) != os.path.realpath(recorded):
+        _check_encoder_of(index, recorded)
     index = index or model.index_path
     if index is None:
         if require_index:
@@ -48,6 +53,19 @@ def load_for_inference(model_dir: str, index: str | None, device: torch.device |
             "--n-docs" if n_docs is not None else f"the model {model_dir!r}"))
         model.index_path = index
     return model.to(device).eval()
+
+
+def _check_encoder_of(index: str, recorded: str) -> None:
+    """``--index`` must record the encoder of the index the model records (when that one is
+    there and readable): questions are encoded with the model's question encoder."""
+    try:
+        expected = (read_bundle_manifest(recorded) or {}).get("encoder")
+    except (OSError, ValueError):  # the recorded index is unreadable: --index replaces it
+        return
+    if os.path.isdir(index):
+        found = (read_bundle_manifest(index) or {}).get("encoder")
+        check_same_encoder(expected, found, index,
+                           f"the index the model records ({recorded!r})")
 
 
 def check_new_tokens(model, max_new_tokens: int, flag: str = "--max-new-tokens") -> None:

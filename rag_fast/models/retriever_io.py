@@ -10,8 +10,10 @@ with its own generator tokenizer. Only the public API of ``rag_fast.retrieval`` 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from rag_fast._validation import not_a_file
 from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
 from rag_fast.retrieval.bundle import BUNDLE_KIND
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
@@ -27,14 +29,43 @@ def read_bundle_manifest(path: str | Path) -> dict | None:
     """
 
     manifest_path = Path(path) / "manifest.json"
-    if not manifest_path.is_file():
+    if not os.path.lexists(manifest_path):
         return None
+    if manifest_path.is_symlink():
+        raise ValueError(f"{manifest_path} is a symbolic link (to "
+                         f"{os.readlink(manifest_path)!r}); refused (an index directory's "
+                         "manifest is a regular file)")
+    if not manifest_path.is_file():
+        raise ValueError(f"{manifest_path}: {not_a_file(manifest_path)}; refused (an index "
+                         "directory's manifest is a regular file)")
     manifest = read_json_file(manifest_path)  # (ValueError: not a small regular JSON file)
     if not isinstance(manifest, dict) or manifest.get("kind") != BUNDLE_KIND:
         kind = manifest.get("kind") if isinstance(manifest, dict) else None
         raise ValueError(f"{manifest_path} describes a {kind!r}, expected an index directory "
                          f"({BUNDLE_KIND!r}, as `rag-fast index build` writes)")
     return check_seal(manifest_path, manifest, path)
+
+
+def check_same_encoder(expected: dict | None, found: dict | None, path: str,
+                       against: str) -> None:
+    """Refuse the index directory ``path`` whose manifest records the encoder ``found`` when
+    ``against`` (what it is to replace or stand for) records ``expected``: another encoder
+    (name, dimension, pooling, normalisation), or none recorded (a manifest removed, or
+    parts saved without one), would give retrieval of another space with no error.
+
+    Raises:
+        ValueError: naming ``path``, the first field that differs and both values.
+    """
+    if expected is None:
+        return
+    if found is None:
+        raise ValueError(f"index {path!r} records no encoder (no manifest.json of `rag-fast "
+                         f"index build`), while {against} does ({expected.get('name')!r}); "
+                         "refused: build the index with `rag-fast index build`")
+    for key in ("name", "dim", "pooling", "normalize"):
+        if expected.get(key) != found.get(key):
+            raise ValueError(f"index {path!r} was built with another encoder ({key} "
+                             f"{found.get(key)!r}, {against} has {expected.get(key)!r})")
 
 
 def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
@@ -193,5 +224,5 @@ class TimedRetriever:
         return f"TimedRetriever({self.retriever!r})"
 
 
-__all__ = ["BUNDLE_KIND", "TimedRetriever", "load_retriever", "load_sharded_retriever",
-           "read_bundle_manifest"]
+__all__ = ["BUNDLE_KIND", "TimedRetriever", "check_same_encoder", "load_retriever",
+           "load_sharded_retriever", "read_bundle_manifest"]

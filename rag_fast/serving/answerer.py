@@ -33,10 +33,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rag_fast._jsonl import lone_surrogate
 from rag_fast.evaluation.report import passage_record
 from rag_fast.models.checkpoint import resolve_model_dir
 from rag_fast.models.inference import check_new_tokens, load_for_inference
-from rag_fast.models.retriever_io import load_retriever, read_bundle_manifest
+from rag_fast.models.retriever_io import (check_same_encoder, load_retriever,
+                                          read_bundle_manifest)
 from rag_fast.training.trainer import resolve_device
 
 DEFAULT_BEAMS, DEFAULT_NEW_TOKENS = 4, 32  # as `rag-fast eval` and `generate`
@@ -112,16 +114,12 @@ def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
             directory, a file that fails its checksum, another encoder or dimension.
     """
     path = str(path)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"index {path!r} is not a directory (expected an index "
+                                "directory from `rag-fast index build`)")
     manifest = read_bundle_manifest(path)
     encoder = manifest.get("encoder") if isinstance(manifest, dict) else None
-    if expect_encoder is not None and encoder is not None:
-        keys = ("name", "dim", "pooling", "normalize")
-        differ = [k for k in keys if expect_encoder.get(k) != encoder.get(k)]
-        if differ:
-            k = differ[0]
-            raise ValueError(f"index {path!r} was built with another encoder ({k} "
-                             f"{encoder.get(k)!r}, the serving index has "
-                             f"{expect_encoder.get(k)!r})")
+    check_same_encoder(expect_encoder, encoder, path, "the serving index")
     retriever = load_retriever(path, n_docs=n_docs, verify=verify)
     dim = retriever.index.dim
     if expect_dim is not None and dim != expect_dim:
@@ -241,6 +239,10 @@ class Answerer:
         for i, q in enumerate(questions):
             if not isinstance(q, str) or not q.strip():
                 raise ValueError(f"question[{i}]: expected a non-empty string")
+            bad = lone_surrogate(q)
+            if bad is not None:
+                raise ValueError(f"question[{i}]: not valid Unicode: a lone surrogate "
+                                 f"\\u{ord(bad[2]):04x} at character {bad[1] + 1}")
             if len(q) > lim.max_question_chars:
                 raise ValueError(f"question[{i}]: {len(q)} characters, more than the server's "
                                  f"limit of {lim.max_question_chars}")

@@ -380,7 +380,12 @@ def read_token_file(path: str | Path) -> str:
     Raises:
         ValueError: naming ``--admin-token-file``: missing, unreadable, empty or short.
     """
-    try:
+    import stat
+
+    try:  # a pipe would block the start, a device give endless bytes: a regular file only
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError(f"--admin-token-file {str(path)!r}: not a regular file (a folder, "
+                             "a device or a pipe); give a file holding the token")
         with open(path, encoding="utf-8") as f:
             text = f.read(4096)
     except (OSError, UnicodeDecodeError) as e:
@@ -388,9 +393,10 @@ def read_token_file(path: str | Path) -> str:
                          f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
     lines = text.splitlines()
     token = lines[0].strip() if lines else ""
-    if len(token) < 16:
+    if len(token) < 16 or not all(33 <= ord(c) < 127 for c in token):
         raise ValueError(f"--admin-token-file {str(path)!r}: the token on its first line must "
-                         f"have at least 16 characters")
+                         "have at least 16 characters, printable ASCII without spaces (it is "
+                         "sent in a header)")
     return token
 
 

@@ -281,3 +281,46 @@ def test_a_decoder_only_model_answers_over_http(serving_world, mode):
     assert r.status_code == 200, r.text
     assert [a["answer"] for a in r.json()["answers"]] == alone
     assert health["family"] == "decoder-only"
+
+
+def test_a_question_that_is_not_unicode_is_422_and_spares_its_batch(answerer):
+    """Seventh pass S35, S37: a lone surrogate (a legal JSON escape) gave 500, and so did every
+    request batched with it."""
+    app = create_app(answerer, max_wait_ms=300)
+    results = {}
+    with TestClient(app) as client:
+        def ask(name, q):  # (json.dumps escapes the surrogate: "\ud800", legal JSON)
+            results[name] = client.post("/v1/answer", content=json.dumps(
+                {"question": q, "num_beams": 1, "max_new_tokens": 2}).encode())
+        threads = [threading.Thread(target=ask, args=("good", "where is paris")),
+                   threading.Thread(target=ask, args=("bad", ["fine", "\ud800 where"]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    _error(results["bad"], 422, "question[1]", "lone surrogate")
+    assert results["good"].status_code == 200, results["good"].text
+
+
+def test_a_swap_to_an_index_without_its_encoder_record_is_refused(answerer, serving_world,
+                                                                 tmp_path):
+    """Seventh pass S55, S59: an index whose manifest.json is a link to /dev/zero, or was
+    deleted, was swapped in (the encoder check skipped)."""
+    import shutil
+
+    root = serving_world["root"] / "indexes"
+    for name, plant in (("no-manifest", None), ("zero-manifest", "/dev/zero")):
+        kb = root / name
+        shutil.rmtree(kb, ignore_errors=True)
+        shutil.copytree(serving_world["kb_b"], kb)
+        (kb / "manifest.json").unlink()
+        if plant:
+            (kb / "manifest.json").symlink_to(plant)
+        app = create_app(answerer, admin_token=TOKEN, index_root=str(root))
+        with TestClient(app) as client:
+            error = _error(client.post("/v1/admin/index", json={"path": str(kb)},
+                                       headers={"Authorization": f"Bearer {TOKEN}"}), 422,
+                           "not swapped")
+        assert ("records no encoder" in error) if plant is None else ("symbolic link" in error)
+        shutil.rmtree(kb)
+    assert answerer.index.checksum == index_checksum(serving_world["kb_a"])

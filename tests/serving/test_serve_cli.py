@@ -1,7 +1,8 @@
-"""``rag-fast serve`` as a process on loopback: it binds 127.0.0.1 by default, says where in one
-line, answers; SIGTERM answers the requests in flight and exits 0; a second SIGTERM exits at
-once; a client that goes away before its batch starts is dropped; bad options are one line.
-Every server here is started with --port 0 and stopped by the test (bounded waits)."""
+"""``rag-fast serve`` as a process on loopback: it binds 127.0.0.1 by default, says where in
+one line, answers; SIGTERM answers the requests in flight and exits 0; a second SIGTERM exits
+at once; Ctrl-C exits 130 with one line; a client that goes away before its batch starts is
+dropped; bad options are one line. Every server here is started with --port 0 and stopped by
+the test (bounded waits)."""
 from __future__ import annotations
 
 import http.client
@@ -95,7 +96,7 @@ def test_serve_binds_loopback_answers_and_drains_on_sigterm(serving_world):
             proc.communicate()
 
 
-def test_second_sigterm_exits_at_once_and_sigint_is_130(serving_world):
+def test_second_sigterm_exits_at_once(serving_world):
     proc, port, _ = _start("--model", serving_world["bart"], "--max-wait-ms", "20000",
                            "--timeout", "60")
     try:
@@ -119,11 +120,6 @@ def test_second_sigterm_exits_at_once_and_sigint_is_130(serving_world):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    proc, port, _ = _start("--model", serving_world["bart"])
-    code, err = _stop(proc, signal.SIGINT)
-    assert code == 130
-    assert err.strip().splitlines() == [
-        "rag-fast: interrupted; SIGINT: answered the requests in flight and stopped"]
 
 
 def test_a_client_gone_before_its_batch_is_dropped(serving_world):
@@ -135,7 +131,7 @@ def test_a_client_gone_before_its_batch_is_dropped(serving_world):
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         time.sleep(0.3)
         sock.close()  # before the 1.5 s wait ends: its batch never starts
-        time.sleep(2.0)
+        time.sleep(1.6)
         status, _ = _post(port, "/v1/answer", {"question": "here", "num_beams": 1,
                                                "max_new_tokens": 2})
         assert status == 200
@@ -146,7 +142,10 @@ def test_a_client_gone_before_its_batch_is_dropped(serving_world):
         assert 'rag_fast_requests_total{outcome="499",route="answer"} 1.0' in metrics
         assert "rag_fast_batch_questions_sum 1.0" in metrics  # only "here" was decoded
     finally:
-        _stop(proc)
+        code, err = _stop(proc, signal.SIGINT)  # Ctrl-C: drains too, exit 130, one line
+    assert code == 130
+    assert err.strip().splitlines() == [
+        "rag-fast: interrupted; SIGINT: answered the requests in flight and stopped"]
 
 
 @pytest.mark.parametrize("args,words", [
@@ -160,11 +159,17 @@ def test_a_client_gone_before_its_batch_is_dropped(serving_world):
     (["--admin-token-file", "short", "--index-root", "."], ["--admin-token-file", "16"]),
     (["--admin-token-file", "missing", "--index-root", "."], ["--admin-token-file", "missing"]),
     (["--host", "no.such.host.invalid"], ["--host"]),
+    (["--admin-token-file", "fifo", "--index-root", "."], ["--admin-token-file", "regular"]),
+    (["--admin-token-file", "zero", "--index-root", "."], ["--admin-token-file", "regular"]),
+    (["--admin-token-file", "nul", "--index-root", "."], ["--admin-token-file", "printable"]),
 ])
 def test_bad_options_are_one_line(serving_world, tmp_path, monkeypatch, args, words):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tok").write_text("x" * 20 + "\n")
     (tmp_path / "short").write_text("abc\n")
+    os.mkfifo(tmp_path / "fifo")  # (seventh pass S88: open() blocked the start for ever)
+    (tmp_path / "zero").symlink_to("/dev/zero")  # (S89: 4096 NULs became the token)
+    (tmp_path / "nul").write_bytes(b"\0" * 20 + b"\n")
     code, err = run_cli("serve", "--model", serving_world["bart"], *args)
     assert code == 2, err
     lines = err.strip().splitlines()
