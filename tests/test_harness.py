@@ -149,14 +149,19 @@ def test_peak_memory_counts_a_known_call_after_heap_reuse_with_the_default_alloc
     import memory
 
     (tmp_path / "fake_reuse.py").write_text(REUSE)
-    got = memory.call_fresh("fake_reuse:peaks", path=(str(tmp_path),),
-                            env={harness.ALLOCATOR_ENV: "default"})
-    assert got["allocator"] == "glibc default"
-    for known in (72, 24):
-        for peak in got[str(known)]:
-            assert peak == pytest.approx(known, rel=0.15), got
-    # the setup bites: without the trim, the reused heap hides most of the heap-sized call
-    assert got["24 without trim"] < 0.5 * 24, got
+    bites = []
+    for _ in range(3):  # whether glibc reuses the freed heap varies from process to process
+        got = memory.call_fresh("fake_reuse:peaks", path=(str(tmp_path),),
+                                env={harness.ALLOCATOR_ENV: "default"})
+        assert got["allocator"] == "glibc default"
+        for known in (72, 24):
+            for peak in got[str(known)]:
+                assert peak == pytest.approx(known, rel=0.15), got
+        # the setup bites: without the trim, the reused heap hides most of the heap-sized call
+        bites.append(got["24 without trim"] < 0.5 * 24)
+        if bites[-1]:
+            break
+    assert any(bites), got  # (one CI run of 3 saw no reuse in a single process: 23.9 of 24)
 
 
 def test_the_load_monitor_measures_without_its_thread_where_none_can_start(monkeypatch):
