@@ -7,7 +7,8 @@ import argparse
 import sys
 
 from rag_fast._jsonl import lone_surrogate
-from rag_fast.models.inference import check_new_tokens, load_for_inference
+from rag_fast.models.inference import (DEFAULT_BEAMS, DEFAULT_NEW_TOKENS, check_new_tokens,
+                                       load_for_inference)
 from rag_fast.training.trainer import resolve_device
 
 
@@ -49,7 +50,6 @@ def load_model(model_dir: str, index: str | None, device: str | None,
 # The one default of `eval` and `generate`: beam search with 4 beams, at most 32 new tokens,
 # RAG-Sequence's thorough decoding; sampling and penalties as the model's generation config says
 # (as transformers' generate). The same question gets the same answer from both commands.
-DEFAULT_BEAMS, DEFAULT_NEW_TOKENS = 4, 32
 DEFAULT_DECODING_WORDS = (f"beam search with {DEFAULT_BEAMS} beams and at most "
                           f"{DEFAULT_NEW_TOKENS} new tokens, as `rag-fast eval` and `rag-fast "
                           "generate` both do by default")

@@ -106,7 +106,7 @@ def run(args) -> int:
                             limit_concurrency=args.max_queue + 64,
                             timeout_graceful_shutdown=args.timeout + 5, workers=1)
     sock = _listen(args.host, args.port)
-    server = _Server(config)
+    server = _server_class()(config)
     server.model_dir, server.index = args.model, answerer.index
     server.run(sockets=[sock])
     done = f"{server.signal_name}: answered the requests in flight and stopped"
@@ -138,6 +138,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _server_class():
+    """uvicorn's ``Server`` with this command's signals and start-up line (a class made on first
+    use: uvicorn is imported only by this command)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -174,7 +176,3 @@ def _server_class():
                   f"http://{host}:{port} (SIGTERM or Ctrl-C stops)", file=sys.stderr, flush=True)
 
     return Server
-
-
-def _Server(config):  # noqa: N802  (a class made on first use: uvicorn imports late)
-    return _server_class()(config)

@@ -14,6 +14,9 @@ from rag_fast.models.rag_model import RagModel
 from rag_fast.models.retriever_io import (check_same_encoder, load_retriever,
                                           read_bundle_manifest)
 
+# The decoding a question gets when it names none: `rag-fast eval`, `generate` and `serve` alike.
+DEFAULT_BEAMS, DEFAULT_NEW_TOKENS = 4, 32
+
 
 def load_for_inference(model_dir: str, index: str | None, device: torch.device | str,
                        require_index: bool = True, n_docs: int | None = None) -> RagModel:
@@ -89,4 +92,4 @@ def check_new_tokens(model, max_new_tokens: int, flag: str = "--max-new-tokens")
                          + f"); use at most {room}")
 
 
-__all__ = ["check_new_tokens", "load_for_inference"]
+__all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "check_new_tokens", "load_for_inference"]

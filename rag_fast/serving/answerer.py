@@ -36,12 +36,12 @@ import torch
 from rag_fast._jsonl import lone_surrogate
 from rag_fast.evaluation.report import passage_record
 from rag_fast.models.checkpoint import resolve_model_dir
-from rag_fast.models.inference import check_new_tokens, load_for_inference
+from rag_fast.models.inference import (DEFAULT_BEAMS, DEFAULT_NEW_TOKENS, check_new_tokens,
+                                       load_for_inference)
 from rag_fast.models.retriever_io import (check_same_encoder, load_retriever,
                                           read_bundle_manifest)
 from rag_fast.training.trainer import resolve_device
 
-DEFAULT_BEAMS, DEFAULT_NEW_TOKENS = 4, 32  # as `rag-fast eval` and `generate`
 MODES = ("token", "sequence")
 
 
