@@ -98,9 +98,11 @@ def _json_type(value: Any) -> str:
             list: "an array", dict: "an object", type(None): "null"}.get(type(value), "a value")
 
 
-def openapi(answerer: Answerer) -> dict:
-    """The OpenAPI 3.1 description of the routes, with this server's limits."""
+def openapi(answerer: Answerer, max_queue: int | None = None) -> dict:
+    """The OpenAPI 3.1 description of the routes, with this server's limits (a request holds at
+    most ``max_queue`` questions, the most the queue can take)."""
     lim = answerer.limits
+    per_request = lim.max_questions if max_queue is None else min(lim.max_questions, max_queue)
     bounds = {"n_docs": lim.max_n_docs, "num_beams": lim.max_beams,
               "max_new_tokens": lim.max_new_tokens}
 
@@ -109,7 +111,7 @@ def openapi(answerer: Answerer) -> dict:
         for name, (kind, text) in FIELDS[route].items():
             if kind == "string or array":
                 prop = {"oneOf": [{"type": "string", "maxLength": lim.max_question_chars},
-                                  {"type": "array", "maxItems": lim.max_questions,
+                                  {"type": "array", "maxItems": per_request,
                                    "items": {"type": "string",
                                              "maxLength": lim.max_question_chars}}]}
             elif kind == "integer":
@@ -205,7 +207,7 @@ def create_app(answerer: Answerer, *, max_wait_ms: float = 5.0, max_queue: int =
     metrics.queue.set_function(lambda: batcher.queued)
     root = os.path.realpath(index_root) if index_root else None
     token = admin_token.encode() if admin_token is not None else None
-    spec = openapi(answerer)
+    spec = openapi(answerer, max_queue)
 
     async def read_json(request: Request) -> Any:
         size = request.headers.get("content-length")
@@ -245,6 +247,9 @@ def create_app(answerer: Answerer, *, max_wait_ms: float = 5.0, max_queue: int =
         body = _check_fields(await read_json(request), route)
         try:
             questions = answerer.check_questions(body["question"])
+            if len(questions) > max_queue:  # could never be queued: not a "retry later"
+                raise ValueError(f"question: at most {max_queue} questions per request (the "
+                                 f"server's queue, --max-queue), got {len(questions)}")
             if route == "answer":
                 settings = answerer.settings(n_docs=body.get("n_docs"),
                                              num_beams=body.get("num_beams"),

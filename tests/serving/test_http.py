@@ -209,6 +209,13 @@ def test_full_queue_is_503_with_retry_after_and_timeouts_are_504(answerer):
         assert app.state.metrics.batch._sum.get() == 1
         r = client.post("/v1/answer", json={"question": "e", "num_beams": 1, "max_new_tokens": 2})
         assert r.status_code == 200
+        # more questions than the queue could ever hold: 422 (not a 503 "retry later")
+        r = client.post("/v1/answer", json={"question": ["f", "g", "h"], "num_beams": 1})
+        _error(r, 422, "question: at most 2 questions per request (the server's queue")
+        spec = client.get("/openapi.json").json()["paths"]["/v1/answer"]["post"]
+        question = spec["requestBody"]["content"]["application/json"]["schema"]["properties"][
+            "question"]
+        assert question["oneOf"][1]["maxItems"] == 2
 
 
 def test_concurrent_requests_share_batches_and_equal_their_answers_alone(answerer):

@@ -192,3 +192,16 @@ def test_a_port_in_use_is_one_line(serving_world):
     assert err.strip().splitlines() == [
         f"rag-fast: error: --host 127.0.0.1 --port {port}: cannot listen there (Address "
         "already in use)"]
+
+
+def test_ctrl_c_while_loading_is_one_line_that_fits_serve(serving_world, monkeypatch):
+    from rag_fast.serving import answerer
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(answerer.Answerer, "load", interrupted)
+    code, err = run_cli("serve", "--model", serving_world["bart"], "--device", "cpu")
+    assert code == 130
+    assert err.strip().splitlines() == [
+        "rag-fast: interrupted; the server stopped before it was ready (it writes nothing)"]
