@@ -546,3 +546,26 @@ def test_a_small_k_reranks_as_many_candidates_as_the_tuned_k(data):
     np.testing.assert_array_equal(five, ten[:, :5])
     assert index.search_parameters(5).k_factor == 2 * index.search_parameters(10).k_factor
     assert index.search_parameters(20).k_factor == index.params["rerank"]
+
+
+def test_ivfpq_builds_skip_polysemous_training_and_search_the_same():
+    """faiss's factory turns on polysemous training for 8-bit IVF-PQ (a reordering of the
+    centroids for Hamming filtering no search here uses; most of the training time). The build
+    turns it off; its searches equal those of the index faiss trains with it."""
+    rng = np.random.default_rng(3)
+    xb = rng.standard_normal((2000, 16)).astype(np.float32)
+    q = rng.standard_normal((20, 16)).astype(np.float32)
+    ours = DenseIndex.build(xb, "IVF8,PQ1", rerank=1, nprobe=8, progress=False)
+    assert faiss.downcast_index(faiss.extract_index_ivf(ours.faiss_index)).do_polysemous_training \
+        is False
+    theirs = faiss.index_factory(16, "IVF8,PQ1", faiss.METRIC_INNER_PRODUCT)
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(theirs))
+    assert ivf.do_polysemous_training  # faiss's default, which the build changes
+    sample = np.sort(np.random.default_rng(0).choice(2000, size=2000, replace=False))
+    theirs.train(xb[sample])
+    theirs.add(xb)
+    ivf.nprobe = 8
+    d_ours, i_ours = ours.search(q, 10)
+    d_theirs, i_theirs = theirs.search(q, 10)
+    np.testing.assert_allclose(np.asarray(d_ours), d_theirs, rtol=1e-4, atol=1e-4)
+    assert (np.asarray(i_ours) == i_theirs).mean() > 0.98  # equal up to ties
