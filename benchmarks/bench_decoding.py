@@ -26,12 +26,24 @@ Beam step alone: the baseline is transformers' code for one RAG-Token beam-searc
 (``RagTokenForGeneration.marginalize``, then what its ``_beam_search`` does with the step's
 logits: ``log_softmax``, the running beam scores added, ``_get_top_k_continuations``).
 
-Sizes (K=5 passages, 4 beams, V=50265 everywhere): full: B=8 questions and 20 new tokens,
-except RAG-Sequence on the BART-base-sized generator: B=2 questions and 12 new tokens
+Decoder-only rows: a Qwen2-0.5B-shaped generator (``bench_training``'s ``qwen2-0.5b-2l``: d 896,
+2 layers, V 151,936) continuing the passages' prompts, decoded by rag_fast alone
+(``causal_generate``): transformers has no RAG over a decoder-only generator; each row checks
+that every timed run repeats the warm-up run's ids. RAG-Token: B=4 questions, 20 new tokens;
+RAG-Sequence: B=2, 12.
+
+Sizes (K=5 passages, 4 beams, V=50265 for the encoder-decoders): full: B=8 questions and 20 new
+tokens, except RAG-Sequence on the BART-base-sized generator: B=2 questions and 12 new tokens
 (transformers' RAG-Sequence re-encodes every passage for every distinct hypothesis, about 20 per
 question here, so that case at B=8, 20 tokens would take most of an hour alone). The full
 decoding bench is estimated at about 10 minutes on 2 idle cores. --quick: the small generator
 only, B=1, 6 new tokens, within about a minute.
+
+GEMM floor: each decoding's matrix-product work (``torch.utils.flop_counter``: matmuls and
+attention, one untimed call of each provider's ``generate`` with the same inputs) at the best
+rate of a square fp32 matmul measured in the same run (``bench_training.gemm_rate``); the
+least work of the providers over that rate is a time no implementation of the decoding beats,
+and every row says how far above it it runs (``x GEMM floor``).
 
 Threads: rag_fast's BART decoder steps run on one intra-op thread, its LM head on all
 (rag_fast.generation._decoder.STEP_ONE_THREAD, docs/tuning.md).
@@ -42,6 +54,7 @@ import dataclasses
 
 import torch
 
+from bench_training import GEMM_CALLS, GEMM_N, GemmFloor, gemm_rate, step_gflop
 from harness import (Context, Row, add_ratio, allocator_caption, machine_words,
                      measure_interleaved, noisy_note, run_command, source_path, spread_cell)
 
@@ -57,10 +70,14 @@ GENERATORS = {  # label -> (d_model, layers, heads, ffn)
     "small": (256, 2, 4, 1024),
     "BART-base-sized": (768, 6, 12, 3072),
 }
-# generator -> {case: (B questions, new tokens)}; see the module docstring for the one reduction
+# decoder-only generators: label -> bench_training size (Qwen2's shape, random weights)
+CAUSAL_GENERATORS = {"Qwen2-0.5B-shaped (2 layers)": "qwen2-0.5b-2l"}
+# generator -> {case: (B questions, new tokens)}; see the module docstring for the reductions
 FULL_SIZES = {
     "small": {"RAG-Token beam search": (8, 20), "RAG-Sequence thorough": (8, 20)},
     "BART-base-sized": {"RAG-Token beam search": (8, 20), "RAG-Sequence thorough": (2, 12)},
+    "Qwen2-0.5B-shaped (2 layers)": {"RAG-Token beam search": (4, 20),
+                                     "RAG-Sequence thorough": (2, 12)},
 }
 QUICK_SIZES = {"small": {"RAG-Token beam search": (1, 6), "RAG-Sequence thorough": (1, 6)}}
 
@@ -91,9 +108,31 @@ def _models(d_model: int, layers: int, heads: int, ffn: int, n_docs: int, init_s
     return token, sequence
 
 
-def _inputs(B: int, K: int, S: int):
+def _causal_generator(label: str, init_std: float | None):
+    """The decoder-only generator ``label`` (:data:`CAUSAL_GENERATORS`), its matrices drawn as
+    the encoder-decoders' are, in eval mode."""
+    import bench_training as bt
+
+    generator = bt._causal_model(bt.SIZES[CAUSAL_GENERATORS[label]]).eval()
+    if init_std is not None:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in generator.parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) * init_std)
+    return generator
+
+
+def _causal_vocab(label: str) -> int:
+    import bench_training as bt
+
+    return bt.SIZES[CAUSAL_GENERATORS[label]]["vocab"]
+
+
+def _inputs(B: int, K: int, S: int, vocab: int | None = None):
+    vocab = VOCAB if vocab is None else vocab
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, VOCAB, (B * K, S), generator=g)
+    ids = torch.randint(3, vocab, (B * K, S), generator=g)
     mask = torch.ones_like(ids)
     return ids, mask, torch.randn(B, K, generator=g)
 
@@ -103,8 +142,13 @@ def distinct_beams(generator, ids: torch.Tensor, B: int, K: int, W: int, new: in
     (what RAG-Sequence runs first): per question, the number of distinct top beams among its
     K passages and of distinct hypotheses among its K*W; the smallest over the questions."""
     with torch.no_grad():
-        out = generator.generate(input_ids=ids, num_beams=W, num_return_sequences=W,
-                                 max_length=new + 1, min_length=new + 1)
+        if getattr(generator.config, "is_encoder_decoder", True):
+            out = generator.generate(input_ids=ids, num_beams=W, num_return_sequences=W,
+                                     max_length=new + 1, min_length=new + 1)
+        else:  # a decoder-only generator continues each passage's prompt
+            out = generator.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     num_beams=W, num_return_sequences=W, max_new_tokens=new,
+                                     min_new_tokens=new)[:, ids.shape[1]:]
     out = out.view(B, K, W, -1)
     tops = [len({tuple(out[b, k, 0].tolist()) for k in range(K)}) for b in range(B)]
     hyps = [len({tuple(out[b, k, j].tolist()) for k in range(K) for j in range(W)})
@@ -177,11 +221,15 @@ def _beam_step_rows(ctx: Context, B: int, W: int, K: int, reference: bool) -> li
 TOKEN, SEQUENCE = "RAG-Token beam search", "RAG-Sequence thorough"
 
 
-def _generation_rows(ctx: Context, label: str, dims: tuple, sizes: dict) -> list[Row]:
-    """Rows of the cases in ``sizes`` ({case: (B, new tokens)}) on one generator."""
+def _generation_rows(ctx: Context, label: str, dims: tuple, sizes: dict,
+                     rate: float | None = None) -> list[Row]:
+    """Rows of the cases in ``sizes`` ({case: (B, new tokens)}) on one generator; with
+    ``rate`` (the GEMM rate, GFLOP/s), each row's GEMM floor (see the module docstring)."""
     from rag_fast.generation import rag_sequence_generate, rag_token_generate
 
     K, W = K_DOCS, BEAMS
+    if label in CAUSAL_GENERATORS:
+        return _causal_rows(ctx, label, sizes, rate)
     token, sequence = _models(*dims, n_docs=K, init_std=INIT_STD)
     # One warm-up run per provider is done below, by hand (it also checks the ids).
     gen_ctx = dataclasses.replace(ctx, warmup=0, repeats=max(GEN_REPEATS, 5))
@@ -193,12 +241,55 @@ def _generation_rows(ctx: Context, label: str, dims: tuple, sizes: dict) -> list
         rows += _case_rows(gen_ctx, f"{what}, {label} generator, B={B} K={K} beams={W} new={new}",
                            token if what == TOKEN else sequence,
                            rag_token_generate if what == TOKEN else rag_sequence_generate,
-                           ids, mask, scores, B, new, counts)
+                           ids, mask, scores, B, new, counts, rate)
+    return rows
+
+
+def _causal_rows(ctx: Context, label: str, sizes: dict, rate: float | None) -> list[Row]:
+    """rag_fast's decoding over a decoder-only generator (``causal_generate``), timed alone:
+    transformers has no RAG for one. Each row's ids are the same in every run."""
+    from rag_fast.generation.causal import causal_generate
+
+    K, W = K_DOCS, BEAMS
+    generator = _causal_generator(label, INIT_STD)
+    gen_ctx = dataclasses.replace(ctx, warmup=0, repeats=max(GEN_REPEATS, 5))
+    rows = []
+    for what, (B, new) in sizes.items():
+        ids, mask, scores = _inputs(B, K, CONTEXT_LEN, _causal_vocab(label))
+        counts = distinct_beams(generator, ids, B, K, W, new)
+        check_exercised(counts, W, f"{label} generator, {what}")
+        mode = "token" if what == TOKEN else "sequence"
+
+        def ours(mode=mode, ids=ids, mask=mask, scores=scores, new=new):
+            return causal_generate(generator, ids, mask, scores, mode=mode, num_beams=W,
+                                   max_new_tokens=new, min_new_tokens=new)
+
+        with torch.no_grad():
+            reference = ours()  # the warm-up run; every timed run must repeat its ids
+        outputs: list[torch.Tensor] = []
+
+        def call(ours=ours, outputs=outputs):
+            with torch.no_grad():
+                outputs.append(ours())
+
+        m = measure_interleaved({"rag_fast": call}, gen_ctx, memory=False)["rag_fast"]
+        same = len(outputs) == m.runs and all(torch.equal(o, reference) for o in outputs)
+        row = Row.of(NAME, f"{what}, {label} generator, B={B} K={K} beams={W} new={new}",
+                     "rag_fast", m, {"tokens/s": B * new / (m.median_ms / 1e3),
+                                     "same ids": same, **counts})
+        if rate is not None:
+            with torch.no_grad():
+                gflop = step_gflop(ours)
+            floor = GemmFloor({"rag_fast": gflop}, rate)
+            row.extra.update({"GFLOP": round(gflop, 2), "GEMM GFLOP/s": round(rate, 1),
+                              "GEMM floor ms": round(floor.ms, 2),
+                              "x GEMM floor": m.median_ms / floor.ms})
+        rows.append(row)
     return rows
 
 
 def _case_rows(gen_ctx: Context, case: str, model, ours_generate, ids, mask, scores, B: int,
-               new: int, counts: dict) -> list[Row]:
+               new: int, counts: dict, rate: float | None = None) -> list[Row]:
     settings = dict(num_beams=BEAMS, max_length=new + 1, min_length=new + 1)
 
     def hf(**extra):
@@ -230,6 +321,11 @@ def _case_rows(gen_ctx: Context, case: str, model, ours_generate, ids, mask, sco
 
     ms = measure_interleaved({n: recorder(n, f) for n, f in fns.items()}, gen_ctx,
                              memory=False)
+    floor = None
+    if rate is not None:  # one untimed call each (the static cache runs the default's products)
+        with torch.no_grad():
+            floor = GemmFloor({"transformers": step_gflop(hf_default),
+                               "rag_fast": step_gflop(ours)}, rate)
     tokens = B * new
     common = {**counts, "static cache same ids": static_ok}
     rows = []
@@ -241,6 +337,11 @@ def _case_rows(gen_ctx: Context, case: str, model, ours_generate, ids, mask, sco
         add_ratio(row, "x transformers", ms["transformers"], m)
         if static_ok:
             add_ratio(row, "x static cache", ms["transformers (static cache)"], m)
+        if floor is not None:
+            gflop = floor.gflop["transformers" if name.startswith("transformers") else name]
+            row.extra.update({"GFLOP": round(gflop, 2), "GEMM GFLOP/s": round(floor.rate, 1),
+                              "GEMM floor ms": round(floor.ms, 2),
+                              "x GEMM floor": m.median_ms / floor.ms})
         rows.append(row)
     return rows
 
@@ -248,8 +349,9 @@ def _case_rows(gen_ctx: Context, case: str, model, ours_generate, ids, mask, sco
 def run(ctx: Context) -> list[Row]:
     rows = _beam_step_rows(ctx, 8, BEAMS, K_DOCS, reference=not ctx.quick)
     sizes = QUICK_SIZES if ctx.quick else FULL_SIZES
+    rate = gemm_rate(ctx.device)  # GFLOP/s, for every case's GEMM floor
     for label, cases in sizes.items():
-        rows += _generation_rows(ctx, label, GENERATORS[label], cases)
+        rows += _generation_rows(ctx, label, GENERATORS[label], cases, rate)
     return rows
 
 
@@ -262,6 +364,42 @@ def _ratio(row: dict, key: str) -> str:
     return f"{row['extra'][key]:.2f}x{mark}"
 
 
+def _floor_cell(ours: dict, base: dict | None) -> str:
+    """rag_fast's and transformers' times over the case's GEMM floor (``-`` in a file that
+    predates it)."""
+    if "x GEMM floor" not in ours["extra"]:
+        return "-"
+    theirs = "" if base is None else f" / {base['extra']['x GEMM floor']:.2f}x"
+    e = ours["extra"]
+    return f"{e['x GEMM floor']:.2f}x{theirs} ({e['GEMM floor ms']:,.0f} ms)"
+
+
+def _causal_words(rows: list[dict]) -> str:
+    """The caption's sentence on the decoder-only rows; nothing for a file without them."""
+    if not any(label in r["case"] for r in rows for label in CAUSAL_GENERATORS):
+        return ""
+    return (" Decoder-only rows: a Qwen2-shaped generator (d 896, 14 heads with 2 key/value "
+            "heads, FFN 4864, V 151,936, 2 layers) continuing prompts of 64 tokens, decoded by "
+            "rag_fast alone (`causal_generate`; transformers has no RAG over a decoder-only "
+            "generator), weights drawn as above and checked the same way (by transformers' "
+            "beam search continuing each prompt); \"same every run\": every timed run "
+            "returned the warm-up run's ids.")
+
+
+def _floor_words(rows: list[dict]) -> str:
+    """The caption's sentence on the GEMM floor; nothing for a file that predates it."""
+    measured = [r for r in rows if "GEMM floor ms" in r["extra"]]
+    if not measured:
+        return ""
+    return (" x GEMM floor: each provider's time over the case's least matrix-product work "
+            "(`torch.utils.flop_counter`, matmuls and attention, one untimed `generate` per "
+            "provider; rag_fast's is the least in every case) at the rate of a "
+            f"{GEMM_N}x{GEMM_N} fp32 matmul measured in the same run "
+            f"({measured[0]['extra']['GEMM GFLOP/s']:,.0f} GFLOP/s, the fastest of "
+            f"{GEMM_CALLS}), rag_fast / transformers, with the floor in ms; where the time "
+            "above the floor goes: [the decoding profile](#where-a-decodings-time-goes).")
+
+
 
 def render(results: dict, source: str) -> str:
     """The full decoding section of docs/benchmarks.md: a caption (what, how, where) and one table."""
@@ -272,13 +410,14 @@ def render(results: dict, source: str) -> str:
     machine = machine_words(m)
     lines = [
         "| case | rag_fast ms (spread) | transformers ms (spread) | static cache ms | "
-        "vs `generate` | vs static cache | same ids | distinct top beams / hypotheses |",
-        "|---|---|---|---|---|---|---|---|",
+        "vs `generate` | vs static cache | x GEMM floor | same ids "
+        "| distinct top beams / hypotheses |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     cases = list(dict.fromkeys(r["case"] for r in rows))
     for case in cases:
         by = {r["provider"]: r for r in rows if r["case"] == case}
-        base = by["transformers"]
+        base = by.get("transformers")
         if case.startswith("beam step"):
             for name, r in by.items():
                 if name == "transformers":
@@ -286,9 +425,17 @@ def render(results: dict, source: str) -> str:
                 lines.append(
                     f"| {case}, {name} | {r['median_ms']:.2f} ({spread_cell(r)}) "
                     f"| {base['median_ms']:.2f} ({spread_cell(base)}) | - | {_ratio(r, 'speedup')} "
-                    f"| - | {'yes' if r['extra'].get('same candidates') else 'NO'} | - |")
+                    f"| - | - | {'yes' if r['extra'].get('same candidates') else 'NO'} | - |")
             continue
         ours = by["rag_fast"]
+        if base is None:  # a decoder-only generator: transformers has no RAG for it
+            e = ours["extra"]
+            lines.append(
+                f"| {case} | {ours['median_ms']:.0f} ({spread_cell(ours)}) | no RAG in "
+                f"transformers | - | - | - | {_floor_cell(ours, None)} "
+                f"| {'same every run' if e.get('same ids') else 'NO'} "
+                f"| {e['distinct top beams']} / {e['distinct hypotheses']} |")
+            continue
         static = by.get("transformers (static cache)")
         e = ours["extra"]
         static_ms = (f"{static['median_ms']:.0f} ({spread_cell(static)})" if static
@@ -298,7 +445,7 @@ def render(results: dict, source: str) -> str:
             f"| {case} | {ours['median_ms']:.0f} ({spread_cell(ours)}) "
             f"| {base['median_ms']:.0f} ({spread_cell(base)}) | {static_ms} "
             f"| {_ratio(ours, 'x transformers')} | {_ratio(ours, 'x static cache')} "
-            f"| {'yes, every run' if same else 'NO'} "
+            f"| {_floor_cell(ours, base)} | {'yes, every run' if same else 'NO'} "
             f"| {e['distinct top beams']} / {e['distinct hypotheses']} |")
     noisy = [r for r in rows if r.get("noisy")]
     caption = (
@@ -321,6 +468,7 @@ def render(results: dict, source: str) -> str:
         "into a dynamic one that keeps the empty slots, and the ids change). The beam step "
         "alone: logits [B*W*K, V] of B=8, W=4, K=5 against transformers' "
         "`RagTokenForGeneration.marginalize`, `log_softmax` and `_get_top_k_continuations`."
+        + _floor_words(rows) + _causal_words(rows)
     )
     if noisy:
         caption += (" A ratio marked (noisy) comes from runs whose spread exceeds 20% or whose "

@@ -1,6 +1,6 @@
 """Where a decoding's time goes: the decoding bench's generation cases (``bench_decoding.py``),
-rag_fast's ``generate`` and transformers' split by operator into what the GEMM floor counts and
-what it does not.
+rag_fast's ``generate`` and transformers' (rag_fast's alone over the decoder-only generator) split
+by operator into what the GEMM floor counts and what it does not.
 
     python benchmarks/profile_decoding.py --out benchmarks/results/cpu-decoding-profile.json
 
@@ -110,17 +110,27 @@ def profile_call(fn, vocab: int, calls: int = CALLS, warmup: int = WARMUP) -> di
             "top_ops": [list(op) for op in ops[:TOP_OPS]]}
 
 
-def case_providers(label: str, what: str, B: int, new: int) -> tuple[str, dict]:
-    """The bench's case ``what`` on generator ``label``: its name and ``{provider: call}``."""
+def case_providers(label: str, what: str, B: int, new: int) -> tuple[str, int, dict]:
+    """The bench's case ``what`` on generator ``label``: its name, the vocabulary size and
+    ``{provider: call}`` (rag_fast alone for a decoder-only generator)."""
     from rag_fast.generation import rag_sequence_generate, rag_token_generate
+    from rag_fast.generation.causal import causal_generate
 
+    case = f"{what}, {label} generator, B={B} K={bd.K_DOCS} beams={bd.BEAMS} new={new}"
+    if label in bd.CAUSAL_GENERATORS:
+        generator = bd._causal_generator(label, bd.INIT_STD)
+        vocab = bd._causal_vocab(label)
+        ids, mask, scores = bd._inputs(B, bd.K_DOCS, bd.CONTEXT_LEN, vocab)
+        mode = "token" if what == bd.TOKEN else "sequence"
+        return case, vocab, {"rag_fast": lambda: causal_generate(
+            generator, ids, mask, scores, mode=mode, num_beams=bd.BEAMS, max_new_tokens=new,
+            min_new_tokens=new)}
     token, sequence = bd._models(*bd.GENERATORS[label], n_docs=bd.K_DOCS, init_std=bd.INIT_STD)
     ids, mask, scores = bd._inputs(B, bd.K_DOCS, bd.CONTEXT_LEN)
     model = token if what == bd.TOKEN else sequence
     ours = rag_token_generate if what == bd.TOKEN else rag_sequence_generate
     settings = dict(num_beams=bd.BEAMS, max_length=new + 1, min_length=new + 1)
-    case = f"{what}, {label} generator, B={B} K={bd.K_DOCS} beams={bd.BEAMS} new={new}"
-    return case, {
+    return case, bd.VOCAB, {
         "rag_fast": lambda: ours(model, ids, mask, scores, **settings),
         "transformers": lambda: model.generate(context_input_ids=ids,
                                                context_attention_mask=mask, doc_scores=scores,
@@ -138,12 +148,12 @@ def run(sizes: dict, device: str = "cpu") -> dict:
     rows = []
     for label, cases in sizes.items():
         for what, (B, new) in cases.items():
-            case, calls = case_providers(label, what, B, new)
+            case, vocab, calls = case_providers(label, what, B, new)
             with torch.no_grad():
                 gflop = {p: bt.step_gflop(fn) for p, fn in calls.items()}
             floor_ms = min(gflop.values()) / rate * 1e3
-            for provider in PROVIDERS:
-                got = profile_call(calls[provider], bd.VOCAB)
+            for provider in (p for p in PROVIDERS if p in calls):
+                got = profile_call(calls[provider], vocab)
                 print(f"{case}: {provider} {got['median_ms']:,.0f} ms", flush=True)
                 rows.append({"case": case, "provider": provider, "call_ms": got["median_ms"],
                              "runs_ms": got["call_ms"], "groups": got["groups"],
