@@ -45,6 +45,7 @@ all rows together: RAG-Token's questions, or all (question, passage) searches of
 """
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -264,7 +265,12 @@ class DecoderOnly:
 
     def sequence_scores(self, uniq, lengths, valid, log_prior, impl, lower, keep):
         """Teacher forcing: rows (b, n, k) = prompt (b, k) ++ hypothesis (b, n), a chunk of
-        questions at a time (the chunk's logits stay under SCORE_CHUNK_BYTES)."""
+        questions at a time (the chunk's logits stay under SCORE_CHUNK_BYTES).
+
+        Every prompt is run once (its keys and values cached, its last state kept: it predicts
+        the first answer token); each row then runs only its answer's tokens over a copy of its
+        prompt's cache. Running the whole prompt again for every (hypothesis, passage) row, as
+        one teacher-forced pass would, repeats the prompt's work N times."""
         B, N = uniq.shape[:2]
         K, device, pad = self.K, self.device, self.pad_token_id
         answers = uniq[:, :, 1:].masked_fill(~valid[:, :, None], pad)
@@ -277,6 +283,11 @@ class DecoderOnly:
         per_question = N * K * L * V * head.weight.element_size()
         step = max(1, SCORE_CHUNK_BYTES // max(1, per_question))
         scores = torch.empty((B, N), dtype=log_prior.dtype, device=device)
+        prefill = self.body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                            use_cache=L > 1, return_dict=True)
+        last = prefill.last_hidden_state[:, -1]  # [B*K, d]: predicts each answer's first token
+        prompt_cache = _cache_of(prefill) if L > 1 else None
+        real = mask.sum(1)  # real prompt tokens per row: the first answer token's position
         for b0 in range(0, B, step):
             b1 = min(B, b0 + step)
             nb = b1 - b0
@@ -284,15 +295,24 @@ class DecoderOnly:
                           + torch.arange(K, device=device)[None, None, :]).expand(nb, N, K)
             prompt_row = prompt_row.reshape(-1)
             rows = answers[b0:b1].repeat_interleave(K, dim=1).reshape(nb * N * K, L)
-            out = self.body(**answer_inputs(ids[prompt_row], mask[prompt_row], rows),
-                            use_cache=False, return_dict=True)
-            states = out.last_hidden_state[:, ids.shape[1] - 1:]
+            states = last[prompt_row][:, None]
+            if L > 1:  # the answers' other tokens, each row over its prompt's cached keys
+                cache = copy.deepcopy(prompt_cache)
+                cache.reorder_cache(prompt_row)
+                M = rows.shape[0]
+                out = self.body(
+                    input_ids=rows[:, :L - 1],
+                    attention_mask=torch.cat([mask[prompt_row], mask.new_ones((M, L - 1))], 1),
+                    position_ids=real[prompt_row, None] + torch.arange(L - 1, device=device),
+                    use_cache=True, return_dict=True, **{self.cache_arg: cache})
+                states = torch.cat([states, out.last_hidden_state], dim=1)
+                del cache, out
             logits = nn.functional.linear(states, head.weight, head.bias)  # [nb*N*K, L, V]
             prior = log_prior[b0:b1, None, :].expand(nb, N, K).reshape(nb * N, K)
             nll = rag_sequence_nll(logits, prior, targets[b0:b1].reshape(nb * N, L), n_docs=K,
                                    ignore_index=-100, reduction="none", impl=impl)
             scores[b0:b1] = (-nll).view(nb, N).to(log_prior.dtype)
-            del logits, states, out
+            del logits, states
         return scores
 
     def token_output(self, seqs, lengths):
