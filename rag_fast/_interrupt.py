@@ -73,6 +73,29 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
+def unraisable_interrupts() -> Iterator[None]:
+    """Within the block, a KeyboardInterrupt raised where Python cannot pass it on (in a
+    finalizer such as a progress bar's ``__del__``) is kept rather than printed as "Exception
+    ignored in ..." and lost; it is raised when the block ends without another exception."""
+    seen = []
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            seen.append(True)
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+    if seen:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def interrupts_raise(after: str) -> Iterator[None]:
     """Within the block, SIGINT raises KeyboardInterrupt (Python's default), so that the
     command can say what it kept. When :func:`exit_on_interrupt` was active before, it is again

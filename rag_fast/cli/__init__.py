@@ -283,7 +283,8 @@ def _run(args: argparse.Namespace) -> int:
         _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
         apply_threads(args)  # --threads / RAG_FAST_THREADS, likewise
         with _output_lock(args), \
-                _interrupt.interrupts_raise(after="while reporting the command's end"):
+                _interrupt.interrupts_raise(after="while reporting the command's end"), \
+                _interrupt.unraisable_interrupts():
             return int(args.func(args) or 0)
     except (ValueError, OSError, StorageError) as exc:
         _end_progress_bars()

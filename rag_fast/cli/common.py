@@ -4,6 +4,7 @@ one default), the checks on counts given as options, and how a warning is said."
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rag_fast._jsonl import lone_surrogate
@@ -134,6 +135,30 @@ def describe_decoding(record: dict) -> str:
     return text
 
 
+def said_on_interrupt(paths: list[str], whole: str):
+    """What a Ctrl-C says about the output files ``paths`` (each put in place whole by a
+    rename, in this order): ``whole`` once every one is this run's (another file than the one
+    there when this is called), which of them are when only some are, else that nothing was
+    written. For ``args.on_interrupt``, set before the files are written."""
+    def identity(path):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_dev, st.st_mtime_ns
+
+    before = [identity(p) for p in paths]
+
+    def said() -> str:
+        new = [p for p, b in zip(paths, before) if identity(p) not in (None, b)]
+        if len(new) == len(paths):
+            return whole
+        if new:
+            return f"only {', '.join(new)} of this run's outputs were written"
+        return "nothing was written at the output path"
+    return said
+
+
 __all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "add_decoding_options", "check_new_tokens",
            "check_positive", "check_text", "decoding_settings", "describe_decoding", "load_model",
-           "resolve_device", "warn"]
+           "resolve_device", "said_on_interrupt", "warn"]

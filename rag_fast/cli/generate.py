@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 
 from rag_fast._validation import brief_error, not_a_folder
 from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
-                                 check_text, decoding_settings, describe_decoding, load_model)
+                                 check_text, decoding_settings, describe_decoding, load_model,
+                                 said_on_interrupt)
 from rag_fast.evaluation.answers import answer_questions, is_answer_record, read_question_file
 from rag_fast.models.checkpoint import resolve_model_dir
 from rag_fast.storage import atomic_file, check_apart, check_output_file
@@ -121,7 +122,8 @@ def run(args) -> int:
     if args.out and not args.no_progress:
         bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
     if args.out:  # a Ctrl-C once the answers are renamed into place says so
-        args.on_interrupt = _said_on_interrupt(args.out)
+        args.on_interrupt = said_on_interrupt([args.out],
+                                              f"the answers were written whole to {args.out}")
     with atomic_file(args.out) if args.out else contextlib.nullcontext(sys.stdout) as out:
         _answer_all(model, rows, args, settings, record, out, bar)
     if bar is not None:
@@ -130,26 +132,6 @@ def run(args) -> int:
     where = f" -> {args.out}" if args.out else ""
     print(f"rag-fast: {len(rows)} answer(s){where}; {describe_decoding(record)}", file=sys.stderr)
     return 0
-
-
-def _said_on_interrupt(path: str):
-    """What a Ctrl-C says: the answers file at ``path`` is this run's (another file than the
-    one there before: a rename puts it in place whole) or nothing was written."""
-    def identity():
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return st.st_ino, st.st_dev, st.st_mtime_ns
-
-    before = identity()
-
-    def said() -> str:
-        now = identity()
-        if now is not None and now != before:
-            return f"the answers were written whole to {path}"
-        return "nothing was written at the output path"
-    return said
 
 
 def _answer_all(model, rows, args, settings, record, out, bar) -> None:

@@ -18,7 +18,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from rag_fast.cli.common import check_positive, check_text, resolve_device, warn
+from rag_fast.cli.common import (check_positive, check_text, resolve_device,
+                                 said_on_interrupt, warn)
 from rag_fast.evaluation.retrieval import (format_table, load_retrieval_data, retrieval_report,
                                            write_retrieval_report)
 from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
@@ -263,6 +264,8 @@ def run_search(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write("".join(lines))
         return 0
+    args.on_interrupt = said_on_interrupt([args.out], f"the results were written whole to "
+                                                      f"{args.out}")
     atomic_write_bytes(args.out, "".join(lines).encode("utf-8"))
     print(f"{len(lines)} questions, {args.k} passages each -> {args.out}", file=sys.stderr)
     return 0
@@ -308,6 +311,9 @@ def run_eval(args: argparse.Namespace) -> int:
           f"at k={ks[-1]}")
     print(format_table(report))
     if args.out is not None:
+        args.on_interrupt = said_on_interrupt(  # in the order they are written
+            [str(Path(args.out) / "retrieval.jsonl"), str(Path(args.out) / "metrics.json")],
+            f"the evaluation was written whole to {args.out}")
         write_retrieval_report(args.out, report, data=args.data, index=args.index)
         print(f"metrics: {Path(args.out) / 'metrics.json'}; per question: "
               f"{Path(args.out) / 'retrieval.jsonl'}")

@@ -102,13 +102,16 @@ def index_checksum(path: str | Path) -> str:
 
 
 def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
-               expect_encoder: dict | None = None, expect_dim: int | None = None) -> ServedIndex:
+               expect_encoder: dict | None = None, expect_dim: int | None = None,
+               n_docs_from: str | None = None) -> ServedIndex:
     """Open and verify the index directory ``path`` for answering.
 
     Args:
         expect_encoder: the encoder the serving index records (name, dimension, pooling,
             normalisation); an index built with another is refused.
         expect_dim: the question encoder's output dimension.
+        n_docs, n_docs_from: passages per question the index must hold at least, and where
+            that number comes from (for the message).
     Raises:
         FileNotFoundError, ValueError, rag_fast.retrieval.StorageError: not an index
             directory, a file that fails its checksum, another encoder or dimension.
@@ -120,7 +123,7 @@ def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
     manifest = read_bundle_manifest(path)
     encoder = manifest.get("encoder") if isinstance(manifest, dict) else None
     check_same_encoder(expect_encoder, encoder, path, "the serving index")
-    retriever = load_retriever(path, n_docs=n_docs, verify=verify)
+    retriever = load_retriever(path, n_docs=n_docs, verify=verify, n_docs_from=n_docs_from)
     dim = retriever.index.dim
     if expect_dim is not None and dim != expect_dim:
         raise ValueError(f"index {path!r} holds {dim}-d vectors, the model's question encoder "
@@ -163,6 +166,9 @@ class Answerer:
         if model.generator_tokenizer is None:
             raise ValueError("the model has no generator tokenizer: answers need one")
         self.model = model
+        # a request's defaults, read once: a batch sets the model's n_docs and mode to its own
+        # settings while it runs, which a request checked meanwhile must not take for them
+        self.n_docs, self.mode = int(model.n_docs), model.mode
         self.max_batch = max_batch
         self.limits = limits
         self._index = index
@@ -198,7 +204,7 @@ class Answerer:
             ValueError: a value of the wrong type or past the limits, naming the field.
         """
         lim = self.limits
-        n_docs = self.model.n_docs if n_docs is None else n_docs
+        n_docs = self.n_docs if n_docs is None else n_docs
         top = min(lim.max_n_docs, self._index.size)
         values = {"n_docs": (n_docs, top, "passages"),
                   "num_beams": (DEFAULT_BEAMS if num_beams is None else num_beams,
@@ -213,7 +219,7 @@ class Answerer:
                     f"of {len(str(abs(value)))} digits)"
                 raise ValueError(f"{name} must be in [1, {bound}] (the server's limit on "
                                  f"{what}), got {shown}")
-        mode = self.model.mode if mode is None else mode
+        mode = self.mode if mode is None else mode
         if mode not in MODES:
             raise ValueError(f"mode must be 'token' or 'sequence', got {str(mode)[:40]!r}")
         out = AnswerSettings(values["n_docs"][0], values["num_beams"][0],
@@ -348,7 +354,10 @@ class Answerer:
             raise RuntimeError("another index is loading; try again once it has swapped")
         try:
             old = self._index
-            new = open_index(path, n_docs=1, verify=verify, expect_encoder=old.encoder,
+            # as at start-up: an index holding fewer passages than the model's n_docs (the
+            # default of every request) is refused, not served to fail each such request
+            new = open_index(path, n_docs=self.n_docs, n_docs_from="the served model",
+                             verify=verify, expect_encoder=old.encoder,
                              expect_dim=_question_dim(self.model) or old.retriever.index.dim)
             with self._batch_lock:  # between two batches
                 self._index = new
@@ -365,7 +374,7 @@ class Answerer:
         """What is serving: the model, the index (path, checksum, passages), the limits."""
         return {"index": {"path": self._index.path, "checksum": self._index.checksum,
                           "passages": self._index.size},
-                "mode": self.model.mode, "n_docs": self.model.n_docs,
+                "mode": self.mode, "n_docs": self.n_docs,
                 "family": self.model.family.name, "max_batch": self.max_batch,
                 "limits": asdict(self.limits), "swaps": self.swaps}
 

@@ -78,6 +78,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rag_fast import _threads
+from rag_fast._jsonl import check_regular_file
 from rag_fast._threads import SlowStepWatch
 from rag_fast.storage import append_line, atomic_write
 from rag_fast.training.checkpoint import (CHECKPOINT, TrainState, json_default, claim_run_folder,
@@ -89,6 +90,10 @@ from rag_fast.training.distributed import average_gradients, broadcast_module, w
 from rag_fast.training.optim import trainable_question_encoder, lr_lambda, make_optimizer
 from rag_fast.training.plot import plotted_number, plot_training
 from rag_fast.training.refresh import IndexRefresher, question_encoder_embedder
+
+# The most a metrics file may hold when a run resumes (it is read whole to drop the records past
+# the checkpoint): a step's record is about 200 bytes, so millions of steps fit.
+MAX_METRICS_BYTES = 1 << 30
 
 
 class SlowStepsWarning(UserWarning):
@@ -572,8 +577,15 @@ class Trainer:
         by a kill), rewriting it atomically, so that the log matches the run. Lines that are
         not this trainer's records are kept as they are."""
         path = self._output_file(self.config.metrics_file)
-        if path is None or not os.path.isfile(path):
+        if path is None or not os.path.lexists(path):
             return
+        # before anything opens it: a named pipe would wait for a writer, a device never end
+        check_regular_file(path, "train.metrics_file", "the run's metrics (JSON lines)")
+        size = os.path.getsize(path)
+        if size > MAX_METRICS_BYTES:
+            raise ValueError(f"train.metrics_file: {path!r} holds {size / 2**30:.1f} GiB, more "
+                             f"than a run's metrics take ({MAX_METRICS_BYTES / 2**30:g} GiB at "
+                             "most): not this run's metrics? Move it aside")
         # bytes that are not UTF-8 (not ours) are kept as they are, through surrogateescape
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
             lines = f.readlines()

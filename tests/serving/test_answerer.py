@@ -205,3 +205,41 @@ def test_limits_are_the_owners(serving_world):
         answerer.settings(num_beams=3)
     with pytest.raises(ValueError, match="at most 2 questions"):
         answerer.answer(QUESTIONS[:3])
+
+
+def test_swap_refuses_an_index_smaller_than_the_models_n_docs(serving_world, tmp_path):
+    """S46 (eighth hostile pass): a swap took a 1-passage index under a model of n_docs=2,
+    which start-up refuses; every request naming no n_docs then got 422 for a value it never
+    sent."""
+    from serving_fixtures import run_cli
+
+    one = tmp_path / "one.jsonl"
+    one.write_text((serving_world["root"] / "a.jsonl").read_text().splitlines()[0] + "\n")
+    code, err = run_cli("index", "build", "--passages", one, "--encoder",
+                        serving_world["encoder"], "--out", tmp_path / "kb1", "--no-progress",
+                        "--max-length", "32")
+    assert code == 0, err
+    answerer = Answerer.load(str(serving_world["bart"]), device="cpu")
+    with pytest.raises(ValueError, match=r"n_docs=2 \(from the served model\) is more passages "
+                                         r"per question than the index .*kb1.* holds \(1\)"):
+        answerer.swap_index(tmp_path / "kb1")
+    assert answerer.index.checksum == index_checksum(serving_world["kb_a"])
+    assert answerer.swaps == 0 and answerer.settings().n_docs == 2
+
+
+def test_a_requests_defaults_are_the_models_while_a_batch_runs_with_others(serving_world):
+    """A batch sets the model's n_docs and mode to its own settings while it runs; a request
+    checked meanwhile took those for its defaults."""
+    answerer = Answerer.load(str(serving_world["bart"]), device="cpu")
+    seen = []
+    real = answerer._answer_batch
+
+    def during(*args, **kwargs):  # what a request checked during this batch gets
+        seen.append(answerer.settings())
+        return real(*args, **kwargs)
+
+    answerer._answer_batch = during
+    answerer.answer(QUESTIONS[:1], answerer.settings(n_docs=1, mode="sequence", num_beams=1,
+                                                      max_new_tokens=2))
+    assert (seen[0].n_docs, seen[0].mode) == (2, answerer.model.mode) == (2, "token")
+    assert answerer.describe()["n_docs"] == 2
