@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 from rag_fast import _interrupt
 from rag_fast._validation import not_a_folder
@@ -90,22 +91,43 @@ def check_args(args) -> str | None:
     return read_token_file(args.admin_token_file)
 
 
+class _StoppedStarting(BaseException):
+    """SIGTERM before the server took its signals (a BaseException: no ``except Exception`` of
+    the loaders turns it into another error)."""
+
+
+def _stop_starting(signum, frame) -> None:
+    raise _StoppedStarting
+
+
 def run(args) -> int:
     token = check_args(args)
     import uvicorn  # deferred: only this command serves (not every rag-fast command's start-up)
 
-    limits = Limits(max_n_docs=args.max_n_docs, max_beams=args.max_beams,
-                    max_new_tokens=args.max_new_tokens)
-    answerer = Answerer.load(args.model, args.index, device=args.device,
-                             max_batch=args.max_batch, limits=limits)
-    app = create_app(answerer, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                     timeout_s=args.timeout, admin_token=token, index_root=args.index_root)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            access_log=args.log_requests, lifespan="on",
-                            # connections past the queue's questions get uvicorn's 503
-                            limit_concurrency=args.max_queue + 64,
-                            timeout_graceful_shutdown=args.timeout + 5, workers=1)
-    sock = _listen(args.host, args.port)
+    # SIGTERM while the model and index load: stop with one line (uvicorn's own handling, which
+    # drains the requests in flight, takes over once it serves)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop_starting) if main_thread else None
+    try:
+        limits = Limits(max_n_docs=args.max_n_docs, max_beams=args.max_beams,
+                        max_new_tokens=args.max_new_tokens)
+        answerer = Answerer.load(args.model, args.index, device=args.device,
+                                 max_batch=args.max_batch, limits=limits)
+        app = create_app(answerer, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                         timeout_s=args.timeout, admin_token=token, index_root=args.index_root)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                access_log=args.log_requests, lifespan="on",
+                                # connections past the queue's questions get uvicorn's 503
+                                limit_concurrency=args.max_queue + 64,
+                                timeout_graceful_shutdown=args.timeout + 5, workers=1)
+        sock = _listen(args.host, args.port)
+    except _StoppedStarting:
+        print("rag-fast serve: SIGTERM before the server was ready: stopped (nothing was "
+              "answered, nothing written)", file=sys.stderr)
+        return 0
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     server = _server_class()(config)
     server.model_dir, server.index = args.model, answerer.index
     server.run(sockets=[sock])

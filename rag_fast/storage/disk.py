@@ -139,6 +139,8 @@ class NoSpaceError(OSError):
             message += f": needs {needed} bytes ({_mib(needed)})"
         if free is not None:
             message += f"{',' if needed is not None else ':'} {free} free ({_mib(free)})"
+        if code == errno.ENOSPC and inodes_free(path) == 0:  # bytes left, but no room for files
+            message += "; no inodes free: the filesystem can hold no more files"
         super().__init__(code, message)
         self.path, self.needed, self.free = os.fspath(path), needed, free
 
@@ -163,6 +165,20 @@ def disk_free(path: str | os.PathLike) -> int | None:
         return int(shutil.disk_usage(path).free)
     except OSError:
         return None
+
+
+def inodes_free(path: str | os.PathLike) -> int | None:
+    """Inodes (files) an unprivileged writer may still create on the filesystem of ``path``
+    (or of its nearest existing parent), or None where the system cannot say (a filesystem
+    without a fixed count reports 0 files in all)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return None if st.f_files == 0 else int(st.f_favail)
 
 
 def is_no_space(exc: BaseException) -> bool:

@@ -203,6 +203,11 @@ def read_json_file(path: str | os.PathLike) -> object:
 MANIFEST_FORMATS = (1,)  # the "format" every manifest.json of this version writes and reads
 
 
+def _linked_manifest(path: Path) -> str:
+    return (f"{path} is a symbolic link (to {os.readlink(path)!r}); refused: rag_fast writes "
+            "its manifests as regular files, and a link may stand for another folder's")
+
+
 def read_manifest(root: Path, kind: str, verify: bool = True,
                   formats: tuple[int, ...] | None = MANIFEST_FORMATS) -> dict:
     """Read ``root/manifest.json`` of the given ``kind`` and check the files it lists.
@@ -219,6 +224,8 @@ def read_manifest(root: Path, kind: str, verify: bool = True,
     if not root.is_dir():
         raise StorageError(f"path {str(root)!r} is not a directory (expected "
                            f"{KIND_WORDS.get(kind, f'a saved {kind}')})")
+    if (root / MANIFEST).is_symlink():  # it may stand for another folder's manifest
+        raise StorageError(_linked_manifest(root / MANIFEST))
     try:
         manifest = read_json_file(root / MANIFEST)
     except FileNotFoundError:
@@ -317,6 +324,8 @@ def reseal(folder: str | os.PathLike) -> list[Path]:
         if f"{folder.name}/{MANIFEST}" in (outer.get("files") or {}):
             return reseal(parent)
     for name in (MANIFEST, "rag_fast.json"):
+        if (folder / name).is_symlink():  # never sealed over: loading refuses it anyway
+            raise StorageError(f"{_linked_manifest(folder / name)}; not resealed")
         if (folder / name).is_file():
             return _reseal_file(folder, folder / name)
     raise StorageError(f"{os.fspath(folder)!r} holds no rag_fast manifest (manifest.json or "
@@ -353,6 +362,8 @@ def _reseal_file(root: Path, path: Path) -> list[Path]:
         listed = root / name
         if not listed.is_file():
             raise StorageError(f"{listed}: listed in {path} but missing; not resealed")
+        if listed.is_symlink() and name.endswith("/" + MANIFEST):
+            raise StorageError(f"{_linked_manifest(listed)}; not resealed")
         if name.endswith("/" + MANIFEST) and listed.parent != root:  # a part of a bundle
             part = _load_json(listed)
             unchanged = describe_files(root, [name])[name] == meta

@@ -127,3 +127,42 @@ def test_a_ctrl_c_while_index_eval_writes_says_what_was_written(world, tmp_path,
     else:
         assert said == [f"rag-fast: interrupted; only {out / 'retrieval.jsonl'} of this run's "
                         "outputs were written"]
+
+
+# ---- the pass's notes ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_a_linked_manifest_is_never_resealed_nor_loaded(world, tmp_path, where):
+    """T47, T47c, T47d: `reseal` sealed a manifest.json or rag_fast.json that is a symbolic
+    link to a regular file (replacing it, or leaving it pointing outside), and `index search`
+    loaded an index through such a link, where `generate` and `serve` refuse it."""
+    import shutil
+
+    kb, model = tmp_path / "kb", tmp_path / "model"
+    shutil.copytree(world["kb"], kb)
+    shutil.copytree(world["model"], model)
+    for folder, name in ((kb, "manifest.json"), (model, "rag_fast.json")):
+        real = (folder / "real.json") if where == "inside" else (tmp_path / f"{folder.name}.json")
+        (folder / name).rename(real)
+        (folder / name).symlink_to(real)
+        code, err = run_cli("reseal", folder)
+        one_error(code, err, f"{folder / name} is a symbolic link", "not resealed")
+        assert (folder / name).is_symlink()  # left as it was
+    code, err = run_cli("index", "search", kb, "which river")
+    one_error(code, err, f"{kb / 'manifest.json'} is a symbolic link")
+
+
+def test_a_full_disk_without_inodes_says_so(tmp_path, monkeypatch):
+    """F05-F09: a filesystem out of inodes said "no space left ... 52428800 free (50.0 MiB)",
+    which reads as a contradiction."""
+    import errno
+
+    from rag_fast.storage import disk
+
+    assert disk.inodes_free(tmp_path) is None or disk.inodes_free(tmp_path) > 0
+    assert "inodes" not in str(disk.NoSpaceError(tmp_path / "f", 10, 1 << 26))
+    monkeypatch.setattr(disk, "inodes_free", lambda path: 0)
+    message = str(disk.NoSpaceError(tmp_path / "f", 10, 1 << 26, errno.ENOSPC))
+    assert message == (f"no space left on device writing {tmp_path / 'f'}: needs 10 bytes (0.0 "
+                       "MiB), 67108864 free (64.0 MiB); no inodes free: the filesystem can hold "
+                       "no more files")

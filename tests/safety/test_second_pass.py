@@ -271,7 +271,10 @@ def test_an_index_manifest_that_is_no_small_file_is_refused_unread(world, copy_o
         os.mkfifo(manifest)
     code, err = run_cli("index", "search", kb, "which river is paris on")
     line = one_error(code, err, str(manifest))
-    assert ("not a regular file" in line) != (plant == "sparse-20g"), line
+    if plant == "dev-zero":  # refused as a link, whatever it leads to (eighth pass, T47d)
+        assert "is a symbolic link (to '/dev/zero')" in line, line
+    else:
+        assert ("not a regular file" in line) != (plant == "sparse-20g"), line
 
 
 @pytest.mark.parametrize("plant", ["dangling", "folder", "dev-zero"])

@@ -205,3 +205,23 @@ def test_ctrl_c_while_loading_is_one_line_that_fits_serve(serving_world, monkeyp
     assert code == 130
     assert err.strip().splitlines() == [
         "rag-fast: interrupted; the server stopped before it was ready (it writes nothing)"]
+
+
+def test_sigterm_while_loading_stops_with_one_line(serving_world, monkeypatch):
+    """S64 (eighth hostile pass): SIGTERM while the model loaded killed the server by the
+    default action (status 143, no line)."""
+    from rag_fast.serving import answerer
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM was not handled")
+
+    monkeypatch.setattr(answerer.Answerer, "load", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    code, err = run_cli("serve", "--model", serving_world["bart"], "--device", "cpu")
+    assert code == 0
+    assert err.strip().splitlines() == [
+        "rag-fast serve: SIGTERM before the server was ready: stopped (nothing was answered, "
+        "nothing written)"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the process's own handler is back
