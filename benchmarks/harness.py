@@ -474,6 +474,28 @@ def noisy_note(flags: list[str]) -> str:
     return f"noisy ({', '.join(flags)})" if flags else ""
 
 
+def profile_tables(rows: list[dict], groups: tuple[str, ...], time_key: str, time_words: str,
+                   columns: tuple[tuple[str, Callable[[dict], str]], ...] = ()) -> list[str]:
+    """A profile's Markdown: one table per case of ``rows`` (each a provider's profiled call
+    or step: ``case``, ``provider``, ``time_key`` ms, ``groups`` ms, ``gemm_floor_ms``,
+    ``gemm_gflops``), a line per provider with its time over the case's GEMM floor and its
+    ``groups`` in ms; ``columns``: (header, cell of a row) pairs after the provider's name."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        here = [r for r in rows if r["case"] == case]
+        floor = here[0]["gemm_floor_ms"]
+        out.append(f"\n{case} (GEMM floor {floor:,.0f} ms at {here[0]['gemm_gflops']:,.0f} "
+                   "GFLOP/s):\n")
+        heads = ["provider", *(h for h, _ in columns), time_words, "x floor", *groups]
+        out.append("| " + " | ".join(heads) + " |")
+        out.append("|---" * len(heads) + "|")
+        for r in here:
+            cells = [r["provider"], *(cell(r) for _, cell in columns), f"{r[time_key]:,.0f}",
+                     f"{r[time_key] / floor:.2f}x", *(f"{r['groups'][g]:,.0f}" for g in groups)]
+            out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def write_json(path: str, rows: list[Row], machine: dict, args: dict,
                load: dict | None = None, failed: dict[str, str] | None = None) -> None:
     """Write the results atomically (temp file + rename); ``load``: the machine's load during

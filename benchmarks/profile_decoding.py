@@ -165,7 +165,7 @@ def run(sizes: dict, device: str = "cpu") -> dict:
 
 def render(results: dict, source: str) -> str:
     """One table per case: each provider's profiled decoding split into the groups, in ms."""
-    from harness import machine_words, source_path
+    from harness import machine_words, profile_tables, source_path
 
     out = [f"Measured by `python benchmarks/profile_decoding.py --out {source_path(source)}` on "
            f"{machine_words(results['machine'])}: the decoding bench's cases and weights, "
@@ -174,19 +174,8 @@ def render(results: dict, source: str) -> str:
            "`benchmarks/profile_decoding.py`; \"Python and dispatch\" is the wall time the "
            "operators do not account for). GEMM floor: the case's least matrix-product work "
            "(GFLOP, `torch.utils.flop_counter`) at the best fp32 matmul rate of the same run."]
-    cases = list(dict.fromkeys(r["case"] for r in results["rows"]))
-    for case in cases:
-        rows = [r for r in results["rows"] if r["case"] == case]
-        floor = rows[0]["gemm_floor_ms"]
-        out.append(f"\n{case} (GEMM floor {floor:,.0f} ms at {rows[0]['gemm_gflops']:,.0f} "
-                   "GFLOP/s):\n")
-        out.append("| provider | GFLOP | call ms | x floor | " + " | ".join(GROUPS) + " |")
-        out.append("|---" * (len(GROUPS) + 4) + "|")
-        for r in rows:
-            cells = " | ".join(f"{r['groups'][g]:,.0f}" for g in GROUPS)
-            out.append(f"| {r['provider']} | {r['gflop']:,.1f} | {r['call_ms']:,.0f} | "
-                       f"{r['call_ms'] / floor:.2f}x | {cells} |")
-    return "\n".join(out)
+    return "\n".join(out + profile_tables(results["rows"], GROUPS, "call_ms", "call ms",
+                                          (("GFLOP", lambda r: f"{r['gflop']:,.1f}"),)))
 
 
 def main(argv=None) -> int:

@@ -139,7 +139,7 @@ def run(cases, modes, device: str) -> dict:
 
 def render(results: dict, source: str) -> str:
     """One table per case: each provider's profiled step split into the groups, in ms."""
-    from harness import machine_words, source_path
+    from harness import machine_words, profile_tables, source_path
 
     out = [f"Measured by `python benchmarks/profile_training.py --out {source_path(source)}` on "
            f"{machine_words(results['machine'])}: {results['warmup']} warm-up steps, then "
@@ -147,19 +147,7 @@ def render(results: dict, source: str) -> str:
            "fresh process; self CPU time per step in ms by group (module docstring of "
            "`benchmarks/profile_training.py`). The GEMM floor: the step's least matrix-product "
            "work at the best fp32 matmul rate of the same run."]
-    cases = list(dict.fromkeys(r["case"] for r in results["rows"]))
-    for case in cases:
-        rows = [r for r in results["rows"] if r["case"] == case]
-        floor = rows[0]["gemm_floor_ms"]
-        out.append(f"\n{case} (GEMM floor {floor:,.0f} ms at {rows[0]['gemm_gflops']:,.0f} "
-                   "GFLOP/s):\n")
-        out.append("| provider | step ms | x floor | " + " | ".join(GROUPS) + " |")
-        out.append("|---" * (len(GROUPS) + 3) + "|")
-        for r in rows:
-            cells = " | ".join(f"{r['groups'][g]:,.0f}" for g in GROUPS)
-            out.append(f"| {r['provider']} | {r['step_ms']:,.0f} | "
-                       f"{r['step_ms'] / floor:.2f}x | {cells} |")
-    return "\n".join(out)
+    return "\n".join(out + profile_tables(results["rows"], GROUPS, "step_ms", "step ms"))
 
 
 def main(argv=None) -> int:
