@@ -5,6 +5,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from rag_fast.cli import generate as cli
 from rag_fast.testing import tiny_hf_rag
@@ -89,3 +90,66 @@ def test_join_context_matches_hf_retriever_format():
     from rag_fast.models import join_context
 
     assert join_context("T", "body", "q?") == "T / body // q?"
+
+
+def test_timings_name_every_stage_and_add_up_to_the_wall_time(serving_world, tmp_path):
+    """``generate --timings``: one line on stderr, every stage from the process's start to the
+    answers written, adding up to the command's wall time up to that line (measured outside
+    it, from before the process started) within 10%."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question": q}) + "\n" for q in
+                                 ["which river is paris on", "which river is rome on"] * 3))
+    script = Path(sys.executable).parent / "rag-fast"
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(script), "generate", "--model", str(serving_world["bart"]),
+                             "--questions", str(questions), "--out", str(tmp_path / "a.jsonl"),
+                             "--timings", "--device", "cpu", "--batch-size", "4",
+                             "--max-new-tokens", "3"],
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    line, wall, err = [], None, []
+    for text in proc.stderr:  # the wall time up to the line (not the interpreter's exit after)
+        err.append(text)
+        if text.startswith("rag-fast: timings: "):
+            wall = time.perf_counter() - start
+            line.append(text.strip())
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 0, "".join(err)
+    assert len(line) == 1 and wall is not None, "".join(err)
+    stages = dict((name, float(s)) for name, s in re.findall(
+        r"(?:^|, )([a-z][a-z ,]*?) (\d+\.\d\d) s", line[0].split(": ", 2)[2]))
+    assert list(stages) == ["start, imports and options", "reading questions",
+                            "model and index load", "question encoding", "retrieval",
+                            "contexts", "decoding", "writing"], line
+    total = float(re.search(r"; (\d+\.\d\d) s in all since the process started", line[0])[1])
+    assert abs(sum(stages.values()) - total) <= 0.01 * len(stages)
+    assert stages["start, imports and options"] > 0.2 and stages["decoding"] > 0  # torch, answers
+    assert abs(total - wall) <= 0.1 * wall, (total, wall, line)
+
+
+def test_generate_tells_each_stage_to_on_stage(serving_world):
+    """The Python API's stages: a call from questions runs all four, one given its contexts
+    and scores only the decoding."""
+    from rag_fast.models.inference import load_for_inference
+
+    model = load_for_inference(str(serving_world["bart"]), None, "cpu")
+    seen = []
+    out = model.generate(["which river is paris on"], num_beams=1, max_new_tokens=2,
+                         on_stage=lambda stage, s: seen.append((stage, s)))
+    assert [stage for stage, _ in seen] == ["encode", "retrieve", "contexts", "decode"]
+    assert all(s >= 0 for _, s in seen)
+    ctx = model.build_contexts(["which river is paris on"], out.passages)
+    seen.clear()
+    again = model.generate(["which river is paris on"], context_input_ids=ctx["input_ids"],
+                           context_attention_mask=ctx["attention_mask"],
+                           doc_scores=out.doc_scores, num_beams=1, max_new_tokens=2,
+                           on_stage=lambda stage, s: seen.append((stage, s)))
+    assert [stage for stage, _ in seen] == ["decode"]
+    assert torch.equal(again.sequences, out.sequences)

@@ -29,6 +29,7 @@ import sys
 
 from tqdm.auto import tqdm
 
+from rag_fast._stages import Timings
 from rag_fast._validation import brief_error, not_a_folder
 from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
                                  check_text, decoding_settings, describe_decoding, load_model,
@@ -60,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--out", metavar="FILE", default=None, help="write JSONL here (default stdout)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--timings", action="store_true",
+                   help="say on stderr where the time went, stage by stage, from the process's "
+                        "start (imports) to the answers written")
     p.set_defaults(func=run)
 
 
@@ -108,6 +112,7 @@ def _load(args):
 
 
 def run(args) -> int:
+    timings = Timings() if args.timings else None
     check_positive(("--batch-size", args.batch_size), ("--num-beams", args.num_beams),
                    ("--max-new-tokens", args.max_new_tokens))
     if args.n_docs is not None:
@@ -115,9 +120,13 @@ def run(args) -> int:
     if args.out:
         _check_out(args)
     rows = read_questions(args)
+    if timings:
+        timings.lap("reading questions")
     model = _load(args)
     check_new_tokens(model, args.max_new_tokens)
     settings, record = decoding_settings(args, model)
+    if timings:
+        timings.lap("model and index load")
     bar = None
     if args.out and not args.no_progress:
         bar = tqdm(total=len(rows), desc="generate", unit="q", dynamic_ncols=True)
@@ -125,20 +134,27 @@ def run(args) -> int:
         args.on_interrupt = said_on_interrupt([args.out],
                                               f"the answers were written whole to {args.out}")
     with atomic_file(args.out) if args.out else contextlib.nullcontext(sys.stdout) as out:
-        _answer_all(model, rows, args, settings, record, out, bar)
+        _answer_all(model, rows, args, settings, record, out, bar, timings)
     if bar is not None:
         bar.close()
+    if timings:
+        timings.lap("writing")  # the last records, the file's flush and rename
     # how the answers were decoded, said once they are out (each line records it too)
     where = f" -> {args.out}" if args.out else ""
     print(f"rag-fast: {len(rows)} answer(s){where}; {describe_decoding(record)}", file=sys.stderr)
+    if timings:
+        print(f"rag-fast: timings: {timings.words()}", file=sys.stderr)
     return 0
 
 
-def _answer_all(model, rows, args, settings, record, out, bar) -> None:
+def _answer_all(model, rows, args, settings, record, out, bar, timings=None) -> None:
     """Decode ``rows`` in batches and write one JSON line per question to ``out``, each with
-    the decoding settings (``record``) that made it."""
-    for records in answer_questions(model, rows, settings, args.batch_size):
+    the decoding settings (``record``) that made it; ``timings``: each batch's stages added."""
+    on_stage = None if timings is None else timings.add
+    for records in answer_questions(model, rows, settings, args.batch_size, on_stage=on_stage):
         for answer in records:
             out.write(json.dumps({**answer, "decoding": record}, ensure_ascii=False) + "\n")
         if bar is not None:
             bar.update(len(records))
+        if timings:
+            timings.lap("writing")

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from rag_fast._jsonl import read_objects
+from rag_fast._stages import OnStage, StageClock
 from rag_fast._validation import not_a_file
 from rag_fast.evaluation.report import passage_record
 
@@ -73,22 +74,25 @@ def _given_passages(model: Any, rows: list[dict]):
     return ctx, doc_scores, passages
 
 
-def answer_questions(model: Any, rows: list[dict], settings: dict,
-                     batch_size: int = 8) -> Iterator[list[dict]]:
+def answer_questions(model: Any, rows: list[dict], settings: dict, batch_size: int = 8,
+                     on_stage: OnStage | None = None) -> Iterator[list[dict]]:
     """Answer ``rows`` ``batch_size`` at a time with ``model.generate(**settings)``: through
     the model's retriever, or over each question's own passages when it has none. Yields, per
-    batch, the records of its questions in order."""
+    batch, the records of its questions in order. ``on_stage``: told each batch's stages and
+    their seconds (``rag_fast._stages``; ``contexts`` for the given passages' tokenising)."""
     for start in range(0, len(rows), batch_size):
         batch = rows[start:start + batch_size]
         questions = [r["question"] for r in batch]
         if model.retriever is not None:
-            result = model.generate(questions, **settings)
+            result = model.generate(questions, on_stage=on_stage, **settings)
         else:
+            clock = StageClock(on_stage)
             ctx, doc_scores, passages = _given_passages(model, batch)
+            clock.lap("contexts")
             result = model.generate(questions, passages=None,
                                     context_input_ids=ctx["input_ids"],
                                     context_attention_mask=ctx["attention_mask"],
-                                    doc_scores=doc_scores, **settings)
+                                    doc_scores=doc_scores, on_stage=on_stage, **settings)
             result.passages = passages
         records = []
         for i, (r, text) in enumerate(zip(batch, result.texts)):

@@ -20,12 +20,13 @@ gradient into the logits' own buffer, so a training step holds one logits-sized 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from rag_fast import _pool, _threads
+from rag_fast._stages import StageClock
 from rag_fast._validation import check_decoding_scores
 from rag_fast.generation import heads
 from rag_fast.models import _lean, _seq2seq
@@ -441,9 +442,11 @@ class RagModel(nn.Module):
 
     def _resolve_inputs(self, questions, question_input_ids, question_attention_mask, passages,
                         passage_embeddings, context_input_ids, context_attention_mask,
-                        doc_scores) -> "_Inputs":
+                        doc_scores, clock: StageClock | None = None) -> "_Inputs":
         """Passage scores ``[B, K]`` and contexts ``[B*K, L]`` from whatever was given (see
-        :meth:`forward`): retrieving, scoring and tokenising only what is missing."""
+        :meth:`forward`): retrieving, scoring and tokenising only what is missing (each stage
+        it runs told to ``clock``)."""
+        clock = clock or StageClock(None)
         if doc_scores is None:
             if question_input_ids is None:
                 if not questions:
@@ -458,6 +461,7 @@ class RagModel(nn.Module):
                 questions = [t.strip() for t in self.question_tokenizer.batch_decode(
                     question_input_ids, skip_special_tokens=True)]
             q = self.encode_questions(question_input_ids, question_attention_mask)
+            clock.lap("encode")
             if questions is not None and q.shape[0] != len(questions):
                 raise ValueError(f"{len(questions)} questions but {q.shape[0]} question encodings")
             if passage_embeddings is None:
@@ -472,11 +476,13 @@ class RagModel(nn.Module):
                 doc_scores = self.score_passages(q, scored, passage_embeddings)
             else:
                 doc_scores = self.score_passages(q, passages, passage_embeddings)
+            clock.lap("retrieve")
         if context_input_ids is None:
             if questions is None or passages is None:
                 raise ValueError("give context_input_ids, or questions and passages as text")
             ctx = self.build_contexts(questions, passages)
             context_input_ids, context_attention_mask = ctx["input_ids"], ctx["attention_mask"]
+            clock.lap("contexts")
         if context_attention_mask is None:
             raise ValueError("context_input_ids needs context_attention_mask")
         kept = None if passages is None else [list(p) for p in passages]
@@ -628,6 +634,7 @@ class RagModel(nn.Module):
         doc_scores: torch.Tensor | None = None,
         decoding: str = "thorough",
         impl: str = "auto",
+        on_stage: Callable[[str, float], None] | None = None,
         **settings,
     ) -> "Generation":
         """Answer questions: retrieve with this model's question encoder and retriever, then
@@ -641,6 +648,9 @@ class RagModel(nn.Module):
         Args:
             decoding: RAG-Sequence only, ``"thorough"`` or ``"fast"``.
             impl: beam-step backend (``"auto"`` | ``"cpp"`` | ``"triton"`` | ``"torch"``).
+            on_stage: called with each stage's name and seconds as it ends (``encode``,
+                ``retrieve``, ``contexts``: the ones this call runs; ``decode``: the search and
+                the answers' text), see ``rag_fast._stages``.
             **settings: ``num_beams``, ``max_new_tokens`` / ``max_length``, ``min_length``,
                 ``length_penalty``, ``num_return_sequences``, ``do_sample``, ``temperature``,
                 ``top_k``, ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``,
@@ -664,16 +674,17 @@ class RagModel(nn.Module):
         try:
             return self._generate(questions, question_input_ids, question_attention_mask,
                                   passages, passage_embeddings, context_input_ids,
-                                  context_attention_mask, doc_scores, decoding, impl, settings)
+                                  context_attention_mask, doc_scores, decoding, impl, settings,
+                                  StageClock(on_stage))
         finally:
             self.train(was_training)
 
     def _generate(self, questions, question_input_ids, question_attention_mask, passages,
                   passage_embeddings, context_input_ids, context_attention_mask, doc_scores,
-                  decoding, impl, settings) -> "Generation":
+                  decoding, impl, settings, clock: StageClock) -> "Generation":
         inputs = self._resolve_inputs(questions, question_input_ids, question_attention_mask,
                                       passages, passage_embeddings, context_input_ids,
-                                      context_attention_mask, doc_scores)
+                                      context_attention_mask, doc_scores, clock)
         doc_scores, passages, questions = inputs.doc_scores, inputs.passages, inputs.questions
         context_input_ids, context_attention_mask = inputs.context_input_ids, inputs.context_mask
         check_decoding_scores(doc_scores.detach(), questions)
@@ -683,6 +694,7 @@ class RagModel(nn.Module):
         texts = None
         if self.generator_tokenizer is not None:
             texts = decode_answers(self.generator_tokenizer, sequences)
+        clock.lap("decode")
         return Generation(sequences, texts, passages, doc_scores)
 
     # ------------------------------------------------------------------ checkpoints

@@ -26,7 +26,6 @@ import gc
 import hashlib
 import math
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -34,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rag_fast._jsonl import lone_surrogate
+from rag_fast._stages import StageClock
 from rag_fast.evaluation.report import passage_record
 from rag_fast.models.checkpoint import resolve_model_dir
 from rag_fast.models.inference import (DEFAULT_BEAMS, DEFAULT_NEW_TOKENS, check_new_tokens,
@@ -302,7 +302,7 @@ class Answerer:
 
     def _answer_batch(self, questions, settings, decode, served, on_stage) -> list[dict]:
         model = self.model
-        clock = _Clock(on_stage)
+        clock = StageClock(on_stage)
         with torch.no_grad():
             q_inputs = model.tokenize_questions(questions)
             q = model.encode_questions(q_inputs["input_ids"], q_inputs["attention_mask"])
@@ -377,20 +377,6 @@ class Answerer:
                 "mode": self.mode, "n_docs": self.n_docs,
                 "family": self.model.family.name, "max_batch": self.max_batch,
                 "limits": asdict(self.limits), "swaps": self.swaps}
-
-
-class _Clock:
-    """Laps of a batch's stages, told to ``on_stage``."""
-
-    def __init__(self, on_stage) -> None:
-        self.on_stage = on_stage
-        self.t = time.perf_counter()
-
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
-        if self.on_stage is not None:
-            self.on_stage(stage, now - self.t)
-        self.t = now
 
 
 __all__ = ["AnswerSettings", "Answerer", "Limits", "ServedIndex", "index_checksum", "open_index"]
