@@ -148,6 +148,14 @@ def warn_cut(where: str | os.PathLike, count: int, noun: str) -> None:
             "more of one text; rag_fast._jsonl.MAX_TEXT_CHARS)", TextCutWarning, stacklevel=2)
 
 
+def cut_texts(texts: list[str], where: str | os.PathLike, noun: str) -> list[str]:
+    """``texts`` each cut to :data:`MAX_TEXT_CHARS` characters, the cut ones said once for the
+    file ``where`` (:func:`warn_cut`, ``noun`` naming them: ``"question"``)."""
+    out = [cut_text(t) for t in texts]
+    warn_cut(where, sum(cut for _, cut in out), noun)
+    return [t for t, _ in out]
+
+
 def json_type(value: object) -> str:
     """The JSON-ish name of a value's type for messages (``null`` for None)."""
     return "null" if value is None else type(value).__name__

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from rag_fast._jsonl import read_objects
+from rag_fast._jsonl import cut_texts, read_objects
 from rag_fast._stages import OnStage, StageClock
 from rag_fast._validation import not_a_file
 from rag_fast.evaluation.report import passage_record
@@ -54,6 +54,12 @@ def read_question_file(path: str | Path, flag: str = "--questions") -> list[dict
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no questions")
+    # texts longer than any model keeps are cut (said once for the file), as eval's data is
+    for row, question in zip(rows, cut_texts([r["question"] for r in rows], path, "question")):
+        row["question"] = question
+    given = [p for r in rows for p in r.get("passages", [])]
+    for p, text in zip(given, cut_texts([p["text"] for p in given], path, "passage text")):
+        p["text"] = text
     return rows
 
 

@@ -27,13 +27,13 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from rag_fast._jsonl import json_type, read_objects
+from rag_fast._jsonl import cut_texts, json_type, read_objects
 from rag_fast.evaluation.data import DatasetError, read_answers, load_qa
 from rag_fast.evaluation.metrics import passage_text, answer_in_passage, match_tokens
 from rag_fast.storage import (
@@ -161,6 +161,9 @@ def load_retrieval_data(path: str) -> list[RetrievalExample]:
                                          answer_field if answers else None))
     if not examples:
         raise DatasetError(f"{path}: empty dataset (no examples)")
+    questions = cut_texts([e.question for e in examples], path, "question")  # said once
+    examples = [e if e.question == q else replace(e, question=q)
+                for e, q in zip(examples, questions)]
     if all(e.gold is None for e in examples):
         _say_missing_gold(path, unknown, len(examples))
     return examples

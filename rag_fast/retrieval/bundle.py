@@ -39,7 +39,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from rag_fast._jsonl import check_regular_file, decoded_lines, read_objects
+from rag_fast._jsonl import check_regular_file, cut_texts, decoded_lines, read_objects
 from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard, shard_rows
 from rag_fast.retrieval.factory import PRESETS, SMALL_CORPUS, factory_index, plan_factory
 from rag_fast.retrieval.index import INDEX_KIND, DenseIndex
@@ -569,7 +569,7 @@ def read_tuning_questions(path: str) -> list[str]:
             questions.append(row["question"])
     if not questions:
         raise ValueError(f"--queries {path}: no questions")
-    return questions
+    return cut_texts(questions, path, "question")  # no model keeps more of one (said once)
 
 
 def describe_quality(quality: dict | None, factory: str | None = None) -> str:
