@@ -127,6 +127,11 @@ def _remove_dead_temporaries(path: str) -> None:
 
 
 # ---- a full disk ---------------------------------------------------------------------------
+# fewer free inodes than this, said with a full disk's error: a writer's removed temporaries
+# give back a few before the count is read
+FEW_INODES = 64
+
+
 class NoSpaceError(OSError):
     """The disk (or the user's quota) has no room for a file being written: one line naming
     the file, the bytes it needs and the bytes free (``errno`` is ``ENOSPC`` or ``EDQUOT``)."""
@@ -139,8 +144,12 @@ class NoSpaceError(OSError):
             message += f": needs {needed} bytes ({_mib(needed)})"
         if free is not None:
             message += f"{',' if needed is not None else ':'} {free} free ({_mib(free)})"
-        if code == errno.ENOSPC and inodes_free(path) == 0:  # bytes left, but no room for files
-            message += "; no inodes free: the filesystem can hold no more files"
+        inodes = inodes_free(path) if code == errno.ENOSPC else None
+        if inodes is not None and inodes < FEW_INODES:  # bytes left, but hardly room for files
+            # (counted once the writer removed its temporaries: a few may be free again)
+            message += (f"; {'no' if inodes == 0 else f'only {inodes}'} inode"
+                        f"{'' if inodes == 1 else 's'} free: the filesystem can hold no more "
+                        "files")
         super().__init__(code, message)
         self.path, self.needed, self.free = os.fspath(path), needed, free
 

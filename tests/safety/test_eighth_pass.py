@@ -160,9 +160,15 @@ def test_a_full_disk_without_inodes_says_so(tmp_path, monkeypatch):
     from rag_fast.storage import disk
 
     assert disk.inodes_free(tmp_path) is None or disk.inodes_free(tmp_path) > 0
-    assert "inodes" not in str(disk.NoSpaceError(tmp_path / "f", 10, 1 << 26))
+    assert "inodes free" not in str(disk.NoSpaceError(tmp_path / "f", 10, 1 << 26))
     monkeypatch.setattr(disk, "inodes_free", lambda path: 0)
     message = str(disk.NoSpaceError(tmp_path / "f", 10, 1 << 26, errno.ENOSPC))
     assert message == (f"no space left on device writing {tmp_path / 'f'}: needs 10 bytes (0.0 "
                        "MiB), 67108864 free (64.0 MiB); no inodes free: the filesystem can hold "
                        "no more files")
+    # ninth pass, R-F05: counted after the writer's temporaries were removed, a few are free
+    monkeypatch.setattr(disk, "inodes_free", lambda path: 2)
+    assert str(disk.NoSpaceError(tmp_path / "f", None, 1 << 26)).endswith(
+        "67108864 free (64.0 MiB); only 2 inodes free: the filesystem can hold no more files")
+    monkeypatch.setattr(disk, "inodes_free", lambda path: 10_000)
+    assert "inodes free" not in str(disk.NoSpaceError(tmp_path / "f", None, 1 << 26))
