@@ -294,8 +294,7 @@ def _run(args: argparse.Namespace) -> int:
         _end_progress_bars()
         said = ("the run's last checkpoint (if one was written) is kept: the same command "
                 "resumes from it" if args.command == "train" else
-                "the server stopped before it was ready (it writes nothing)"
-                if args.command == "serve" else "nothing was written at the output path")
+                "nothing was written at the output path")
         on_interrupt = getattr(args, "on_interrupt", None)  # what the command knows by now
         if on_interrupt is not None:
             try:

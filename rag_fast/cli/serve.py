@@ -101,6 +101,8 @@ def _stop_starting(signum, frame) -> None:
 
 
 def run(args) -> int:
+    # a Ctrl-C before it serves (uvicorn's handling then takes over): serve writes no output
+    args.on_interrupt = lambda: "the server stopped before it was ready (it writes nothing)"
     token = check_args(args)
     import uvicorn  # deferred: only this command serves (not every rag-fast command's start-up)
 

@@ -164,14 +164,19 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def disk_free(path: str | os.PathLike) -> int | None:
-    """Bytes free for an unprivileged writer on the filesystem of ``path`` (or of its nearest
-    existing parent), or None where the system cannot say."""
+def _existing(path: str | os.PathLike) -> Path:
+    """``path``, or its nearest existing parent (what a filesystem query can be asked of)."""
     path = Path(path)
     while not path.exists() and path != path.parent:
         path = path.parent
+    return path
+
+
+def disk_free(path: str | os.PathLike) -> int | None:
+    """Bytes free for an unprivileged writer on the filesystem of ``path`` (or of its nearest
+    existing parent), or None where the system cannot say."""
     try:
-        return int(shutil.disk_usage(path).free)
+        return int(shutil.disk_usage(_existing(path)).free)
     except OSError:
         return None
 
@@ -180,11 +185,8 @@ def inodes_free(path: str | os.PathLike) -> int | None:
     """Inodes (files) an unprivileged writer may still create on the filesystem of ``path``
     (or of its nearest existing parent), or None where the system cannot say (a filesystem
     without a fixed count reports 0 files in all)."""
-    path = Path(path)
-    while not path.exists() and path != path.parent:
-        path = path.parent
     try:
-        st = os.statvfs(path)
+        st = os.statvfs(_existing(path))
     except (OSError, AttributeError):
         return None
     return None if st.f_files == 0 else int(st.f_favail)
