@@ -238,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unknown_options(getattr(args, "_command_parser", parser), extra)
-    shown = warnings.showwarning
+    shown, stdout = warnings.showwarning, sys.stdout
+    if stdout is sys.__stdout__ and stdout is not None:  # the process's own, not a capture
+        sys.stdout = _NamedStdout(stdout)
     if not args.verbose:  # a warning is one line, as the command's own are
         warnings.showwarning = _one_line_warning
     try:
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             set_verbose(args.verbose)
             return _run(args)
     finally:
-        warnings.showwarning = shown  # main() called in a process that goes on
+        warnings.showwarning, sys.stdout = shown, stdout  # main() in a process that goes on
         if _interrupt.active():  # the command's process: Ctrl-C while it exits is one line
             _interrupt.exit_on_interrupt("while exiting; the command had ended")
 
@@ -317,6 +319,32 @@ def _run(args: argparse.Namespace) -> int:
                   "or use a machine with more memory", file=sys.stderr)
             return 2
         return _report_unexpected(exc, args.verbose)
+
+
+class _NamedStdout:
+    """The process's standard output, whose write errors name it: ``> /dev/full`` or a full
+    disk under a redirection says "standard output", not a bare "No space left on device"."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _named(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.errno is None or e.filename is not None:
+                raise
+            raise OSError(e.errno, f"writing standard output: {e.strerror} (the command's "
+                          "output is lost)") from None
+
+    def write(self, text):
+        return self._named(self._stream.write, text)
+
+    def flush(self):
+        return self._named(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def _out_of_memory(exc: BaseException) -> bool:

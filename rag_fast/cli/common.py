@@ -91,6 +91,7 @@ def decoding_settings(args: argparse.Namespace, model) -> tuple[dict, dict]:
         ValueError: a count below 1, naming the flag.
     """
     check_positive(("--num-beams", args.num_beams), ("--max-new-tokens", args.max_new_tokens))
+    _check_sampling_flags(args)
     settings: dict = dict(num_beams=args.num_beams, max_new_tokens=args.max_new_tokens)
     if model.mode == "sequence":
         settings["decoding"] = args.decoding
@@ -111,6 +112,28 @@ def decoding_settings(args: argparse.Namespace, model) -> tuple[dict, dict]:
         if inherited:
             record["from_generation_config"] = inherited
     return settings, record
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """The sampling and penalty flags given, each in its range whether or not the decoding
+    samples (a value that could never apply is a mistake, said now, naming the flag)."""
+    import math
+
+    def given(name):
+        return getattr(args, name, None)
+
+    if given("temperature") is not None and not 0 < args.temperature < math.inf:
+        raise ValueError(f"--temperature must be a finite number > 0, got {args.temperature}")
+    if given("top_k") is not None and args.top_k < 0:
+        raise ValueError(f"--top-k must be at least 0 (0: off), got {args.top_k}")
+    if given("top_p") is not None and not 0 <= args.top_p <= 1:
+        raise ValueError(f"--top-p must lie in [0, 1] (1: off), got {args.top_p}")
+    if given("repetition_penalty") is not None and not 0 < args.repetition_penalty < math.inf:
+        raise ValueError("--repetition-penalty must be a finite number > 0 (1: off), got "
+                         f"{args.repetition_penalty}")
+    if given("no_repeat_ngram_size") is not None and args.no_repeat_ngram_size < 0:
+        raise ValueError("--no-repeat-ngram-size must be at least 0 (0: off), got "
+                         f"{args.no_repeat_ngram_size}")
 
 
 def _generator(device, seed: int):

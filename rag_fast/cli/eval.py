@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rag_fast._jsonl import check_regular_file, decoded_lines
+from rag_fast._jsonl import check_regular_file, cut_text, decoded_lines, warn_cut
 from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
                                  decoding_settings, describe_decoding, load_model,
                                  resolve_device)
@@ -67,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
     answers = [list(e.answers) for e in examples]
     if args.predictions is not None:
         check_regular_file(args.predictions, "--predictions", "a file of one answer per line")
-        predictions = [line.rstrip("\r\n") for _, line in decoded_lines(args.predictions)]
+        # each line cut as it is read (no model keeps more of one text), said once
+        read = [cut_text(line.rstrip("\r\n")) for _, line in decoded_lines(args.predictions)]
+        warn_cut(args.predictions, sum(cut for _, cut in read), "prediction")
+        predictions = [text for text, _ in read]
         if len(predictions) != len(examples):
             raise ValueError(f"{args.predictions} has {len(predictions)} lines for "
                              f"{len(examples)} examples in {args.data}")

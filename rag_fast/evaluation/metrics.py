@@ -96,15 +96,56 @@ def bleu1(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float
     return total / len(predictions)
 
 
-def rouge_l(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
-    """Mean ROUGE-L F-measure (rouge-score), best answer."""
-    _check_pairs(predictions, answers)
-    from rouge_score import rouge_scorer
+# ROUGE-L's longest common subsequence costs time and memory in the product of the two token
+# counts (rouge-score keeps the whole table), so each side is scored on its first
+# ROUGE_MAX_TOKENS tokens: 4 Mi table cells at most, about a second and some 100 MB per pair.
+# Answers and generated text are far shorter; a longer one is said once per call.
+ROUGE_MAX_TOKENS = 2048
 
-    scorer = rouge_scorer.RougeScorer(["rougeL"])
-    total = 0.0
+
+class RougeCutWarning(UserWarning):
+    """ROUGE-L scored only the first :data:`ROUGE_MAX_TOKENS` tokens of some texts."""
+
+
+def _rouge_bounded(tokenizer, text: str) -> tuple[str, bool]:
+    """``text`` as rouge-score reads it, cut to its first :data:`ROUGE_MAX_TOKENS` tokens (the
+    tokens joined by spaces, which rouge-score's tokenizer reads back unchanged), and whether
+    the cut left any out. A text of at most ``ROUGE_MAX_TOKENS`` characters is returned as is
+    (it cannot hold more tokens)."""
+    if len(text) <= ROUGE_MAX_TOKENS:
+        return text, False
+    tokens = tokenizer.tokenize(text)
+    if len(tokens) <= ROUGE_MAX_TOKENS:
+        return text, False
+    return " ".join(tokens[:ROUGE_MAX_TOKENS]), True
+
+
+def rouge_l(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
+    """Mean ROUGE-L F-measure (rouge-score), best answer. Each text is scored on its first
+    :data:`ROUGE_MAX_TOKENS` tokens (rouge-score's tokens; a ``RougeCutWarning`` says how many
+    texts were longer), which bounds the cost of a pair whatever the texts' lengths."""
+    _check_pairs(predictions, answers)
+    import warnings
+
+    from rouge_score import rouge_scorer, tokenizers
+
+    tokenizer = tokenizers.DefaultTokenizer(use_stemmer=False)
+    scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=tokenizer)
+    total, cut = 0.0, 0
     for p, refs in zip(predictions, answers):
-        total += max(scorer.score(r, p)["rougeL"].fmeasure for r in refs)
+        p, p_cut = _rouge_bounded(tokenizer, p)
+        best = 0.0
+        for r in refs:
+            r, r_cut = _rouge_bounded(tokenizer, r)
+            cut += r_cut
+            best = max(best, scorer.score(r, p)["rougeL"].fmeasure)
+        total += best
+        cut += p_cut
+    if cut:
+        warnings.warn(f"ROUGE-L scored the first {ROUGE_MAX_TOKENS:,} tokens of {cut:,} "
+                      f"text{'' if cut == 1 else 's'} longer than that (its cost grows with the "
+                      "product of two texts' lengths; rag_fast.evaluation.metrics."
+                      "ROUGE_MAX_TOKENS)", RougeCutWarning, stacklevel=2)
     return total / len(predictions)
 
 

@@ -113,11 +113,19 @@ def check_evaluation_folder(out: str | Path, flag: str = "--out") -> None:
     write in: it may be missing, empty, an evaluation folder (its marker says so, and it holds
     no symbolic link), or an earlier rag_fast's evaluation folder without a marker.
 
+    Its files (:data:`EVAL_FILES`), where there, must be regular files.
+
     Raises:
-        FileExistsError: naming ``flag`` and ``out``.
+        FileExistsError: naming ``flag`` and ``out`` (and the file).
     """
     if not _earlier_evaluation(Path(out)):
         check_output_folder(out, EVAL_KIND, reuse=True, flag=flag)
+    for name in EVAL_FILES:  # refused now, not after the whole evaluation ran
+        path = Path(out) / name
+        if (path.exists() or path.is_symlink()) and not path.is_file():
+            raise FileExistsError(f"{flag} {str(out)!r} holds {name} as something other than "
+                                  "a file (a folder, a device, a dangling link); refused: "
+                                  "move it away or choose another path")
 
 
 __all__ = ["EVAL_FILES", "PASSAGE_TEXT_CHARS", "check_evaluation_folder", "passage_record",
