@@ -139,6 +139,22 @@ def reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
     return loss.mean()
 
 
+def generator_positions(config, side: str = "context") -> int | None:
+    """The positions a generator's config allows on one ``side``: ``"context"`` (what its
+    encoder reads; a decoder-only generator's prompt and answer share its one table) or
+    ``"answer"`` (its decoder's). A composite encoder-decoder (``EncoderDecoderModel``) keeps
+    one config per side (``config.encoder``, ``config.decoder``). None: no fixed bound (T5's
+    relative positions)."""
+    sub = getattr(config, "encoder" if side == "context" else "decoder", None)
+    if sub is not None and callable(getattr(sub, "to_dict", None)):  # a composite's own config
+        config = sub
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def check_context_length(context_input_ids: torch.Tensor, max_positions: int | None) -> None:
     """Contexts ``[N, S]`` must fit the generator's position embeddings (S <= max_positions);
     past them a decoder indexes out of its position table."""

@@ -35,6 +35,37 @@ def tiny_rag_config(
     return RagConfig.from_question_encoder_generator_configs(q, g, n_docs=n_docs)
 
 
+def tiny_composite_config(decoder: str = "bert", vocab_size: int = 60, d_model: int = 32,
+                          layers: int = 2, pad_token_id: int = 0, eos_token_id: int = 1,
+                          decoder_start_token_id: int = 2):
+    """An ``EncoderDecoderConfig`` (the BERT2BERT composite) with a tiny BERT encoder and a
+    tiny decoder that carries its own LM head: ``"bert"`` (BERT's head: a transform, then a
+    Linear), ``"gpt2"`` (a plain Linear, on a narrower decoder, so the encoder's states are
+    projected) or ``"roberta"`` (a head rag_fast does not split)."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, num_hidden_layers=layers, num_attention_heads=2,
+                  max_position_embeddings=64)
+    encoder = tf.BertConfig(hidden_size=d_model, intermediate_size=2 * d_model, **common)
+    if decoder == "bert":
+        dec = tf.BertConfig(hidden_size=d_model, intermediate_size=2 * d_model, is_decoder=True,
+                            add_cross_attention=True, **common)
+    elif decoder == "roberta":
+        dec = tf.RobertaConfig(hidden_size=d_model, intermediate_size=2 * d_model,
+                               is_decoder=True, add_cross_attention=True, pad_token_id=pad_token_id,
+                               **{**common, "max_position_embeddings": 66})
+    elif decoder == "gpt2":
+        dec = tf.GPT2Config(vocab_size=vocab_size, n_embd=d_model - 8, n_layer=layers, n_head=2,
+                            n_positions=64, is_decoder=True, add_cross_attention=True,
+                            bos_token_id=None, eos_token_id=eos_token_id)
+    else:
+        raise ValueError(f"decoder must be 'bert', 'gpt2' or 'roberta', got {decoder!r}")
+    config = tf.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, dec)
+    config.pad_token_id, config.eos_token_id = pad_token_id, eos_token_id
+    config.decoder_start_token_id, config.bos_token_id = decoder_start_token_id, None
+    return config
+
+
 def tiny_hf_rag(mode: str, seed: int = 0, **config_kwargs) -> torch.nn.Module:
     """A ``RagTokenForGeneration`` (mode "token") or ``RagSequenceForGeneration`` ("sequence")."""
     from transformers import RagSequenceForGeneration, RagTokenForGeneration

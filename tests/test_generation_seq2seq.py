@@ -51,6 +51,10 @@ def generator_config(kind: str):
     if kind == "mbart":
         return tf.MBartConfig(pad_token_id=1, eos_token_id=2, bos_token_id=0,
                               decoder_start_token_id=2, forced_bos_token_id=None, **bart_like)
+    if kind in ("bert2bert", "bert2gpt2"):  # composites: the decoder carries the LM head
+        from rag_fast.testing import tiny_composite_config
+
+        return tiny_composite_config(kind.removeprefix("bert2"), vocab_size=V)
     if kind == "bart":
         return tf.BartConfig(pad_token_id=1, eos_token_id=2, bos_token_id=0,
                              decoder_start_token_id=2, forced_bos_token_id=None, **bart_like)
@@ -129,7 +133,8 @@ def test_t5_same_ids_as_transformers(mode, seed, settings):
     assert got[:, 0].eq(0).all()  # T5 starts decoding with the pad token
 
 
-@pytest.mark.parametrize("kind", ["flan-t5", "mt5", "umt5", "marian", "pegasus", "mbart"])
+@pytest.mark.parametrize("kind", ["flan-t5", "mt5", "umt5", "marian", "pegasus", "mbart",
+                                  "bert2bert", "bert2gpt2"])
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 @pytest.mark.parametrize("seed,settings", [
     pytest.param(0, dict(num_beams=1, max_length=10), id="greedy"),
@@ -170,7 +175,8 @@ def test_decoder_choice_and_lm_head():
     # decoder's step logits equal the generator's forward (T5: scaled output, no bias).
     bart = tiny_rag("bart", "token", 0).rag.generator
     assert isinstance(make_decoder(bart), BartDecoder)
-    for kind in ("t5", "flan-t5", "mt5", "umt5", "marian", "pegasus", "mbart"):
+    for kind in ("t5", "flan-t5", "mt5", "umt5", "marian", "pegasus", "mbart", "bert2bert",
+                 "bert2gpt2"):
         gen = tiny_rag(kind, "token", 0).rag.generator
         dec = make_decoder(gen)
         assert isinstance(dec, GenericDecoder)

@@ -22,9 +22,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Create a model directory (a transformers RAG folder plus rag_fast.json) to "
                     "train from: a question encoder and a generator by Hugging Face name or "
                     "local folder; a generator JSON config file gives random weights.")
-    p.add_argument("--generator", required=True, metavar="NAME|DIR|FILE.json",
-                   help="generator, seq2seq (BART, T5, ...) or decoder-only (Qwen2, Llama, "
-                        "GPT-2, ...): name, folder, or a JSON config (random weights)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--generator", metavar="NAME|DIR|FILE.json",
+                        help="generator, seq2seq (BART, T5, ...) or decoder-only (Qwen2, Llama, "
+                             "GPT-2, ...): name, folder, or a JSON config (random weights)")
+    source.add_argument("--generator-from-encoder", metavar="NAME|DIR",
+                        help="instead of --generator: warm-start an encoder-decoder from this "
+                             "pretrained encoder (BERT, MiniLM, ...) on both sides, with its "
+                             "tokenizer (docs/generators.md)")
     p.add_argument("--question-encoder", default=None, metavar="NAME|DIR",
                    help="question encoder (default: the --index's question encoder)")
     p.add_argument("--index", default=None, metavar="DIR",
@@ -37,7 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--label-smoothing", type=float, default=0.0, help="epsilon (default 0)")
     p.add_argument("--max-context-length", type=int, default=128,
                    help="generator tokens per passage + question (default 128)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation of a config generator")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initialisation of a config generator, or of the weights a warm start "
+                        "adds (cross-attention, LM head)")
     p.add_argument("--out", required=True, metavar="DIR", help="model directory to write")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a model directory at --out (never a folder of another kind or "
@@ -49,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     # before anything is read: --out apart from every input, and only ever an empty folder or a
     # model directory (replaced with --overwrite)
     check_apart(args.out, "--out", {"--index": args.index, "--generator": args.generator,
+                                    "--generator-from-encoder": args.generator_from_encoder,
                                     "--generator-tokenizer": args.generator_tokenizer,
                                     "--question-encoder": args.question_encoder})
     check_output_folder(args.out, KIND, overwrite=args.overwrite, flag="--out")
@@ -63,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}{str(e).removeprefix(name)}") from None
     if args.index is not None:
         check_n_docs(args.n_docs, args.index, name="--n-docs")
-    if (os.path.isfile(args.generator) and args.generator.endswith(".json")
-            and args.generator_tokenizer is None):
+    if (args.generator is not None and os.path.isfile(args.generator)
+            and args.generator.endswith(".json") and args.generator_tokenizer is None):
         raise ValueError(f"--generator {args.generator!r} is a config file: give "
                          "--generator-tokenizer (a tokenizer name or folder) for its vocabulary")
     if not 0 <= args.seed < 2**63:  # torch's generator takes a 64-bit seed
@@ -74,14 +82,16 @@ def run(args: argparse.Namespace) -> int:
                          "directory whose question encoder to use)")
     out = Path(args.out)
     try:
-        model = build_rag_model(generator=args.generator, question_encoder=args.question_encoder,
+        model = build_rag_model(generator=args.generator,
+                                generator_from_encoder=args.generator_from_encoder,
+                                question_encoder=args.question_encoder,
                                 index=args.index, generator_tokenizer=args.generator_tokenizer,
                                 mode=args.mode, n_docs=args.n_docs, epsilon=args.label_smoothing,
                                 max_context_length=args.max_context_length, seed=args.seed)
     except ValueError as e:  # an error about an argument, said as the flag that gave it
         message = str(e)
-        for name in ("generator", "generator_tokenizer", "question_encoder",
-                     "max_context_length"):
+        for name in ("generator_from_encoder", "generator", "generator_tokenizer",
+                     "question_encoder", "max_context_length"):
             if message.startswith(f"{name} "):
                 raise ValueError("--" + name.replace("_", "-") + message[len(name):]) from None
         raise

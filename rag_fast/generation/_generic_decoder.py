@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rag_fast.generation._decoder import check_generator
-from rag_fast.generation.heads import encoder_decoder_lm_head, head_logits
+from rag_fast.generation.heads import decoder_parts, encoder_decoder_lm_head, head_logits
 
 
 def cache_argument(module: torch.nn.Module) -> str:
@@ -77,7 +77,8 @@ class GenericDecoder:
     def __init__(self, generator: torch.nn.Module) -> None:
         check_generator(generator)
         self.generator = generator
-        self.decoder = generator.get_decoder()
+        self.parts = decoder_parts(generator)  # a composite's decoder body, transform, projection
+        self.decoder = self.parts.body
         self._cache_arg = cache_argument(self.decoder)
         self.lm = encoder_decoder_lm_head(generator)  # weight, bias (+ final_logits_bias), T5's output scale
         self.vocab_size = int(self.lm.weight.shape[0])
@@ -89,7 +90,8 @@ class GenericDecoder:
         out = self.generator.get_encoder()(
             input_ids=input_ids, attention_mask=attention_mask, return_dict=True
         )
-        return out.last_hidden_state
+        project = self.parts.project
+        return out.last_hidden_state if project is None else project(out.last_hidden_state)
 
     def cross_state(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> GenericCross:
         return GenericCross(hidden, attention_mask)
@@ -119,7 +121,8 @@ class GenericDecoder:
         out = self.decoder(input_ids=tokens, encoder_hidden_states=enc,
                            encoder_attention_mask=mask, use_cache=cache is not None,
                            return_dict=True, **{self._cache_arg: cache})
-        return out.last_hidden_state
+        transform = self.parts.transform
+        return out.last_hidden_state if transform is None else transform(out.last_hidden_state)
 
     def step(self, tokens: torch.Tensor, pos: int, cache: GenericCache, cross: GenericCross,
              Q: int) -> torch.Tensor:

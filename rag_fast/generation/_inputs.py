@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rag_fast._validation import check_context_length, check_decoding_scores
+from rag_fast._validation import check_context_length, check_decoding_scores, generator_positions
 from rag_fast.generation._decoder import check_generator
 
 
@@ -67,8 +67,7 @@ def resolve_inputs(
     if doc_scores.dtype.is_floating_point is False:
         raise ValueError(f"doc_scores must be floating point, got {doc_scores.dtype}")
     check_decoding_scores(doc_scores)
-    positions = getattr(generator.config, "max_position_embeddings", None)
-    check_context_length(context_input_ids, int(positions) if positions else None)
+    check_context_length(context_input_ids, generator_positions(generator.config, "context"))
     return GenerationInputs(generator, gen_config, rag_config, context_input_ids.long(),
                             context_attention_mask, doc_scores, B, K)
 

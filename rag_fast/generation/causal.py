@@ -55,7 +55,7 @@ from rag_fast._validation import check_decoding_scores
 from rag_fast.generation._generic_decoder import cache_argument
 from rag_fast.generation._inputs import check_rng
 from rag_fast.generation._search import DecodingSettings, settings_from
-from rag_fast.generation.heads import LMHead
+from rag_fast.generation.heads import LMHead, head_parent
 from rag_fast.generation.rag_sequence import check_decoding, rag_sequence_search
 from rag_fast.generation.rag_token import rag_token_search
 from rag_fast.ops import rag_sequence_nll
@@ -100,6 +100,13 @@ def check_causal(generator: nn.Module) -> None:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"generator's output embeddings must be nn.Linear, got "
                          f"{type(head).__name__}")
+    parent = head_parent(generator, head)
+    if parent is not None and parent is not generator and len(list(parent.children())) > 1:
+        raise ValueError(
+            f"generator {type(generator).__name__}'s LM head ({type(parent).__name__}) applies "
+            "more than a Linear to the last hidden state, which RagModel's LM head (and its "
+            "fused loss) assume; an encoder checkpoint (BERT, MiniLM, ...) is no decoder-only "
+            "generator: warm-start an encoder-decoder from it instead")
     body = backbone(generator)
     try:
         accepts = inspect.signature(body.forward).parameters

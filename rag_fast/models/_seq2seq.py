@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from rag_fast import _pool
-from rag_fast.generation.heads import LMHead, head_logits
+from rag_fast.generation.heads import LMHead, check_decoder_parts, decoder_parts, head_logits
 
 def check_seq2seq(generator: nn.Module) -> None:
     """Raise ValueError unless ``generator`` is a seq2seq LM RagModel can drive."""
@@ -48,6 +48,7 @@ def check_seq2seq(generator: nn.Module) -> None:
     head = generator.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"generator's output embeddings must be nn.Linear, got {type(head).__name__}")
+    check_decoder_parts(generator)  # a composite's decoder, read as states, transform and head
 
 
 def vocab_size(generator: nn.Module) -> int:
@@ -186,10 +187,12 @@ def encode(
     attention_mask: torch.Tensor,
     tied: TiedWeight | None = None,
 ):
-    """Encoder states ``[N, L, d]`` of the contexts ``[N, L]``."""
+    """Encoder states ``[N, L, d]`` of the contexts ``[N, L]``, as the decoder reads them (a
+    composite's projection applied, :func:`rag_fast.generation.heads.decoder_parts`)."""
     out = call_with_tied(generator.get_encoder(), tied, input_ids=input_ids,
                          attention_mask=attention_mask, return_dict=True)
-    return out.last_hidden_state
+    project = decoder_parts(generator).project
+    return out.last_hidden_state if project is None else project(out.last_hidden_state)
 
 
 def decode(
@@ -199,9 +202,12 @@ def decode(
     encoder_mask: torch.Tensor,
     tied: TiedWeight | None = None,
 ) -> torch.Tensor:
-    """Decoder states ``[N, T, d]`` (before the LM head's scale)."""
+    """Decoder states ``[N, T, d]`` (before the LM head's scale): what the LM head's Linear
+    reads (a composite's head transform applied: see
+    :func:`rag_fast.generation.heads.decoder_parts`)."""
+    parts = decoder_parts(generator)
     out = call_with_tied(
-        generator.get_decoder(),
+        parts.body,
         tied,
         input_ids=decoder_input_ids,
         encoder_hidden_states=encoder_states,
@@ -209,7 +215,8 @@ def decode(
         use_cache=False,
         return_dict=True,
     )
-    return out.last_hidden_state
+    states = out.last_hidden_state
+    return states if parts.transform is None else parts.transform(states)
 
 
 # Vocabulary columns per matmul in the CPU training path: a [512, d] slice of the LM head stays

@@ -178,6 +178,41 @@ def _generator_from_config(path: str, tokenizer: Any, seed: int) -> torch.nn.Mod
                          f"{model_type!r} model from it: {brief_error(e)}") from None
 
 
+def _warm_started_generator(name: str, tokenizer: Any, seed: int) -> torch.nn.Module:
+    """An encoder-decoder warm-started from the pretrained encoder ``name`` on both sides (the
+    BERT2BERT recipe of Rothe et al., 2020, ``transformers.EncoderDecoderModel``): the decoder
+    is the encoder's checkpoint as a causal LM with cross-attention added (its new weights,
+    and an LM head the checkpoint lacks, drawn with ``seed``); the start, end and pad tokens
+    are the tokenizer's (BERT's ``[CLS]``, ``[SEP]``, ``[PAD]``)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
+    if not family_of_config(config).decoder_only:
+        raise ValueError(f"generator_from_encoder {name!r} is an encoder-decoder model "
+                         f"({type(config).__name__}) already: give it as the generator")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"generator_from_encoder {name!r}: a {config.model_type!r} model cannot "
+                         "be a decoder (transformers has no causal LM of that type)")
+    ids = _special_ids(tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.EncoderDecoderModel.from_encoder_decoder_pretrained(
+            name, name, encoder_trust_remote_code=False, decoder_trust_remote_code=False)
+    vocab = model.config.decoder.vocab_size
+    if vocab < len(tokenizer):
+        raise ValueError(f"generator_from_encoder {name!r}: its vocabulary ({vocab}) is smaller "
+                         f"than its tokenizer's {len(tokenizer)} tokens")
+    # answers are trained as [start, tokens..., end]: decoding starts where training did
+    for config in (model.config, model.generation_config):
+        config.decoder_start_token_id = ids["bos_token_id"]
+        config.bos_token_id = ids["bos_token_id"]
+        config.eos_token_id = ids["eos_token_id"]
+        config.pad_token_id = ids["pad_token_id"]
+    return model
+
+
 def _check_source(value: str, what: str, config_ok: bool = False) -> None:
     """A model name, folder (or, with ``config_ok``, JSON config) argument that can only be a
     path (see ``looks_like_path``; or a ``.json`` name) and does not exist: a ValueError naming
@@ -252,7 +287,8 @@ def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
 
 def build_rag_model(
     *,
-    generator: str,
+    generator: str | None = None,
+    generator_from_encoder: str | None = None,
     question_encoder: str | None = None,
     index: str | None = None,
     generator_tokenizer: str | None = None,
@@ -269,6 +305,10 @@ def build_rag_model(
         generator: a seq2seq or decoder-only (``*ForCausalLM``) model name or folder, or a
             JSON config file (random weights; ``model_type`` "bart", "t5", ... or "qwen2",
             "llama", "gpt2", ...).
+        generator_from_encoder: instead of ``generator``, a pretrained encoder's name or folder
+            (BERT, MiniLM, ...) to warm-start an encoder-decoder from, on both sides
+            (``EncoderDecoderModel``; its tokenizer is the generator's unless
+            ``generator_tokenizer`` is given).
         question_encoder: an encoder name or folder; default: the index's question encoder.
         index: an index directory; its question encoder (and pooling) is used unless
             ``question_encoder`` is given, and the model records it for eval / generate.
@@ -295,12 +335,18 @@ def build_rag_model(
             raise ValueError("give question_encoder (a name or folder) or index (an index "
                              "directory whose question encoder to use)")
         question_encoder = spec["name"]
-    _check_source(generator, "generator", config_ok=True)
+    if (generator is None) == (generator_from_encoder is None):
+        raise ValueError("give exactly one of generator and generator_from_encoder")
+    if generator is None:
+        _check_source(generator_from_encoder, "generator_from_encoder")
+    else:
+        _check_source(generator, "generator", config_ok=True)
     if generator_tokenizer is not None:
         _check_source(generator_tokenizer, "generator_tokenizer")
     if question_encoder is not None:
         _check_source(question_encoder, "question_encoder")
-    is_config = os.path.isfile(generator) and generator.endswith(".json")
+    is_config = (generator is not None and os.path.isfile(generator)
+                 and generator.endswith(".json"))
     if is_config and generator_tokenizer is None:
         raise ValueError(f"generator {generator!r} is a config file: give generator_tokenizer "
                          "(a tokenizer name or folder) for its vocabulary")
@@ -317,11 +363,16 @@ def build_rag_model(
             if dim != int(spec["dim"]):
                 raise ValueError(f"question_encoder {question_encoder!r} gives {dim}-d vectors, "
                                  f"the index {index!r} holds {spec['dim']}-d passage vectors")
-        tok_name = generator_tokenizer or generator
-        tok_what = "generator_tokenizer" if generator_tokenizer else "generator"
+        tok_name = generator_tokenizer or generator or generator_from_encoder
+        tok_what = ("generator_tokenizer" if generator_tokenizer else
+                    "generator" if generator else "generator_from_encoder")
         verify_tokenizer_folder(tok_name, tok_what)  # one `tokenizer fit` wrote: unedited
         g_tok = _loading(tok_what, tok_name, lambda: _folder_tokenizer(tok_name, tok_what))
-        if is_config:
+        if generator_from_encoder is not None:
+            g_model = _loading("generator_from_encoder", generator_from_encoder,
+                               lambda: _warm_started_generator(generator_from_encoder, g_tok,
+                                                               seed))
+        elif is_config:
             g_model = _generator_from_config(generator, g_tok, seed)
         else:
             g_model = _loading("generator", generator,

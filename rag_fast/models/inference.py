@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from rag_fast._validation import generator_positions
 from rag_fast.models.build import check_n_docs
 from rag_fast.models.rag_model import RagModel
 from rag_fast.models.retriever_io import (check_same_encoder, load_retriever,
@@ -75,10 +76,8 @@ def check_new_tokens(model, max_new_tokens: int, flag: str = "--max-new-tokens")
     """Refuse more new tokens than the generator has positions (with a decoder-only one, the
     prompt's longest context included), before decoding allocates for them."""
     config = getattr(getattr(model, "generator", None), "config", None)
-    positions = getattr(config, "max_position_embeddings", None)
-    if not isinstance(positions, int):
-        positions = getattr(config, "n_positions", None)
-    if not isinstance(positions, int):
+    positions = None if config is None else generator_positions(config, "answer")
+    if positions is None:
         return  # relative positions (T5): no fixed bound
     room = positions - model.family.prompt_positions(model.max_context_length)
     if room < 1:

@@ -27,7 +27,7 @@ from torch import nn
 
 from rag_fast import _pool, _threads
 from rag_fast._stages import StageClock
-from rag_fast._validation import check_decoding_scores
+from rag_fast._validation import check_decoding_scores, generator_positions
 from rag_fast.generation import heads
 from rag_fast.models import _lean, _seq2seq
 from rag_fast.models.checkpoint import (load_model_dir, model_from_transformers, rag_config,
@@ -284,8 +284,7 @@ class RagModel(nn.Module):
     @property
     def max_positions(self) -> int | None:
         """The longest context the generator's position embeddings allow (None: no limit)."""
-        n = getattr(self.generator.config, "max_position_embeddings", None)
-        return int(n) if n else None
+        return generator_positions(self.generator.config, "context")
 
     def context_length(self) -> int:
         """Tokens a context is truncated to: ``max_context_length``, at most the generator's
