@@ -248,7 +248,8 @@ def verify_tokenizer_folder(folder: str | os.PathLike, what: str) -> bool:
 def _reserve(path: Path, shown: Path, nbytes: int) -> None:
     """Allocate ``nbytes`` for the file ``path`` (``shown`` in messages), which is written in
     full next: a disk without room says so now (:func:`rag_fast.storage.reserve_space`)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    with disk_errors(shown):  # no inode left for the file: said as a full disk, naming shown
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         reserve_space(fd, shown, nbytes)
     finally:

@@ -33,7 +33,7 @@ from rag_fast import _interrupt, _pool, _threads
 from rag_fast._quiet import restore_environment, set_verbose
 from rag_fast.cli import eval as eval_command
 from rag_fast.cli import generate, index, init, reseal, serve, tokenizer, train
-from rag_fast.storage import StorageError, output_lock
+from rag_fast.storage import StorageError, check_name_length, output_lock
 
 # top-level command -> its registrar (the order of `rag-fast --help`)
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
@@ -274,6 +274,8 @@ def _output_lock(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     parser = getattr(args, "_command_parser", None)
     attr, flag = OUTPUTS.get(getattr(parser, "prog", None), (None, None))
     value = getattr(args, attr, None) if attr else None
+    if value:  # (a name too long for the temporaries beside it: refused before any work)
+        check_name_length(value, flag)
     if not value or getattr(args, "shard", None):
         return contextlib.nullcontext()
     return output_lock(value, flag)

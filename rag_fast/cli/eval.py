@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.predictions is None) == (args.model is None):
         raise ValueError("give exactly one of --predictions FILE and --model DIR")
     check_positive(("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens))
+    if args.predictions is not None and args.out is not None:
+        raise ValueError("--out needs --model: scoring --predictions writes nothing (the "
+                         "metrics are printed; --json prints them as one JSON object)")
     if args.n_docs is not None:
         if args.model is None:
             raise ValueError("--n-docs needs --model (predictions retrieve nothing)")
@@ -113,7 +116,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--index", metavar="DIR", default=None,
                    help="index directory (default: the one the model records)")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="where predictions.jsonl and metrics.json go (default eval-<data name>)")
+                   help="with --model: where predictions.jsonl and metrics.json go (default "
+                        "eval-<data name>)")
     p.add_argument("--n-docs", type=int, default=None, metavar="N",
                    help="passages retrieved and marginalised over per question (default: the "
                         "model's n_docs); at least 1 and at most the index's passage count")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from rag_fast.cli.common import (check_positive, check_text, resolve_device,
                                  said_on_interrupt, warn)
-from rag_fast.evaluation.retrieval import (format_table, load_retrieval_data, retrieval_report,
-                                           write_retrieval_report)
+from rag_fast.evaluation.retrieval import (RETRIEVAL_FILES, format_table, load_retrieval_data,
+                                           retrieval_report, write_retrieval_report)
 from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
                                        open_bundle_search, read_tuning_questions,
                                        staging_folder)
@@ -292,7 +292,8 @@ def run_eval(args: argparse.Namespace) -> int:
     resolve_device(args.device, "--device")  # before anything is read
     if args.out is not None:
         check_apart(args.out, "--out", {"--data": args.data, "--index": args.index})
-        check_output_folder(args.out, RETRIEVAL_EVAL_KIND, reuse=True, flag="--out")
+        check_output_folder(args.out, RETRIEVAL_EVAL_KIND, reuse=True, flag="--out",
+                            files=RETRIEVAL_FILES)
     with warnings.catch_warnings(record=True) as said:  # the data's warnings: said at the end
         warnings.simplefilter("always")
         examples = load_retrieval_data(args.data)

@@ -119,13 +119,8 @@ def check_evaluation_folder(out: str | Path, flag: str = "--out") -> None:
         FileExistsError: naming ``flag`` and ``out`` (and the file).
     """
     if not _earlier_evaluation(Path(out)):
-        check_output_folder(out, EVAL_KIND, reuse=True, flag=flag)
-    for name in EVAL_FILES:  # refused now, not after the whole evaluation ran
-        path = Path(out) / name
-        if (path.exists() or path.is_symlink()) and not path.is_file():
-            raise FileExistsError(f"{flag} {str(out)!r} holds {name} as something other than "
-                                  "a file (a folder, a device, a dangling link); refused: "
-                                  "move it away or choose another path")
+        # its files: refused now if not files, not after the whole evaluation ran
+        check_output_folder(out, EVAL_KIND, reuse=True, flag=flag, files=EVAL_FILES)
 
 
 __all__ = ["EVAL_FILES", "PASSAGE_TEXT_CHARS", "check_evaluation_folder", "passage_record",

@@ -327,7 +327,10 @@ class ShardedIndex:
                 raise ValueError(f"directory: {str(root)!r} has no readable key.json (not a staging "
                                  "directory of `rag-fast index build --shard`)") from None
             store = PassageStore.load(root / "passages", verify=verify)
-            emb = np.load(path, mmap_mode="r")
+            try:  # object arrays cannot be mapped, a bad header cannot be read
+                emb = np.load(path, mmap_mode="r")
+            except (ValueError, OSError, EOFError) as e:
+                raise ValueError(f"directory: {path} is not a shard of embeddings ({e})") from None
             lo, hi = shard_rows(len(store), (i, n))
             if emb.ndim != 2 or emb.shape[0] != hi - lo:
                 raise ValueError(f"directory: {path.name} has shape {emb.shape}, shard {i}/{n} of "

@@ -31,9 +31,9 @@ from .manifests import (check_files_entry, check_seal, content_digest, describe_
                         write_manifest)
 from .swap import (exchange, pid_alive, private_folder, recover_directory, remove_leftovers,
                    sibling)
-from .disk import (append_line, atomic_file, atomic_write, atomic_write_bytes, disk_errors,
-                   disk_free, fsync_dir, fsync_tree, is_no_space, no_space, NoSpaceError,
-                   reserve_space, write_synced)
+from .disk import (append_line, atomic_file, atomic_write, atomic_write_bytes, check_name_length,
+                   disk_errors, disk_free, fsync_dir, fsync_tree, is_no_space, no_space,
+                   NoSpaceError, reserve_space, write_synced)
 from .folders import (atomic_directory, check_apart, check_output_file, check_output_folder,
                       EVAL_KIND, folder_kind, new_folder_removed_on_failure, OUTPUT_MARKER, REFRESHED_KIND,
                       RETRIEVAL_EVAL_KIND, RUN_KIND, TOKENIZER_KIND, unlisted_files, write_marker)
@@ -46,6 +46,7 @@ __all__ = [
     "atomic_file",
     "atomic_write",
     "atomic_write_bytes",
+    "check_name_length",
     "check_apart",
     "check_files_entry",
     "check_output_file",

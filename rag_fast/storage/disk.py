@@ -105,6 +105,34 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", hidden: bool = False) 
             os.remove(tmp)
 
 
+# the most a name written beside an output adds to the output's own name, with room to spare:
+# a hidden temporary of its staging folder, ".NAME.staging.trash-PID-HEX" (a dot, ".staging",
+# the longest tag ".trash-", a pid of up to 7 digits, "-", 8 hexadecimal digits)
+NAME_ROOM = 1 + len(".staging") + len(".trash-") + 7 + 1 + 8
+
+
+def check_name_length(out: str | os.PathLike, flag: str) -> None:
+    """Refuse an output whose name leaves no room, under the filesystem's limit on a name
+    (``NAME_MAX``, 255 bytes on Linux), for the temporaries and staging folders written beside
+    it (:data:`NAME_ROOM` bytes more), before any work.
+
+    Raises:
+        ValueError: naming ``flag`` and ``out``, and the longest name that works.
+    """
+    name = os.path.basename(os.fspath(out).rstrip(os.sep))
+    folder = os.path.dirname(os.path.abspath(os.fspath(out).rstrip(os.sep)))
+    try:
+        limit = os.pathconf(folder if os.path.isdir(folder) else ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    size = len(os.fsencode(name))
+    if size + NAME_ROOM > limit:
+        raise ValueError(f"{flag} {os.fspath(out)!r}: its name is {size} bytes long, and the "
+                         f"files rag_fast writes beside it while it works add up to {NAME_ROOM} "
+                         f"more, past the filesystem's {limit}-byte limit on a name; use a "
+                         f"name of at most {limit - NAME_ROOM} bytes")
+
+
 # what atomic_file names its temporaries: NAME.tmp-PID-HEX (hidden: .NAME.tmp-PID-HEX)
 TEMPORARY = re.compile(r"(?P<hidden>\.?)(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
 

@@ -130,7 +130,7 @@ def _only_dead_writers_files(path: Path) -> bool:
 
 def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = False,
                         flag: str = "output", reuse: bool = False,
-                        links_checked: bool = False) -> None:
+                        links_checked: bool = False, files: Iterable[str] = ()) -> None:
     """Refuse to write the folder ``out`` where that could destroy what rag_fast did not write.
 
     ``out`` may be missing or an empty folder. An existing folder of the same ``kind`` (its
@@ -140,12 +140,20 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
     write, or (unless ``reuse``) a symbolic link, which a replacement would swap out. A folder
     written into again (``reuse``) may hold no symbolic link, which writing would replace,
     unless the caller checks the links itself (``links_checked``: a training run refuses those
-    that lead out of it).
+    that lead out of it). ``files``: the names the command writes in the folder; each one
+    there must be a regular file (a folder or a device in its place is refused now, before the
+    work, not when the file is written).
 
     Raises:
         FileExistsError: naming ``flag`` and ``out``, and what to do instead.
     """
     out = Path(out)
+    for name in files:
+        path = out / name
+        if out.is_dir() and (path.exists() or path.is_symlink()) and not path.is_file():
+            raise FileExistsError(f"{flag} {str(out)!r} holds {name} as something other than "
+                                  "a file (a folder, a device, a dangling link); refused: "
+                                  "move it away or choose another path")
     words = KIND_WORDS.get(kind, kind)
     recover_directory(out)
     if out.is_symlink() and not reuse:  # replacing it would replace the link, not its target
@@ -194,6 +202,11 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
                           "or an empty folder")
 
 
+# the longest line check_output_file reads of an existing file (the readers' bound,
+# rag_fast._jsonl.MAX_LINE_BYTES: no output of ours holds a longer one)
+_OUTPUT_LINE_BYTES = 64 << 20
+
+
 def check_output_file(out: str, flag: str, ours: Callable[[object], bool], what: str) -> None:
     """Refuse to write the file ``out`` where that could destroy what rag_fast did not write:
     it may be missing (in an existing folder), or a file every line of which is a JSON value
@@ -224,10 +237,15 @@ def check_output_file(out: str, flag: str, ours: Callable[[object], bool], what:
     if path.stat().st_size == 0:  # never an output (those hold a line per question)
         raise FileExistsError(f"{flag} {out!r} exists (an empty file rag_fast did not write); "
                               "refused: choose another path")
-    try:
-        with open(path, encoding="utf-8") as f:
-            mine = all(ours(json.loads(line)) for line in f if line.strip())
-    except (OSError, ValueError, RecursionError):
+    mine = True
+    try:  # a line at a time, never more than the readers' bound: a file's size sets no memory
+        with open(path, "rb") as f:
+            while mine and (raw := f.readline(_OUTPUT_LINE_BYTES + 1)):
+                if len(raw) > _OUTPUT_LINE_BYTES:
+                    mine = False  # no output of ours holds a line this long
+                elif raw.strip():
+                    mine = bool(ours(json.loads(raw.decode("utf-8"))))
+    except (OSError, ValueError, RecursionError, MemoryError):
         mine = False
     if not mine:
         raise FileExistsError(f"{flag} {out!r} exists and is not {what}; refused (it is never "
@@ -269,7 +287,8 @@ def check_apart(out: str | os.PathLike, flag: str, inputs: dict[str, object]) ->
 def write_marker(folder: str | os.PathLike, kind: str, **extra) -> None:
     """Mark ``folder`` (created if missing) as a rag_fast output of ``kind`` (atomically)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    with disk.disk_errors(folder):  # no inode left for the folder: a full disk, naming it
+        folder.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(folder / OUTPUT_MARKER, json.dumps(
         {"kind": kind, "format": 1, **extra}, indent=1, sort_keys=True).encode("utf-8"))
 

@@ -34,9 +34,15 @@ class RaggedArray:
 
     @classmethod
     def load(cls, root: Path, name: str, dtype: np.dtype) -> "RaggedArray":
-        offsets = np.load(root / f"{name}.offsets.npy", mmap_mode="r")
+        where = root / f"{name}.offsets.npy"
+        try:  # object arrays (a pickle) cannot be mapped, nor can a bad header be read
+            offsets = np.load(where, mmap_mode="r")
+        except (ValueError, EOFError) as e:
+            raise StorageError(f"{str(where)!r} is not an offsets array ({e})") from None
         path = root / f"{name}.values.bin"
         count = path.stat().st_size // np.dtype(dtype).itemsize
+        if offsets.dtype.kind not in "iu":
+            raise StorageError(f"{str(where)!r} holds {offsets.dtype} values, not integer offsets")
         if offsets.ndim != 1 or len(offsets) < 1 or int(offsets[-1]) != count:
             raise StorageError(f"ragged array {name!r} under {str(root)!r}: offsets do not match values")
         # np.memmap cannot map an empty file.

@@ -463,8 +463,7 @@ def test_eval_predictions_that_are_no_file_are_refused_unopened(world, tmp_path,
     path = tmp_path / "p.fifo" if kind == "fifo" else "/dev/zero"
     if kind == "fifo":
         os.mkfifo(path)
-    code, err = run_cli("eval", "--predictions", path, "--data", world["dev"], "--out",
-                        tmp_path / "e")
+    code, err = run_cli("eval", "--predictions", path, "--data", world["dev"])
     one_error(code, err, "--predictions", "not a regular file")
 
 
