@@ -206,7 +206,9 @@ def not_a_folder(path) -> str:
 
 def brief_error(exc: BaseException, limit: int = 300) -> str:
     """An exception's message on one line (whitespace collapsed), at most ``limit`` characters:
-    a library's multi-line or very long message inside one of ours."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    a library's multi-line or very long message inside one of ours. torch's C++ context
+    ("Exception raised from ... frame #0 ...") is left out."""
+    text = str(exc).split("Exception raised from ")[0]
+    text = " ".join(text.split()) or type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

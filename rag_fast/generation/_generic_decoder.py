@@ -128,8 +128,10 @@ class GenericDecoder:
              Q: int) -> torch.Tensor:
         """One incremental step: ``tokens [E*Q]`` at position ``pos`` -> hidden ``[E*Q, d]``."""
         have = cache.hf.get_seq_length()
-        if have != pos:
-            raise RuntimeError(f"decoder cache holds {have} positions, step asked for {pos}")
+        if have != pos:  # (a decoder of no layers, say: an edited config)
+            raise ValueError(f"the generator's decoder cached {have} positions where {pos} were "
+                             "decoded: a decoder that keeps no cache (one without layers) "
+                             "cannot be decoded step by step")
         return self._run(tokens[:, None], cross, Q, cache.hf)[:, 0]
 
     def reorder_cache(self, cache: GenericCache, rows: torch.Tensor, length: int) -> None:

@@ -316,6 +316,14 @@ def settings_from(
                 f"{wanted} are not supported by this decoder (it applies min length and forced "
                 "BOS/EOS only); unset them to decode here"
             )
+    special = {"decoder_start_token_id": start, "eos_token_id": eos,
+               "forced_bos_token_id": _pick(forced_bos_token_id, cfg("forced_bos_token_id")),
+               "forced_eos_token_id": _pick(forced_eos_token_id, cfg("forced_eos_token_id"))}
+    for name, value in special.items():  # (an edited generation config: one line, not a crash)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)
+                                  or not 0 <= value < vocab_size):
+            raise ValueError(f"{name} {value!r} is not a token id of the generator's "
+                             f"vocabulary (0..{vocab_size - 1}); check the generation config")
     return DecodingSettings(
         do_sample=sample,
         temperature=float(temp),

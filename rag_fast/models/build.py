@@ -237,10 +237,20 @@ def _loading(what: str, name: str, load):
     except RecursionError:  # transformers' json.load of a file nested too deeply
         raise ValueError(f"{what} {name!r}: a JSON file of it is nested too deeply to be "
                          "read") from None
-    except (OSError, ValueError) as e:
-        if isinstance(e, OSError) or needs_code(e):
-            raise unloadable(what, name, e) from None
-        raise
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        if isinstance(e, ValueError) and str(e).startswith(f"{what} "):
+            raise  # rag_fast's own line, naming what
+        if isinstance(e, RuntimeError) and "allocate" in str(e):
+            raise  # out of memory: said as such by the command line
+        # transformers' own failure on the files (a config that does not fit the weights,
+        # a model type it does not know, code it would have to run): one line naming what
+        raise unloadable(what, name, e) from None
+
+
+# the files a transformers tokenizer is read from (one of them at least, in a folder)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
+                    "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model",
+                    "source.spm")
 
 
 def _folder_tokenizer(name: str, what: str) -> Any:
@@ -249,6 +259,11 @@ def _folder_tokenizer(name: str, what: str) -> Any:
     ``what`` and the folder."""
     import transformers
 
+    if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f))
+                                       for f in _TOKENIZER_FILES):
+        hint = "" if what == "generator_tokenizer" else ": give --generator-tokenizer"
+        raise ValueError(f"{what} {name!r} holds no tokenizer (none of "
+                         f"{', '.join(_TOKENIZER_FILES[:3])}, ...){hint}")
     try:
         return transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     except json.JSONDecodeError as exc:
@@ -264,6 +279,23 @@ def _folder_tokenizer(name: str, what: str) -> Any:
                          f"({type(exc).__name__}: {brief_error(exc)})") from None
 
 
+_RAG_HINT = (": a RAG model folder (train it further with `rag-fast train --model`, or give "
+             "the generator it was made from)")
+
+
+def _refuse_rag_folder(name: str) -> None:
+    """A RAG model folder given as the generator (its config.json's model_type "rag"), said
+    before its tokenizer is looked for (a RAG folder keeps its tokenizers in subfolders)."""
+    try:
+        with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return  # the loaders say what is wrong with it
+    if model_type == "rag":
+        raise ValueError(f"generator {name!r} is a 'rag' model (RagConfig), no generator "
+                         f"transformers can build{_RAG_HINT}")
+
+
 def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
     """A seq2seq or decoder-only generator with weights, by name or folder (the config's
     ``is_encoder_decoder`` decides). A decoder-only one without a pad token gets the
@@ -272,6 +304,14 @@ def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
 
     config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     family = family_of_config(config)
+    from transformers.models.auto import modeling_auto
+
+    known = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if family.decoder_only else
+             modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    if config.model_type not in known:
+        raise ValueError(f"generator {name!r} is a {config.model_type!r} model "
+                         f"({type(config).__name__}), no {family.name} generator transformers "
+                         f"can build{_RAG_HINT if config.model_type == 'rag' else ''}")
     model = getattr(transformers, family.auto_class).from_pretrained(name, trust_remote_code=False)
     if not family.decoder_only:
         return model
@@ -341,6 +381,8 @@ def build_rag_model(
         _check_source(generator_from_encoder, "generator_from_encoder")
     else:
         _check_source(generator, "generator", config_ok=True)
+        if os.path.isdir(generator):
+            _refuse_rag_folder(generator)
     if generator_tokenizer is not None:
         _check_source(generator_tokenizer, "generator_tokenizer")
     if question_encoder is not None:

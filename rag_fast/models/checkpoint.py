@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rag_fast import _pool
-from rag_fast._validation import not_a_folder
+from rag_fast._validation import brief_error, not_a_folder
 from rag_fast._quiet import quiet_transformers
 from rag_fast.models.family import LAYOUT_CAUSAL, LAYOUT_RAG
 from rag_fast.retrieval.encoders import unloadable
@@ -426,7 +426,7 @@ def load_model_dir(
         try:
             hf = getattr(transformers, arch).from_pretrained(path, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001  (whatever fails: one line)
-            raise ModelDirError(f"{path}: the weights do not load: {e}") from None
+            raise ModelDirError(f"{path}: the weights do not load: {brief_error(e)}") from None
         tokenizers = _load_tokenizers(path)
         generation_config = _generation_config(path)
     if side is None:  # a transformers folder: settings from its RagConfig

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from rag_fast._threads import check_threads
+from rag_fast.storage.disk import NAME_ROOM
 from rag_fast.training.refresh import REFRESH_ENCODERS
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -238,10 +239,13 @@ def _check_run_files(*files: tuple[str, str | None]) -> None:
             raise ValueError(f"{name} must name a file, not a folder (no trailing '/'), got "
                              f"{value!r}")
         longest = max(parts, key=lambda p: len(p.encode("utf-8", "surrogatepass")))
-        if len(longest.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        # (the file is rewritten through a temporary beside it, NAME.tmp-PID-HEX: room kept)
+        most = MAX_NAME_BYTES - NAME_ROOM
+        if len(longest.encode("utf-8", "surrogatepass")) > most:
             raise ValueError(f"{name}: the name {longest[:40]!r}... is "
                              f"{len(longest.encode('utf-8', 'surrogatepass'))} bytes, more than "
-                             f"the {MAX_NAME_BYTES} a file name may have")
+                             f"the {most} a run file's name may have (the {MAX_NAME_BYTES} of "
+                             f"a file name, less {NAME_ROOM} for the temporaries beside it)")
         if len(parts) > MAX_RUN_FILE_DEPTH:
             raise ValueError(f"{name}: {len(parts)} folders deep, more than "
                              f"{MAX_RUN_FILE_DEPTH} (got {value[:60]!r}...)")

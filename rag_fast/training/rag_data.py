@@ -1,11 +1,17 @@
 """Batches of question-answer examples for RagModel training."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Sequence
 
 import torch
 
+from rag_fast._validation import generator_positions
 from rag_fast.evaluation.data import QAExample
+
+
+class AnswerCutWarning(UserWarning):
+    """Training answers were cut to the positions of the generator's decoder."""
 
 
 def encode_targets(model, texts: Sequence[str]) -> torch.Tensor:
@@ -36,6 +42,15 @@ def encode_targets(model, texts: Sequence[str]) -> torch.Tensor:
     eos = int(eos)
     head = model.family.answer_start(model)  # [start (, BOS)], or nothing for decoder-only
     rows = [[*head, *tokenizer(t, add_special_tokens=False)["input_ids"], eos] for t in texts]
+    # an encoder-decoder's decoder reads row[:-1]: at most its positions (a decoder-only
+    # generator's prompt and answer share them; its length check names both)
+    positions = (None if model.family.decoder_only
+                 else generator_positions(model.generator.config, "answer"))
+    if positions is not None and any(len(row) > positions + 1 for row in rows):
+        rows = [row if len(row) <= positions + 1 else [*row[:positions], eos] for row in rows]
+        warnings.warn(f"answers longer than the generator's decoder has positions for "
+                      f"({positions}) are cut to fit them, their end token kept",
+                      AnswerCutWarning, stacklevel=2)
     fill = model.family.label_padding(model.pad_token_id)
     labels = torch.full((len(rows), max(map(len, rows))), fill, dtype=torch.long)
     for i, row in enumerate(rows):

@@ -301,9 +301,9 @@ def test_a_model_s_side_file_that_is_no_file_is_refused_not_skipped(world, copy_
 
 @pytest.mark.parametrize("key,value,words", [
     ("metrics_file", "d/" * 3000 + "m.jsonl", "3001 folders deep"),   # a RecursionError, exit 1
-    ("metrics_file", "m" * 300, "300 bytes, more than the 255"),      # failed after a step
+    ("metrics_file", "m" * 300, "300 bytes, more than the 223"),      # failed after a step
     ("metrics_file", "m.jsonl/", "must name a file, not a folder"),   # failed after a step
-    ("plot_file", "p" * 300 + ".png", "304 bytes, more than the 255"),  # trained, plot lost
+    ("plot_file", "p" * 300 + ".png", "304 bytes, more than the 223"),  # trained, plot lost
 ])
 def test_run_file_names_the_filesystem_cannot_hold_are_refused_before_the_run(
         world, tmp_path, key, value, words):
