@@ -271,7 +271,7 @@ def _staging_worker(rank, world, root, local_stores, emb, queries, query_sizes):
     assert torch.equal(inputs2, inputs) and torch.equal(mask2, mask)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [3])  # a rank with no query, and more than two ranks
 def test_from_staging_and_generator_inputs(tmp_path, world):
     from rag_fast.retrieval.encoders import shard_rows
 
