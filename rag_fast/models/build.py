@@ -237,10 +237,10 @@ def _loading(what: str, name: str, load):
     except RecursionError:  # transformers' json.load of a file nested too deeply
         raise ValueError(f"{what} {name!r}: a JSON file of it is nested too deeply to be "
                          "read") from None
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001  (transformers', safetensors' own failures)
         if isinstance(e, ValueError) and str(e).startswith(f"{what} "):
             raise  # rag_fast's own line, naming what
-        if isinstance(e, RuntimeError) and "allocate" in str(e):
+        if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "allocate" in str(e)):
             raise  # out of memory: said as such by the command line
         # transformers' own failure on the files (a config that does not fit the weights,
         # a model type it does not know, code it would have to run): one line naming what
@@ -265,7 +265,9 @@ def _folder_tokenizer(name: str, what: str) -> Any:
         raise ValueError(f"{what} {name!r} holds no tokenizer (none of "
                          f"{', '.join(_TOKENIZER_FILES[:3])}, ...){hint}")
     try:
-        return transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        specials = len(set(tokenizer.all_special_ids))
+        tokenizer("a b 1")  # (a WordPiece vocabulary without its [UNK] fails here, not later)
     except json.JSONDecodeError as exc:
         if not os.path.isdir(name):
             raise
@@ -277,6 +279,10 @@ def _folder_tokenizer(name: str, what: str) -> Any:
             raise
         raise ValueError(f"{what} {name!r}: its files cannot be read as a tokenizer "
                          f"({type(exc).__name__}: {brief_error(exc)})") from None
+    if len(tokenizer) <= specials:  # (a folder of a config alone, an empty vocabulary)
+        raise ValueError(f"{what} {name!r}: its tokenizer holds only its {specials} special "
+                         "tokens, no vocabulary to write answers with")
+    return tokenizer
 
 
 _RAG_HINT = (": a RAG model folder (train it further with `rag-fast train --model`, or give "

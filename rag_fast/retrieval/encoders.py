@@ -168,9 +168,16 @@ class Encoder:
             model_cls = getattr(transformers, arch)
         else:
             model_cls = transformers.AutoModel
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path,
-                                                                     trust_remote_code=False)
-        self.model = model_cls.from_pretrained(name_or_path, trust_remote_code=False).to(self.device, dtype).eval()
+        try:  # the library's failure on the folder's files (a damaged safetensors, ...)
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path,
+                                                                         trust_remote_code=False)
+            model = model_cls.from_pretrained(name_or_path, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, MemoryError) or (isinstance(e, RuntimeError)
+                                              and "allocate" in str(e)):
+                raise
+            raise unloadable("encoder", name_or_path, e) from None
+        self.model = model.to(self.device, dtype).eval()
         st = sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
         if pooling == "auto":
             pooling = "pooler" if self.is_dpr else (st[0] if st else "cls")
