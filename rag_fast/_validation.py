@@ -204,6 +204,16 @@ def not_a_folder(path) -> str:
     return "is not a folder (a device or a pipe?)"
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed for want of memory: Python's MemoryError,
+    torch's CPU allocator ("can't allocate memory") or its CUDA OutOfMemoryError."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in text or type(exc).__name__ == "OutOfMemoryError")
+
+
 def brief_error(exc: BaseException, limit: int = 300) -> str:
     """An exception's message on one line (whitespace collapsed), at most ``limit`` characters:
     a library's multi-line or very long message inside one of ours. torch's C++ context

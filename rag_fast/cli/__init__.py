@@ -30,6 +30,7 @@ import warnings
 from typing import Callable
 
 from rag_fast import _interrupt, _pool, _threads
+from rag_fast._validation import out_of_memory
 from rag_fast._quiet import restore_environment, set_verbose
 from rag_fast.cli import eval as eval_command
 from rag_fast.cli import generate, index, init, reseal, serve, tokenizer, train
@@ -315,7 +316,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     except Exception as exc:  # noqa: BLE001  (a bug: said in one line, traceback kept)
         _end_progress_bars()
-        if _out_of_memory(exc):  # a request too large for the machine: the user's to change
+        if out_of_memory(exc):  # a request too large for the machine: the user's to change
             print(f"rag-fast: error: out of memory ({_allocation(exc)}): ask for less (a "
                   "smaller --batch-size, --num-beams, --max-new-tokens, --n-docs or model), "
                   "or use a machine with more memory", file=sys.stderr)
@@ -347,16 +348,6 @@ class _NamedStdout:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation that failed for want of memory: Python's MemoryError,
-    torch's CPU allocator ("can't allocate memory") or its CUDA OutOfMemoryError."""
-    if isinstance(exc, MemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and (
-        "can't allocate memory" in text or type(exc).__name__ == "OutOfMemoryError")
 
 
 def _allocation(exc: BaseException) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rag_fast._quiet import quiet_transformers
-from rag_fast._validation import brief_error, not_a_file
+from rag_fast._validation import brief_error, not_a_file, out_of_memory
 from rag_fast.models.family import family_of_config
 from rag_fast.models.options import check_arguments
 from rag_fast.models.rag_model import RagModel
@@ -240,8 +240,8 @@ def _loading(what: str, name: str, load):
     except Exception as e:  # noqa: BLE001  (transformers', safetensors' own failures)
         if isinstance(e, ValueError) and str(e).startswith(f"{what} "):
             raise  # rag_fast's own line, naming what
-        if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "allocate" in str(e)):
-            raise  # out of memory: said as such by the command line
+        if out_of_memory(e):
+            raise  # said as such by the command line
         # transformers' own failure on the files (a config that does not fit the weights,
         # a model type it does not know, code it would have to run): one line naming what
         raise unloadable(what, name, e) from None

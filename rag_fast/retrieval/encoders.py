@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rag_fast._validation import brief_error
+from rag_fast._validation import brief_error, out_of_memory
 from rag_fast.storage import atomic_file, no_space, reserve_space
 from rag_fast.retrieval.passages import PassageStore
 
@@ -173,9 +173,8 @@ class Encoder:
                                                                          trust_remote_code=False)
             model = model_cls.from_pretrained(name_or_path, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001
-            if isinstance(e, MemoryError) or (isinstance(e, RuntimeError)
-                                              and "allocate" in str(e)):
-                raise
+            if out_of_memory(e):
+                raise  # said as such by the command line
             raise unloadable("encoder", name_or_path, e) from None
         self.model = model.to(self.device, dtype).eval()
         st = sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
