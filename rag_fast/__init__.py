@@ -27,29 +27,19 @@ if _threads.is_command():
 # (set before torch loads OpenMP; a library user's process is left alone)
 _threads.command_wait_policy()
 
-from rag_fast import _ext, reference  # noqa: E402  (loads torch)
-from rag_fast._pool import empty_cache, pool_info  # noqa: E402
-from rag_fast._threads import get_threads, set_threads  # noqa: E402
-from rag_fast.integrations import use_fused_losses  # noqa: E402
-from rag_fast.ops import (  # noqa: E402
-    linear_rag_nll,
-    rag_sequence_nll,
-    rag_token_beam_step,
-    rag_token_marginal,
-    rag_token_nll,
-)
+from rag_fast._threads import get_threads, set_threads  # noqa: E402  (torch on first call)
 
 __version__ = "0.1.0"
 
-if _ext._source_checkout() is not None:  # imported from a checkout: say now (once) when its
-    _ext.available()                       # extension is missing, not at the first op
-
-try:  # RAG_FAST_THREADS: the thread count for this process
-    _threads.apply_env()
-except ValueError:  # not an import error: RagModel and the rag-fast command report it, as they
-    pass            # do a bad RAG_FAST_POOL_MB, before any work
-
 _LAZY = {
+    "empty_cache": "rag_fast._pool",
+    "pool_info": "rag_fast._pool",
+    "use_fused_losses": "rag_fast.integrations",
+    "linear_rag_nll": "rag_fast.ops",
+    "rag_sequence_nll": "rag_fast.ops",
+    "rag_token_beam_step": "rag_fast.ops",
+    "rag_token_marginal": "rag_fast.ops",
+    "rag_token_nll": "rag_fast.ops",
     "PassageStore": "rag_fast.retrieval",
     "Encoder": "rag_fast.retrieval",
     "DenseIndex": "rag_fast.retrieval",
@@ -68,6 +58,29 @@ _LAZY = {
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
+# A library user's `import rag_fast` loads torch, the kernels and the ops now, as their code
+# will use them; the rag-fast command loads them once its arguments are parsed
+# (rag_fast.cli.runner), so that `rag-fast --help` or a mistyped flag answers without the
+# seconds torch takes (their names above are then imported on first use)
+if not _threads.is_command():
+    from rag_fast import _ext, reference  # noqa: E402,F401  (loads torch)
+    from rag_fast._pool import empty_cache, pool_info  # noqa: E402,F401
+    from rag_fast.integrations import use_fused_losses  # noqa: E402,F401
+    from rag_fast.ops import (  # noqa: E402,F401
+        linear_rag_nll,
+        rag_sequence_nll,
+        rag_token_beam_step,
+        rag_token_marginal,
+        rag_token_nll,
+    )
+
+    if _ext._source_checkout() is not None:  # imported from a checkout: say now (once) when
+        _ext.available()                       # its extension is missing, not at the first op
+
+    try:  # RAG_FAST_THREADS: the thread count for this process (the command applies it itself)
+        _threads.apply_env()
+    except ValueError:  # not an import error: RagModel reports it, as it does a bad
+        pass            # RAG_FAST_POOL_MB, before any work
 
 __all__ = [
     "__version__",

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+from rag_fast._defaults import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE
 from rag_fast._jsonl import MAX_TEXT_CHARS, check_regular_file
 from rag_fast.evaluation.data import load_qa
 from rag_fast.retrieval.passages import passage_files, read_passages
@@ -69,10 +70,10 @@ from rag_fast.storage import (
 SPECIAL_TOKENS = (("<s>", "bos"), ("<pad>", "pad"), ("</s>", "eos"), ("<unk>", "unk"),
                   ("<mask>", "mask"))
 BYTES = 256  # the byte-level alphabet: one token per byte value
-MIN_VOCAB_SIZE = BYTES + len(SPECIAL_TOKENS)
-# 4x the largest vocabularies in use (about 256k tokens): the tokenizers library sets aside
-# memory for every token asked for before it reads a text (70 GB for 10**9, then an abort)
-MAX_VOCAB_SIZE = 1 << 20
+# MIN_VOCAB_SIZE (rag_fast._defaults, where the command's parser reads it) is BYTES + the special
+# tokens; MAX_VOCAB_SIZE is 4x the largest vocabularies in use (about 256k tokens): the
+# tokenizers library sets aside memory for every token asked for before it reads a text (70 GB
+# for 10**9, then an abort)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -363,7 +363,7 @@ def test_set_and_the_short_flags_override_the_config(setup, tmp_path, monkeypatc
 
 
 def test_set_values_are_json_when_they_parse():
-    from rag_fast.cli.train import parse_value
+    from rag_fast.cli.parsers import parse_value
 
     assert [parse_value(t) for t in ("20", "1e-4", "true", "null", "[0.9, 0.99]", '"20"', "cpu",
                                      "", "{bad")] == [

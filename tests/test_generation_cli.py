@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from rag_fast.cli import generate as cli
+from rag_fast.cli.parsers import add_generate
 from rag_fast.testing import tiny_hf_rag
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rag-fast")
-    cli.register(parser.add_subparsers(dest="command", required=True))
+    add_generate(parser.add_subparsers(dest="command", required=True))
     return parser
 
 

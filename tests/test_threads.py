@@ -250,12 +250,13 @@ def test_the_trainer_fixes_or_adapts_threads_and_restores_them(monkeypatch):
 
 def test_a_command_says_a_warning_in_one_line_and_restores_python_s_format(monkeypatch, capsys):
     import rag_fast.cli as cli
+    import rag_fast.cli.runner as runner
 
     def warn_then_go_on(args):
         warnings.warn("steps are\n   slow", UserWarning)
         return None
 
-    monkeypatch.setattr(cli, "apply_threads", warn_then_go_on)
+    monkeypatch.setattr(runner, "apply_threads", warn_then_go_on)
     before = warnings.showwarning
     with warnings.catch_warnings():
         warnings.simplefilter("always")

@@ -12,42 +12,27 @@
     rag-fast reseal DIR                  accept a hand edit of a model's or an index's manifest
 
 One module per top-level command (``index``, ``tokenizer``, ``reseal``, ``init``, ``train``,
-``eval``, ``generate``): its ``register(subparsers)`` adds the sub-parser and sets ``func``, which parses
-nothing more and calls the library. :data:`COMMANDS` lists them; :mod:`rag_fast.cli.common`
-holds what several commands share. This module holds the error contract: errors the user can
-fix (bad arguments, missing or corrupt files) print one line and exit 2; an unexpected error
-prints one line and exits 1 with the traceback in a file; Ctrl-C exits 130, saying what was
-kept (a command that knows more sets ``args.on_interrupt``, as ``train`` does to name its last
-checkpoint and the command that resumes from it). Third-party logs and progress bars are off
-unless ``--verbose``.
+``eval``, ``generate``, ``serve``) holds what it runs, which parses nothing more and calls the
+library; :mod:`rag_fast.cli.parsers` holds every command's options (``COMMANDS``) and imports
+nothing heavy, so that ``rag-fast --help`` and a usage error answer without loading torch;
+:mod:`rag_fast.cli.common` holds what several commands share. The error contract
+(:mod:`rag_fast.cli.runner`, loaded with torch once the command line is parsed): errors the user
+can fix (bad arguments, missing or corrupt files) print one line and exit 2; an unexpected
+error prints one line and exits 1 with the traceback in a file; Ctrl-C exits 130, saying what
+was kept (a command that knows more sets ``args.on_interrupt``, as ``train`` does to name its
+last checkpoint and the command that resumes from it). Third-party logs and progress bars are
+off unless ``--verbose``.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib
 import sys
 import warnings
-from typing import Callable
 
-from rag_fast import _interrupt, _pool, _threads
-from rag_fast._validation import out_of_memory
+from rag_fast import _interrupt, _threads
 from rag_fast._quiet import restore_environment, set_verbose
-from rag_fast.cli import eval as eval_command
-from rag_fast.cli import generate, index, init, reseal, serve, tokenizer, train
-from rag_fast.storage import StorageError, check_name_length, output_lock
-
-# top-level command -> its registrar (the order of `rag-fast --help`)
-COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
-    "index": index.register,
-    "tokenizer": tokenizer.register,
-    "reseal": reseal.register,
-    "init": init.register,
-    "train": train.register,
-    "eval": eval_command.register,
-    "generate": generate.register,
-    "serve": serve.register,
-}
-
+from rag_fast.cli.parsers import COMMANDS
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, except that a command given an option it does not know reports that
@@ -161,19 +146,6 @@ def _unknown_options(parser: argparse.ArgumentParser, extra: list[str]) -> None:
                  + (f" ({'; '.join(hints)})" if hints else ""))
 
 
-def _end_progress_bars() -> None:
-    """Close the progress bars a failed command left open, so that its error starts a line."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return
-    for bar in list(getattr(tqdm, "_instances", ())):
-        try:
-            bar.close()
-        except Exception:  # noqa: BLE001  (a bar that cannot close is no reason to fail)
-            pass
-
-
 def one_line(exc: BaseException) -> str:
     """An exception as one line: an OSError as its reason and the file it names, anything
     else as its message with line breaks folded."""
@@ -195,30 +167,6 @@ def _shortened(word: str) -> str:
     if len(word) <= _LONGEST_WORD:
         return word
     return f"{word[:120]}...({len(word) - 160:,} characters)...{word[-40:]}"
-
-
-def _report_unexpected(exc: BaseException, verbose: bool) -> int:
-    """An exception rag_fast did not expect: one line, and the traceback in a file (or on
-    stderr with --verbose). Exit status 1."""
-    import tempfile
-    import traceback
-
-    text = "".join(traceback.format_exception(exc))
-    where = None
-    if verbose:
-        print(text, file=sys.stderr, end="")
-    else:
-        try:
-            fd, where = tempfile.mkstemp(prefix="rag-fast-error-", suffix=".txt")
-            with open(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError:
-            where = None
-    tail = (f"; the full traceback is in {where}" if where else
-            "" if verbose else "; run with `rag-fast --verbose ...` for the traceback")
-    print(f"rag-fast: unexpected error: {type(exc).__name__}: {one_line(exc)}{tail} (please "
-          "report it)", file=sys.stderr)
-    return 1
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -247,81 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with restore_environment():  # main() called in a process that goes on keeps its own
             set_verbose(args.verbose)
-            return _run(args)
+            # the command's module, torch and the kernels load only now (the parsers import
+            # nothing heavy: `rag-fast --help` and a mistyped flag do not wait for them)
+            return importlib.import_module("rag_fast.cli.runner").run(args)
     finally:
         warnings.showwarning, sys.stdout = shown, stdout  # main() in a process that goes on
         if _interrupt.active():  # the command's process: Ctrl-C while it exits is one line
             _interrupt.exit_on_interrupt("while exiting; the command had ended")
-
-
-# what each command writes: (its argument's attribute, the flag messages name), locked while
-# the command runs so that a second command given the same output is refused at once (`train`
-# locks the run folder its config names, in rag_fast.training.run; `index build --shard`
-# builds share OUT.staging/ by design and lock nothing)
-OUTPUTS = {
-    "rag-fast index build": ("out", "--out"),
-    "rag-fast index search": ("out", "--out"),
-    "rag-fast index eval": ("out", "--out"),
-    "rag-fast tokenizer fit": ("out", "--out"),
-    "rag-fast init": ("out", "--out"),
-    "rag-fast eval": ("out", "--out"),
-    "rag-fast generate": ("out", "--out"),
-    "rag-fast reseal": ("dir", "DIR"),
-}
-
-
-def _output_lock(args: argparse.Namespace) -> contextlib.AbstractContextManager:
-    """The lock of the output the command writes (see :data:`OUTPUTS`), or a no-op."""
-    parser = getattr(args, "_command_parser", None)
-    attr, flag = OUTPUTS.get(getattr(parser, "prog", None), (None, None))
-    value = getattr(args, attr, None) if attr else None
-    if value:  # (a name too long for the temporaries beside it: refused before any work)
-        check_name_length(value, flag)
-    if not value or getattr(args, "shard", None):
-        return contextlib.nullcontext()
-    return output_lock(value, flag)
-
-
-def _run(args: argparse.Namespace) -> int:
-    """The command, under :func:`main`'s error contract."""
-    try:
-        _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
-        apply_threads(args)  # --threads / RAG_FAST_THREADS, likewise
-        with _output_lock(args), \
-                _interrupt.interrupts_raise(after="while reporting the command's end"), \
-                _interrupt.unraisable_interrupts():
-            return int(args.func(args) or 0)
-    except (ValueError, OSError, StorageError) as exc:
-        _end_progress_bars()
-        print(f"rag-fast: error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        _end_progress_bars()
-        said = ("the run's last checkpoint (if one was written) is kept: the same command "
-                "resumes from it" if args.command == "train" else
-                "nothing was written at the output path")
-        on_interrupt = getattr(args, "on_interrupt", None)  # what the command knows by now
-        if on_interrupt is not None:
-            try:
-                said = on_interrupt()
-            except Exception:  # noqa: BLE001  (the general line is still true)
-                pass
-        _interrupt.say_last(f"rag-fast: interrupted; {said}")  # a second Ctrl-C adds nothing
-        return 130
-    except RecursionError as exc:  # a JSON input nested deeper than any reader here checks
-        _end_progress_bars()
-        print("rag-fast: error: an input is nested too deeply to be read (a JSON file given, or "
-              f"one in a folder given; {one_line(exc)}): rag_fast writes none like it",
-              file=sys.stderr)
-        return 2
-    except Exception as exc:  # noqa: BLE001  (a bug: said in one line, traceback kept)
-        _end_progress_bars()
-        if out_of_memory(exc):  # a request too large for the machine: the user's to change
-            print(f"rag-fast: error: out of memory ({_allocation(exc)}): ask for less (a "
-                  "smaller --batch-size, --num-beams, --max-new-tokens, --n-docs or model), "
-                  "or use a machine with more memory", file=sys.stderr)
-            return 2
-        return _report_unexpected(exc, args.verbose)
 
 
 class _NamedStdout:
@@ -348,13 +228,3 @@ class _NamedStdout:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
-
-
-def _allocation(exc: BaseException) -> str:
-    """The bytes the failed allocation asked for, as the allocator said, or its first line."""
-    import re
-
-    found = re.search(r"tried to allocate (\d+) bytes", str(exc))
-    if found:
-        return f"an allocation of {int(found.group(1)):,} bytes failed"
-    return one_line(exc)[:200] or type(exc).__name__

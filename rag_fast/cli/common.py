@@ -1,6 +1,7 @@
-"""What several ``rag-fast`` commands share: the device a ``--device`` names, a model
-directory opened for answering, the decoding options of ``eval`` and ``generate`` (one set,
-one default), the checks on counts given as options, and how a warning is said."""
+"""What several ``rag-fast`` commands share when they run: the device a ``--device`` names, a
+model directory opened for answering, the decoding settings of ``eval`` and ``generate`` (one
+set, one default; their options are :func:`rag_fast.cli.parsers.add_decoding_options`), the
+checks on counts given as options, and how a warning is said."""
 from __future__ import annotations
 
 import argparse
@@ -56,29 +57,6 @@ DEFAULT_DECODING_WORDS = (f"beam search with {DEFAULT_BEAMS} beams and at most "
                           "generate` both do by default")
 _FROM_CONFIG = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
                 "no_repeat_ngram_size")
-
-
-def add_decoding_options(p: argparse.ArgumentParser) -> None:
-    """The decoding options ``eval`` and ``generate`` share, with their one default."""
-    p.add_argument("--num-beams", type=int, default=DEFAULT_BEAMS,
-                   help=f"beams (default {DEFAULT_BEAMS}, in eval and generate alike; 1: greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
-                   help=f"longest answer in tokens (default {DEFAULT_NEW_TOKENS})")
-    p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough",
-                   help="RAG-Sequence decoding (default thorough)")
-    p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
-                   help="sample instead of searching; --no-do-sample searches (default: the "
-                        "model's generation config)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k best (0: off)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1: off)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="penalise tokens already in the sequence (1: off; a decoder-only "
-                        "generator counts the prompt's tokens too)")
-    p.add_argument("--no-repeat-ngram-size", type=int, default=None,
-                   help="never repeat an n-gram of this size (0: off)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the sampling draws (default: torch's global generator)")
 
 
 def decoding_settings(args: argparse.Namespace, model) -> tuple[dict, dict]:
@@ -182,6 +160,6 @@ def said_on_interrupt(paths: list[str], whole: str):
     return said
 
 
-__all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "add_decoding_options", "check_new_tokens",
+__all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "check_new_tokens",
            "check_positive", "check_text", "decoding_settings", "describe_decoding", "load_model",
            "resolve_device", "said_on_interrupt", "warn"]

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from rag_fast._jsonl import check_regular_file, cut_text, decoded_lines, warn_cut
-from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
+from rag_fast.cli.common import (check_new_tokens, check_positive,
                                  decoding_settings, describe_decoding, load_model,
                                  resolve_device)
 from rag_fast.evaluation import answer_metrics, evaluate, label_accuracy, load_qa
@@ -103,27 +103,3 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_DESCRIPTION = __doc__.splitlines()[0].replace("``", "")
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``eval`` to the ``rag-fast`` command's subparsers."""
-    p = subparsers.add_parser("eval", help="evaluate a model or predictions (EM, F1, BLEU-1, "
-                              "ROUGE-L, recall@K)", description=_DESCRIPTION)
-    p.add_argument("--data", required=True, help="JSONL (question, answers) or TSV dataset")
-    p.add_argument("--predictions", help="one predicted answer per line, in dataset order")
-    p.add_argument("--model", metavar="DIR", help="model directory (or rag-fast train's output)")
-    p.add_argument("--index", metavar="DIR", default=None,
-                   help="index directory (default: the one the model records)")
-    p.add_argument("--out", metavar="DIR", default=None,
-                   help="with --model: where predictions.jsonl and metrics.json go (default "
-                        "eval-<data name>)")
-    p.add_argument("--n-docs", type=int, default=None, metavar="N",
-                   help="passages retrieved and marginalised over per question (default: the "
-                        "model's n_docs); at least 1 and at most the index's passage count")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--batch-size", type=int, default=16)
-    add_decoding_options(p)  # the same options and default as `rag-fast generate`
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
-    p.set_defaults(func=run)

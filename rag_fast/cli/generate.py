@@ -21,7 +21,6 @@ without one).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -31,40 +30,12 @@ from tqdm.auto import tqdm
 
 from rag_fast._stages import Timings
 from rag_fast._validation import brief_error, not_a_folder
-from rag_fast.cli.common import (add_decoding_options, check_new_tokens, check_positive,
+from rag_fast.cli.common import (check_new_tokens, check_positive,
                                  check_text, decoding_settings, describe_decoding, load_model,
                                  said_on_interrupt)
 from rag_fast.evaluation.answers import answer_questions, is_answer_record, read_question_file
 from rag_fast.models.checkpoint import resolve_model_dir
 from rag_fast.storage import atomic_file, check_apart, check_output_file
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``generate`` sub-command (sets ``func``)."""
-    p = subparsers.add_parser("generate", help="answer questions with a model directory")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--question", help="one question")
-    src.add_argument("--questions", metavar="FILE", help="JSONL file, one {'question': ...} a line")
-    p.add_argument("--model", required=True, metavar="DIR",
-                   help="model directory (rag-fast init/train, or a transformers RAG folder)")
-    p.add_argument("--index", metavar="DIR", default=None,
-                   help="index directory (default: the one the model records; else passages "
-                        "from the JSONL)")
-    p.add_argument("--n-docs", type=int, default=None, metavar="N",
-                   help="passages retrieved (or read from a question's 'passages') and "
-                        "marginalised over per question (default: the model's n_docs); at "
-                        "least 1 and at most the index's passage count")
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="generator tokenizer, when the model directory has none")
-    add_decoding_options(p)  # the same options and default as `rag-fast eval`
-    p.add_argument("--batch-size", type=int, default=8, help="questions decoded together")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--out", metavar="FILE", default=None, help="write JSONL here (default stdout)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--timings", action="store_true",
-                   help="say on stderr where the time went, stage by stage, from the process's "
-                        "start (imports) to the answers written")
-    p.set_defaults(func=run)
 
 
 def _check_out(args) -> None:

@@ -15,43 +15,6 @@ from rag_fast.models.options import check_arguments
 from rag_fast.storage import check_apart, check_output_folder
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``init`` to the ``rag-fast`` command's subparsers."""
-    p = subparsers.add_parser(
-        "init", help="create a starting model directory from a question encoder and a generator",
-        description="Create a model directory (a transformers RAG folder plus rag_fast.json) to "
-                    "train from: a question encoder and a generator by Hugging Face name or "
-                    "local folder; a generator JSON config file gives random weights.")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--generator", metavar="NAME|DIR|FILE.json",
-                        help="generator, seq2seq (BART, T5, ...) or decoder-only (Qwen2, Llama, "
-                             "GPT-2, ...): name, folder, or a JSON config (random weights)")
-    source.add_argument("--generator-from-encoder", metavar="NAME|DIR",
-                        help="instead of --generator: warm-start an encoder-decoder from this "
-                             "pretrained encoder (BERT, MiniLM, ...) on both sides, with its "
-                             "tokenizer (docs/generators.md)")
-    p.add_argument("--question-encoder", default=None, metavar="NAME|DIR",
-                   help="question encoder (default: the --index's question encoder)")
-    p.add_argument("--index", default=None, metavar="DIR",
-                   help="index directory: its question encoder and pooling, recorded in the model")
-    p.add_argument("--generator-tokenizer", default=None, metavar="NAME|DIR",
-                   help="generator tokenizer (default: the generator's folder)")
-    p.add_argument("--mode", choices=["token", "sequence"], default="token",
-                   help="RAG-Token or RAG-Sequence (default token)")
-    p.add_argument("--n-docs", type=int, default=5, help="passages per question (default 5)")
-    p.add_argument("--label-smoothing", type=float, default=0.0, help="epsilon (default 0)")
-    p.add_argument("--max-context-length", type=int, default=128,
-                   help="generator tokens per passage + question (default 128)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="initialisation of a config generator, or of the weights a warm start "
-                        "adds (cross-attention, LM head)")
-    p.add_argument("--out", required=True, metavar="DIR", help="model directory to write")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a model directory at --out (never a folder of another kind or "
-                        "one holding other files)")
-    p.set_defaults(func=run)
-
-
 def run(args: argparse.Namespace) -> int:
     # before anything is read: --out apart from every input, and only ever an empty folder or a
     # model directory (replaced with --overwrite)

@@ -10,7 +10,6 @@ second signal exits at once. docs/serving.md describes the routes.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -23,42 +22,6 @@ from rag_fast._validation import not_a_folder
 from rag_fast.cli.common import check_positive
 from rag_fast.serving.answerer import Answerer, Limits
 from rag_fast.serving.app import create_app, read_token_file
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``serve`` sub-command (sets ``func``)."""
-    p = subparsers.add_parser("serve", help="answer questions over HTTP (docs/serving.md)")
-    p.add_argument("--model", required=True, metavar="DIR",
-                   help="model directory (rag-fast init/train, or a training run's folder)")
-    p.add_argument("--index", metavar="DIR", default=None,
-                   help="index directory (default: the one the model records)")
-    p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
-                   help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, metavar="N", default=8000,
-                   help="port (default 8000; 0: any free one)")
-    p.add_argument("--max-batch", type=int, metavar="N", default=16,
-                   help="questions decoded together at most (default 16)")
-    p.add_argument("--max-wait-ms", type=float, metavar="MS", default=5.0,
-                   help="how long a request waits for others to join its batch (default 5)")
-    p.add_argument("--max-queue", type=int, metavar="N", default=1024,
-                   help="questions waiting at most; more get 503 (default 1024)")
-    p.add_argument("--timeout", type=float, metavar="SECONDS", default=60.0,
-                   help="seconds a request may take before 504 (default 60)")
-    p.add_argument("--max-n-docs", type=int, metavar="N", default=32,
-                   help="largest n_docs a request may ask (default 32)")
-    p.add_argument("--max-beams", type=int, metavar="N", default=8,
-                   help="largest num_beams a request may ask (default 8)")
-    p.add_argument("--max-new-tokens", type=int, metavar="N", default=128,
-                   help="largest max_new_tokens a request may ask (default 128)")
-    p.add_argument("--admin-token-file", metavar="FILE", default=None,
-                   help="file whose first line is the token of the admin routes (index swap); "
-                        "without it they are off")
-    p.add_argument("--index-root", metavar="DIR", default=None,
-                   help="the folder whose index directories the admin routes may load")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--log-requests", action="store_true", help="one log line per request")
-    p.set_defaults(func=run)
 
 
 def check_args(args) -> str | None:

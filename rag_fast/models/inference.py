@@ -16,7 +16,7 @@ from rag_fast.models.retriever_io import (check_same_encoder, load_retriever,
                                           read_bundle_manifest)
 
 # The decoding a question gets when it names none: `rag-fast eval`, `generate` and `serve` alike.
-DEFAULT_BEAMS, DEFAULT_NEW_TOKENS = 4, 32
+from rag_fast._defaults import DEFAULT_BEAMS, DEFAULT_NEW_TOKENS
 
 
 def load_for_inference(model_dir: str, index: str | None, device: torch.device | str,

@@ -10,12 +10,12 @@ import os
 import re
 from pathlib import Path
 
+from rag_fast._defaults import PRESETS  # ("exact", "hnsw", "ivfpq")
 from rag_fast.retrieval.faiss_support import LazyFaiss, lists_mappable
 from rag_fast.storage import StorageError
 
 faiss = LazyFaiss(__name__)
 
-PRESETS = ("exact", "hnsw", "ivfpq")
 SMALL_CORPUS = 39 * 16  # below: every preset is exact search (k-means of 16 lists needs 624)
 
 
