@@ -86,14 +86,16 @@ def test_marginal_and_beam_step_compile_in_one_graph():
 # --------------------------------------------------------------- RagModel.compile(): the step
 # An encoder-decoder (tiny BART, untied head with a bias) and a decoder-only generator (tiny
 # Qwen2, tied embeddings, left-padded prompts), both RAG modes, both LM-head paths: the
-# compiled step's loss and gradients, and the parameters after 20 AdamW steps, against the
+# compiled step's loss and gradients, and the parameters after 6 AdamW steps (20 in one case),
+# against the
 # eager step under the tolerance rule (tests/utils.py: float32 compiled vs float32 eager, with
 # the float64 eager step as the oracle). Dropout is off (the models are in eval mode).
 # aot_eager traces and differentiates exactly what inductor gets (the custom ops' fake and
 # autograd implementations included) in seconds; inductor itself runs in the slow tests.
 
 KINDS = ("encoder-decoder", "decoder-only")
-STEPS = 20
+STEPS = 6  # AdamW steps per case: the optimizer's state and the compiled step meet every step
+LONG_STEPS = 20  # one case runs longer (rounding that grows over steps would show there)
 
 
 def _compile_case(kind: str, mode: str, path: str, exclude_bos: bool = False) -> RagModel:
@@ -179,15 +181,19 @@ def _assert_compiled_equals_eager(kind, mode, path, backend, steps, exclude_bos=
 @pytest.mark.parametrize("path", ["fused", "materialized"])
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_compiled_model_equals_eager_over_20_steps(kind, mode, path):
+def test_compiled_model_equals_eager_over_steps(kind, mode, path):
     _assert_compiled_equals_eager(kind, mode, path, "aot_eager", STEPS)
+
+
+def test_compiled_model_equals_eager_over_20_steps():
+    _assert_compiled_equals_eager("decoder-only", "token", "fused", "aot_eager", LONG_STEPS)
 
 
 @pytest.mark.parametrize("starts_with_bos", [True, False])
 @pytest.mark.parametrize("path", ["fused", "materialized"])
 def test_compiled_exclude_bos_equals_eager(path, starts_with_bos):
     """RAG-Sequence's exclude_bos (drop target position 0 from the NLL only if every target
-    starts with BOS) is decided in the graph: both outcomes equal eager over 20 steps, and the
+    starts with BOS) is decided in the graph: both outcomes equal eager over the steps, and the
     flag changes the loss exactly when every target starts with BOS."""
     contexts, mask, scores, labels = _case_batch("encoder-decoder")
     labels[:, 1] = 0  # the targets are labels[:, 1:]: each starts with BOS (id 0)
@@ -205,7 +211,7 @@ def test_compiled_exclude_bos_equals_eager(path, starts_with_bos):
 @pytest.mark.parametrize("kind,mode,path", [("encoder-decoder", "token", "materialized"),
                                             ("decoder-only", "sequence", "fused")])
 def test_inductor_compiled_model_equals_eager(kind, mode, path):
-    _assert_compiled_equals_eager(kind, mode, path, "inductor", STEPS)
+    _assert_compiled_equals_eager(kind, mode, path, "inductor", LONG_STEPS)
 
 
 @pytest.mark.parametrize("path", ["fused", "materialized"])
