@@ -184,7 +184,7 @@ def encoder(tmp_path_factory):
     words = ["paris", "seine", "rome", "tiber", "river", "city", "which", "is", "on", "the",
              "of", "lies"]
     (root / "enc").mkdir()
-    return root, save_tiny_bert(root / "enc", words, real_vocab=True)
+    return root, save_tiny_bert(root / "enc", words)
 
 
 def _cli(*args) -> tuple[int, str]:

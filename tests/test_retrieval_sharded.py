@@ -315,7 +315,7 @@ def test_shards_of_the_build_command(tmp_path):
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(words) + 5, hidden_size=D, num_hidden_layers=1,
                          num_attention_heads=2, intermediate_size=32)).save_pretrained(str(enc))
-    BertTokenizerFast(vocab_file=str(enc / "vocab.txt")).save_pretrained(str(enc))
+    BertTokenizerFast(vocab=str(enc / "vocab.txt")).save_pretrained(str(enc))
     corpus = tmp_path / "corpus.jsonl"
     rng = np.random.default_rng(0)
     corpus.write_text("".join(json.dumps({"id": f"p{i}", "title": words[i % 10],

@@ -128,19 +128,17 @@ def run_in_simd_variant(variant: str, script: str, timeout: float = 600) -> None
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
-def save_tiny_bert(root, words=(), real_vocab: bool = False) -> str:
+def save_tiny_bert(root, words=()) -> str:
     """A tiny random BERT encoder and its word-level tokenizer saved in the folder ``root``
-    (what ``--encoder`` takes), knowing ``words``; returns the folder as a string.
-
-    ``real_vocab``: the tokenizer holds ``words`` (transformers 5 ignores ``vocab_file=``, so
-    by default it holds only its special tokens, every word [UNK]: what the tests written
-    before it expect); a generator tokenizer must hold more than its special tokens."""
+    (what ``--encoder`` takes), knowing ``words`` (and its 5 special tokens and "."); returns
+    the folder as a string. (The vocabulary is given as ``vocab=``: transformers 5 ignores
+    ``vocab_file=``, and its tokenizer would hold the special tokens alone, which every
+    encoder and generator path refuses.)"""
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     vocab = Path(root) / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", *words]) + "\n")
-    tok = (BertTokenizerFast(vocab=str(vocab)) if real_vocab
-           else BertTokenizerFast(vocab_file=str(vocab)))
+    tok = BertTokenizerFast(vocab=str(vocab))
     torch.manual_seed(0)
     model = BertModel(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1,
                                  num_attention_heads=2, intermediate_size=32))

@@ -29,11 +29,13 @@ import torch
 
 from rag_fast._quiet import quiet_transformers
 from rag_fast._validation import brief_error, not_a_file, out_of_memory
+from rag_fast.generation.causal import check_causal
 from rag_fast.models.family import family_of_config
 from rag_fast.models.options import check_arguments
 from rag_fast.models.rag_model import RagModel
 from rag_fast.models.retriever_io import read_bundle_manifest
-from rag_fast.retrieval.encoders import (looks_like_path, needs_code,
+from rag_fast.retrieval.encoders import (check_loaded_weights, check_model_files,
+                                         check_vocabulary, looks_like_path, needs_code,
                                          sentence_transformers_pooling, unloadable)
 from rag_fast.tokenization import verify_tokenizer_folder
 
@@ -42,17 +44,24 @@ def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
     """(model, tokenizer, pooling, normalize) of a Hugging Face encoder name or folder."""
     import transformers
 
+    check_model_files(name, "question_encoder")
     config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     if config.model_type == "dpr":  # AutoModel maps every DPR checkpoint to one class
         arch = (config.architectures or ["DPRQuestionEncoder"])[0]
         if arch != "DPRQuestionEncoder":
             raise ValueError(f"question_encoder {name!r} is a {arch}, not a DPRQuestionEncoder")
-        model = transformers.DPRQuestionEncoder.from_pretrained(name, trust_remote_code=False)
+        model, info = transformers.DPRQuestionEncoder.from_pretrained(
+            name, trust_remote_code=False, output_loading_info=True)
     else:
-        model = transformers.AutoModel.from_pretrained(name, trust_remote_code=False)
+        model, info = transformers.AutoModel.from_pretrained(name, trust_remote_code=False,
+                                                             output_loading_info=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    check_vocabulary(tokenizer, "question_encoder", name, "to encode questions with")
     st = sentence_transformers_pooling(Path(name)) if Path(name).is_dir() else None
     pooling, normalize = st if st else ("cls", False)
+    # (a DPR encoder pools with its own output; any other pools its token states)
+    check_loaded_weights("question_encoder", name, info,
+                         optional=() if config.model_type == "dpr" else ("pooler.",))
     return model, tokenizer, pooling, normalize
 
 
@@ -186,6 +195,7 @@ def _warm_started_generator(name: str, tokenizer: Any, seed: int) -> torch.nn.Mo
     are the tokenizer's (BERT's ``[CLS]``, ``[SEP]``, ``[PAD]``)."""
     import transformers
 
+    check_model_files(name, "generator_from_encoder")
     config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     if not family_of_config(config).decoder_only:
         raise ValueError(f"generator_from_encoder {name!r} is an encoder-decoder model "
@@ -198,8 +208,18 @@ def _warm_started_generator(name: str, tokenizer: Any, seed: int) -> torch.nn.Mo
     ids = _special_ids(tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        # the encoder side loaded here, as transformers would (an encoder, whatever its config
+        # says), so that its loading report is seen: every weight of it must come from the
+        # folder (the decoder side reads the same weights and adds only what is new: its
+        # cross-attention and an LM head the checkpoint lacks)
+        encoder_config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
+        encoder_config.is_decoder = encoder_config.add_cross_attention = False
+        encoder, info = transformers.AutoModel.from_pretrained(
+            name, config=encoder_config, trust_remote_code=False, output_loading_info=True)
+        check_loaded_weights("generator_from_encoder", name, info, optional=("pooler.",))
         model = transformers.EncoderDecoderModel.from_encoder_decoder_pretrained(
-            name, name, encoder_trust_remote_code=False, decoder_trust_remote_code=False)
+            encoder_model=encoder, decoder_pretrained_model_name_or_path=name,
+            decoder_trust_remote_code=False)
     vocab = model.config.decoder.vocab_size
     if vocab < len(tokenizer):
         raise ValueError(f"generator_from_encoder {name!r}: its vocabulary ({vocab}) is smaller "
@@ -259,6 +279,7 @@ def _folder_tokenizer(name: str, what: str) -> Any:
     ``what`` and the folder."""
     import transformers
 
+    check_model_files(name, what)
     if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f))
                                        for f in _TOKENIZER_FILES):
         hint = "" if what == "generator_tokenizer" else ": give --generator-tokenizer"
@@ -266,7 +287,7 @@ def _folder_tokenizer(name: str, what: str) -> Any:
                          f"{', '.join(_TOKENIZER_FILES[:3])}, ...){hint}")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-        specials = len(set(tokenizer.all_special_ids))
+        tokenizer.all_special_ids  # noqa: B018  (a broken special-token map fails here)
         tokenizer("a b 1")  # (a WordPiece vocabulary without its [UNK] fails here, not later)
     except json.JSONDecodeError as exc:
         if not os.path.isdir(name):
@@ -279,9 +300,7 @@ def _folder_tokenizer(name: str, what: str) -> Any:
             raise
         raise ValueError(f"{what} {name!r}: its files cannot be read as a tokenizer "
                          f"({type(exc).__name__}: {brief_error(exc)})") from None
-    if len(tokenizer) <= specials:  # (a folder of a config alone, an empty vocabulary)
-        raise ValueError(f"{what} {name!r}: its tokenizer holds only its {specials} special "
-                         "tokens, no vocabulary to write answers with")
+    check_vocabulary(tokenizer, what, name, "to write answers with")
     return tokenizer
 
 
@@ -308,6 +327,7 @@ def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
     tokenizer's (or, failing that, its EOS, set on the tokenizer as well)."""
     import transformers
 
+    check_model_files(name, "generator")
     config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     family = family_of_config(config)
     from transformers.models.auto import modeling_auto
@@ -318,16 +338,20 @@ def _pretrained_generator(name: str, tokenizer: Any) -> torch.nn.Module:
         raise ValueError(f"generator {name!r} is a {config.model_type!r} model "
                          f"({type(config).__name__}), no {family.name} generator transformers "
                          f"can build{_RAG_HINT if config.model_type == 'rag' else ''}")
-    model = getattr(transformers, family.auto_class).from_pretrained(name, trust_remote_code=False)
-    if not family.decoder_only:
-        return model
-    if model.config.pad_token_id is None:
-        if tokenizer.pad_token_id is None:
-            if tokenizer.eos_token is None:
-                raise ValueError(f"generator {name!r} has no pad token and its tokenizer no pad "
-                                 "or eos token: a decoder-only generator needs one to pad")
-            tokenizer.pad_token = tokenizer.eos_token
-        model.config.pad_token_id = int(tokenizer.pad_token_id)
+    model, info = getattr(transformers, family.auto_class).from_pretrained(
+        name, trust_remote_code=False, output_loading_info=True)
+    if family.decoder_only:
+        if model.config.pad_token_id is None:
+            if tokenizer.pad_token_id is None:
+                if tokenizer.eos_token is None:
+                    raise ValueError(f"generator {name!r} has no pad token and its tokenizer no "
+                                     "pad or eos token: a decoder-only generator needs one to pad")
+                tokenizer.pad_token = tokenizer.eos_token
+            model.config.pad_token_id = int(tokenizer.pad_token_id)
+        # what RagModel would refuse, said before the weights' report (an encoder given as the
+        # generator lacks an LM head: its head is the reason, not its missing weights)
+        check_causal(model)
+    check_loaded_weights("generator", name, info)
     return model
 
 

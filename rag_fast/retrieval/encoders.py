@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rag_fast._validation import brief_error, out_of_memory
-from rag_fast.storage import atomic_file, no_space, reserve_space
+from rag_fast._validation import brief_error, not_a_file, out_of_memory
+from rag_fast.storage import MAX_JSON_FILE_BYTES, atomic_file, no_space, reserve_space
 from rag_fast.retrieval.passages import PassageStore
 
 POOLINGS = ("auto", "cls", "mean", "pooler")
@@ -71,6 +71,69 @@ def sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
     return pooling, normalize
 
 
+# the files transformers reads a model's settings and its tokenizer from, and the most bytes
+# each may hold: a settings file is JSON of a few kB (the bound of rag_fast's own manifests); a
+# tokenizer's vocabulary tens of MB at most (Gemma's tokenizer.json, the largest in use, is
+# about 33 MB)
+SETTINGS_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "added_tokens.json", "modules.json",
+                  "sentence_bert_config.json")
+VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "merges.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "tokenizer.model", "source.spm")
+MAX_VOCABULARY_FILE_BYTES = 256 << 20
+
+
+def check_model_files(name: str, what: str) -> None:
+    """A model folder's settings and tokenizer files (those present), before transformers
+    reads any: each a regular file (a pipe, a device or a link to nothing in place of one is
+    skipped by transformers without a word, and a tokenizer then falls back to its special
+    tokens alone) and of at most its bound (a huge sparse file is refused, never read whole).
+    A ValueError naming ``what`` (the argument or flag), the folder and the file; a name that
+    is not a folder (a model name) is left to the loaders."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        return
+    for file in SETTINGS_FILES + VOCABULARY_FILES:
+        path = folder / file
+        if not os.path.lexists(path):
+            continue
+        if not path.is_file():
+            why = "is a link to nothing" if not path.exists() else not_a_file(path)
+            raise ValueError(f"{what} {name!r}: its {file} {why}")
+        size = path.stat().st_size
+        bound = MAX_JSON_FILE_BYTES if file in SETTINGS_FILES else MAX_VOCABULARY_FILE_BYTES
+        if size > bound:
+            raise ValueError(f"{what} {name!r}: its {file} has {size:,} bytes, more than such a "
+                             f"file ever holds (at most {bound:,}); refused unread")
+
+
+def check_vocabulary(tokenizer, what: str, name: str, use: str) -> None:
+    """A tokenizer that holds words beside its special tokens: a folder whose vocabulary file
+    is missing or empty loads as its special tokens alone, and every text would then encode
+    as ``[UNK]``. ``use``: what the vocabulary is for, said in the error."""
+    specials = len(set(tokenizer.all_special_ids))
+    if len(tokenizer) <= specials:
+        raise ValueError(f"{what} {name!r}: its tokenizer holds only its {specials} special "
+                         f"tokens, no vocabulary {use} (is its vocabulary file missing or "
+                         "empty?)")
+
+
+def check_loaded_weights(what: str, name: str, info: dict, optional: Sequence[str] = ()) -> None:
+    """transformers' loading report (``from_pretrained(..., output_loading_info=True)``) of
+    a pretrained model: every weight its config needs came from its files. transformers draws
+    a missing one at random and goes on; rag_fast refuses the folder, naming ``what``, the
+    count and the first missing weights. ``optional``: name parts of weights the use at hand
+    never reads (an encoder's pooler where it pools otherwise)."""
+    missing = sorted(k for k in info.get("missing_keys", ())
+                     if not any(part in k for part in optional))
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ValueError(f"{what} {name!r}: its weights lack {len(missing)} tensor(s) its config "
+                         f"needs ({shown}); transformers would draw them at random, so the "
+                         "folder is refused (a damaged download, or weights saved under other "
+                         "names?)")
+
+
 def looks_like_path(name: str) -> bool:
     """A name that can only be a folder: a model name is "name" or "org/name"."""
     return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or "\\" in name
@@ -85,9 +148,10 @@ def _encoder_config(name: str):
     if not path.exists() and looks_like_path(name):
         raise ValueError(f"encoder {name!r}: no such folder (expected a folder holding a "
                          "transformers model, e.g. config.json and its weights, or a model name)")
-    if path.is_dir() and not (path / "config.json").is_file():
+    if path.is_dir() and not os.path.lexists(path / "config.json"):
         raise ValueError(f"encoder {name!r}: the folder has no config.json (expected a folder "
                          "holding a transformers model)")
+    check_model_files(name, "encoder")
     try:
         return transformers.AutoConfig.from_pretrained(name, trust_remote_code=False)
     except RecursionError:
@@ -168,18 +232,22 @@ class Encoder:
             model_cls = getattr(transformers, arch)
         else:
             model_cls = transformers.AutoModel
+        st = sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
+        if pooling == "auto":
+            pooling = "pooler" if self.is_dpr else (st[0] if st else "cls")
         try:  # the library's failure on the folder's files (a damaged safetensors, ...)
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path,
                                                                          trust_remote_code=False)
-            model = model_cls.from_pretrained(name_or_path, trust_remote_code=False)
+            model, info = model_cls.from_pretrained(name_or_path, trust_remote_code=False,
+                                                    output_loading_info=True)
         except Exception as e:  # noqa: BLE001
             if out_of_memory(e):
                 raise  # said as such by the command line
             raise unloadable("encoder", name_or_path, e) from None
+        check_vocabulary(self.tokenizer, "encoder", self.name, "to encode texts with")
+        check_loaded_weights("encoder", self.name, info,
+                             optional=() if pooling == "pooler" else ("pooler.",))
         self.model = model.to(self.device, dtype).eval()
-        st = sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
-        if pooling == "auto":
-            pooling = "pooler" if self.is_dpr else (st[0] if st else "cls")
         self.pooling = pooling
         self.normalize = bool(st[1]) if normalize is None and st else bool(normalize)
         positions = getattr(config, "max_position_embeddings", None)

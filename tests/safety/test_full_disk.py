@@ -38,7 +38,7 @@ def _save_bert(root: Path) -> str:
     root.mkdir(parents=True, exist_ok=True)
     vocab = root / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", *WORDS]) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(vocab))
+    tok = BertTokenizerFast(vocab=str(vocab))
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(tok), hidden_size=DIM, num_hidden_layers=1,
                          num_attention_heads=4, intermediate_size=64)).save_pretrained(str(root))

@@ -21,7 +21,7 @@ def tiny_encoder(tmp_path_factory):
     from utils import save_tiny_bert
 
     root = tmp_path_factory.mktemp("enc13")
-    return save_tiny_bert(root, ["paris", "seine", "rome", "tiber", "river"], real_vocab=True)
+    return save_tiny_bert(root, ["paris", "seine", "rome", "tiber", "river"])
 
 
 @pytest.mark.parametrize("tokenizer", ["config-only", "empty-vocab"])

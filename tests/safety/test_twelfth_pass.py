@@ -32,7 +32,7 @@ def tiny_encoder(tmp_path_factory):
     from utils import save_tiny_bert
 
     root = tmp_path_factory.mktemp("enc12")
-    return save_tiny_bert(root, ["paris", "seine", "rome", "tiber", "river"], real_vocab=True)
+    return save_tiny_bert(root, ["paris", "seine", "rome", "tiber", "river"])
 
 
 def test_warm_start_from_a_folder_without_a_tokenizer_is_refused(world, tiny_encoder,
