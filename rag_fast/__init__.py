@@ -7,7 +7,8 @@ Public API (the heavier parts are imported on first use):
     reference                                             the paper's math in plain PyTorch
     empty_cache, pool_info                                the ops' CPU buffer pool (rag_fast._pool)
     set_threads, get_threads                              CPU threads of torch's ops and rag_fast's
-                                                          kernels (RAG_FAST_THREADS at import)
+                                                          kernels (RAG_FAST_THREADS at import; the
+                                                          rag-fast command applies it itself)
     use_fused_losses                                      switch transformers' RAG models to them
     PassageStore, Encoder, DenseIndex, Retriever          retrieval (rag_fast.retrieval)
     RagModel, build_rag_model, load_retriever             model directories, retrieval, answers
@@ -61,7 +62,8 @@ __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 # A library user's `import rag_fast` loads torch, the kernels and the ops now, as their code
 # will use them; the rag-fast command loads them once its arguments are parsed
 # (rag_fast.cli.runner), so that `rag-fast --help` or a mistyped flag answers without the
-# seconds torch takes (their names above are then imported on first use)
+# seconds torch takes (the names of _LAZY are then imported on first use, and the submodule
+# rag_fast.reference by `import rag_fast.reference`)
 if not _threads.is_command():
     from rag_fast import _ext, reference  # noqa: E402,F401  (loads torch)
     from rag_fast._pool import empty_cache, pool_info  # noqa: E402,F401
@@ -82,18 +84,4 @@ if not _threads.is_command():
     except ValueError:  # not an import error: RagModel reports it, as it does a bad
         pass            # RAG_FAST_POOL_MB, before any work
 
-__all__ = [
-    "__version__",
-    "empty_cache",
-    "get_threads",
-    "linear_rag_nll",
-    "pool_info",
-    "rag_sequence_nll",
-    "rag_token_beam_step",
-    "rag_token_marginal",
-    "rag_token_nll",
-    "reference",
-    "set_threads",
-    "use_fused_losses",
-    *_LAZY,
-]
+__all__ = ["__version__", "get_threads", "reference", "set_threads", *_LAZY]

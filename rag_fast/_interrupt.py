@@ -1,9 +1,10 @@
 """Ctrl-C in the ``rag-fast`` command: one line and exit status 130, at any moment.
 
 While a command works (``args.func``), Ctrl-C raises KeyboardInterrupt, which
-:func:`rag_fast.cli.main` reports in one line saying what was kept. Outside that work, in the
-seconds of importing torch, transformers and faiss before it and in the interpreter's exit
-after it, a KeyboardInterrupt would surface as a traceback of whatever module was running. In
+:func:`rag_fast.cli.runner.run` reports in one line saying what was kept. Outside that work, in
+the second of importing torch before it (once the command line is parsed) and in the
+interpreter's exit after it, a KeyboardInterrupt would surface as a traceback of whatever
+module was running. In
 the command's process (and only there: a library user's process keeps Python's handler),
 :func:`exit_on_interrupt` makes SIGINT write one line and end the process with 130 from the
 signal handler itself: before the work nothing has been written, after it everything has.

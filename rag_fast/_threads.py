@@ -199,9 +199,13 @@ def is_command() -> bool:
     """Whether this process is the ``rag-fast`` command (its script, or ``python -m
     rag_fast.cli``, as torchrun may start it)."""
     argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    orig = getattr(sys, "orig_argv", [])
-    return argv0 == "rag-fast" or any(a in ("rag_fast.cli", "rag_fast.cli.__main__")
-                                      for a in orig)
+    orig = list(getattr(sys, "orig_argv", []))
+    modules = ("rag_fast.cli", "rag_fast.cli.__main__")
+    # the module Python was told to run (`-m rag_fast.cli`, `-mrag_fast.cli`), not any argument
+    # that happens to name it (`pytest --cov rag_fast.cli` is a library user's process)
+    return argv0 == "rag-fast" or any(
+        (a == "-m" and i + 1 < len(orig) and orig[i + 1] in modules)
+        or (a.startswith("-m") and a[2:] in modules) for i, a in enumerate(orig))
 
 
 def command_wait_policy() -> str | None:

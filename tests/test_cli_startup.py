@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 HEAVY = ("torch", "numpy", "transformers", "faiss", "tokenizers", "safetensors", "starlette",
-         "uvicorn", "tqdm")
+         "uvicorn", "tqdm", "rag_fast.ops")
 
 # run the command's entry point in a fresh process as the installed script does (argv[0] is
 # `rag-fast`), once per command line given, and report after each which heavy modules are
@@ -67,11 +67,13 @@ def test_train_help_and_a_command_load_torch_as_they_need_it(tmp_path):
     """``train --help`` still ends with the config schema, made when the help is shown (it
     needs TrainConfig, which loads torch); and once parsed, a command runs as before: torch,
     the extension and the ops are loaded before its work, and its errors keep the contract."""
-    help_, info = _run(["train", "--help"], ["index", "info", str(tmp_path / "missing")])
+    # the command first (nothing loaded before it), then train's help
+    info, help_ = _run(["index", "info", str(tmp_path / "missing")], ["train", "--help"])
     assert help_["status"] == 0
     assert "train (TrainConfig) fields:" in help_["out"]
     assert "example: examples/workflow/train.json" in help_["out"]
     assert info["status"] == 2 and "torch" in info["heavy"]
+    assert "rag_fast.ops" in info["heavy"]  # torch.ops.rag_fast.*, as `import rag_fast` does
     said = info["err"].splitlines()
     assert len(said) == 1 and "missing" in said[0], said
 

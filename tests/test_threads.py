@@ -296,6 +296,11 @@ def test_only_the_command_sets_it_and_only_before_torch_loads(monkeypatch):
     assert not _threads.is_command() and _threads.command_wait_policy() is None
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "rag_fast.cli", "train"])
     assert _threads.is_command()
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-mrag_fast.cli.__main__", "train"])
+    assert _threads.is_command()
+    # a process that only names the module (a library user's: coverage, a test selection)
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "pytest", "--cov", "rag_fast.cli"])
+    assert not _threads.is_command()
 
 
 def test_auto_threads_keeps_every_thread_when_threads_sleep(monkeypatch):

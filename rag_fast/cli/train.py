@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         config["train"]["device"] = args.device
     output_dir = config["train"].get("output_dir")
     if isinstance(output_dir, str) and output_dir:
-        # read by rag_fast.cli.main on Ctrl-C
+        # read by rag_fast.cli.runner.run on Ctrl-C
         args.on_interrupt = lambda: interrupted(args, output_dir, config["resume"])
     run_training(config, args.config,
                  output_flag="--output-dir" if args.output_dir is not None else None)
