@@ -23,8 +23,14 @@ class _Runs:
     def __init__(self, module: str, name: str) -> None:
         self.module, self.name = f"rag_fast.cli.{module}", name
 
+    def load(self):
+        """The function itself, its module imported (the runner does this before it takes
+        the command's output lock: the seconds of importing are no window in which another
+        command could slip in)."""
+        return getattr(importlib.import_module(self.module), self.name)
+
     def __call__(self, args: argparse.Namespace):
-        return getattr(importlib.import_module(self.module), self.name)(args)
+        return self.load()(args)
 
     def __repr__(self) -> str:
         return f"{self.module}.{self.name}"

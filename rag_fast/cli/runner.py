@@ -85,12 +85,16 @@ def run(args: argparse.Namespace) -> int:
     if _ext._source_checkout() is not None:  # run from a checkout: say (once) when its
         _ext.available()                       # extension is missing, as `import rag_fast` does
     try:
+        # the command's module and what it loads (transformers, faiss, ...), imported before
+        # its output is locked: a full `index build` takes its staging folder's lock at once
+        # after its --out lock, leaving no window for a --shard build of the same --out
+        func = args.func.load() if hasattr(args.func, "load") else args.func
         _pool.limit_bytes()  # RAG_FAST_POOL_MB, named in one line before any work
         apply_threads(args)  # --threads / RAG_FAST_THREADS, likewise
         with _output_lock(args), \
                 _interrupt.interrupts_raise(after="while reporting the command's end"), \
                 _interrupt.unraisable_interrupts():
-            return int(args.func(args) or 0)
+            return int(func(args) or 0)
     except (ValueError, OSError, StorageError) as exc:
         _end_progress_bars()
         print(f"rag-fast: error: {one_line(exc)}", file=sys.stderr)

@@ -57,7 +57,8 @@ def _question_encoder(name: str) -> tuple[torch.nn.Module, Any, str, bool]:
                                                              output_loading_info=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     check_vocabulary(tokenizer, "question_encoder", name, "to encode questions with")
-    st = sentence_transformers_pooling(Path(name)) if Path(name).is_dir() else None
+    st = (sentence_transformers_pooling(Path(name), "question_encoder") if Path(name).is_dir()
+          else None)
     pooling, normalize = st if st else ("cls", False)
     # (a DPR encoder pools with its own output; any other pools its token states)
     check_loaded_weights("question_encoder", name, info,

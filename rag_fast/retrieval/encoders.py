@@ -50,25 +50,58 @@ def shard_rows(count: int, shard: tuple[int, int]) -> tuple[int, int]:
     return count * i // n, count * (i + 1) // n
 
 
-def sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
-    """(pooling, normalize) from a sentence-transformers folder, or None if it is not one."""
-    try:
-        modules = json.loads((path / "modules.json").read_text())
-    except (OSError, ValueError, RecursionError):
+def sentence_transformers_pooling(path: Path, what: str = "encoder") -> tuple[str, bool] | None:
+    """(pooling, normalize) from a sentence-transformers folder, or None if it is not one (it
+    has no ``modules.json``).
+
+    Raises:
+        ValueError: naming ``what`` (the argument or flag), the folder and the file, for a
+            ``modules.json`` or pooling config that is not a regular file within its limit, not
+            JSON of the shape sentence-transformers writes, or a module path out of the folder.
+    """
+    listing = path / "modules.json"
+    if not os.path.lexists(listing):
         return None
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        return None
+    modules = _settings_json(listing, path, what)
+    if not isinstance(modules, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("type", ""), str)
+            and isinstance(m.get("path", ""), str) for m in modules):
+        raise ValueError(f"{what} {str(path)!r}: its modules.json is not a list of modules "
+                         "with a string \"type\" and \"path\" (as sentence-transformers writes)")
     normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
     pooling = "cls"
     for m in modules:
         if m.get("type", "").endswith("Pooling"):
-            try:
-                cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
-            except (OSError, ValueError, RecursionError):
-                cfg = {}
-            cfg = cfg if isinstance(cfg, dict) else {}
+            config = path / m.get("path", "") / "config.json"
+            inside = os.path.realpath(path) + os.sep
+            if not os.path.realpath(config).startswith(inside):
+                raise ValueError(f"{what} {str(path)!r}: its modules.json names a pooling "
+                                 f"module out of the folder ({m.get('path')!r})")
+            cfg = _settings_json(config, path, what) if os.path.lexists(config) else {}
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{what} {str(path)!r}: {config.relative_to(path)} is not a "
+                                 "JSON object")
             pooling = "mean" if cfg.get("pooling_mode_mean_tokens") else "cls"
     return pooling, normalize
+
+
+def _settings_json(file: Path, folder: Path, what: str):
+    """A settings file of a model folder, read only as a regular file within the limit of
+    :data:`MAX_JSON_FILE_BYTES` (a pipe would block, a huge sparse file fill the memory)."""
+    shown = file.relative_to(folder)
+    if not file.is_file():
+        why = "is a link to nothing" if not file.exists() else not_a_file(file)
+        raise ValueError(f"{what} {str(folder)!r}: its {shown} {why}")
+    size = file.stat().st_size
+    if size > MAX_JSON_FILE_BYTES:
+        raise ValueError(f"{what} {str(folder)!r}: its {shown} has {size:,} bytes, more than "
+                         f"such a file ever holds (at most {MAX_JSON_FILE_BYTES:,}); refused "
+                         "unread")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{what} {str(folder)!r}: its {shown} is not valid JSON "
+                         f"({brief_error(e, 120)})") from None
 
 
 # the files transformers reads a model's settings and its tokenizer from, and the most bytes
@@ -77,7 +110,7 @@ def sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
 # about 33 MB)
 SETTINGS_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
                   "special_tokens_map.json", "added_tokens.json", "modules.json",
-                  "sentence_bert_config.json")
+                  "sentence_bert_config.json", "model.safetensors.index.json")
 VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "merges.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.model", "source.spm")
 MAX_VOCABULARY_FILE_BYTES = 256 << 20
@@ -232,7 +265,8 @@ class Encoder:
             model_cls = getattr(transformers, arch)
         else:
             model_cls = transformers.AutoModel
-        st = sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir() else None
+        st = (sentence_transformers_pooling(Path(name_or_path)) if Path(name_or_path).is_dir()
+              else None)
         if pooling == "auto":
             pooling = "pooler" if self.is_dpr else (st[0] if st else "cls")
         try:  # the library's failure on the folder's files (a damaged safetensors, ...)

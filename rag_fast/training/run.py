@@ -100,7 +100,10 @@ class _Where:
         set keys inside the first key's section."""
         for key in keys:
             for set_key, option in reversed(self.overrides.items()):
-                if key == set_key or key.startswith(set_key + "."):
+                # it set the key, a section holding it, or (below a section) a key inside it
+                # (`--set train.foo.bar=1` made the unknown option `train.foo`)
+                if key == set_key or key.startswith(set_key + ".") or (
+                        "." in key and set_key.startswith(key + ".")):
                     return option
         inside = [option for set_key, option in self.overrides.items()
                   if keys and set_key.startswith(keys[0] + ".")]
@@ -352,8 +355,10 @@ def train_config(values: dict, path: str, overrides: dict[str, str] | None = Non
         text = str(e)
         # the fields the message is about: the one it starts with, unknown ones, those it names
         keys = [name for name in _TRAIN_FIELDS if text.startswith(name + " ")]
-        keys += sorted(str(k) for k in values if k not in _TRAIN_FIELDS)
-        keys += [name for name in _TRAIN_FIELDS if re.search(rf"\b{name}\b", text)]
+        unknown = sorted(str(k) for k in values if k not in _TRAIN_FIELDS)
+        keys += unknown
+        if not unknown:  # (a message about unknown keys lists every known one: not about them)
+            keys += [name for name in _TRAIN_FIELDS if re.search(rf"\b{name}\b", text)]
         where = _Where(path, overrides)(*(f"train.{k}" for k in keys), "train")
         raise ValueError(f"{where}: train: {e}") from None
 
