@@ -67,7 +67,8 @@ def test_a_pipe_as_the_pooling_config_is_refused_not_waited_on(world, st_encoder
     done = subprocess.run([sys.executable, "-m", "rag_fast.cli", "index", "build", "--passages",
                            str(world["passages"]), "--encoder", str(folder), "--out",
                            str(tmp_path / "kb"), "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    # (cwd outside the checkout: the child imports the installed rag_fast, as this process does)
     line = one_error(done.returncode, done.stderr, "encoder", str(folder), "config.json")
     assert "not a regular file" in line
     assert not (tmp_path / "kb").exists()
