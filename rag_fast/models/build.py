@@ -34,9 +34,9 @@ from rag_fast.models.family import family_of_config
 from rag_fast.models.options import check_arguments
 from rag_fast.models.rag_model import RagModel
 from rag_fast.models.retriever_io import read_bundle_manifest
-from rag_fast.retrieval.encoders import (check_loaded_weights, check_model_files,
-                                         check_vocabulary, looks_like_path, needs_code,
-                                         sentence_transformers_pooling, unloadable)
+from rag_fast.retrieval.encoders import (VOCABULARY_FILES, check_loaded_weights,
+                                         check_model_files, check_vocabulary, looks_like_path,
+                                         needs_code, sentence_transformers_pooling, unloadable)
 from rag_fast.tokenization import verify_tokenizer_folder
 
 
@@ -269,9 +269,7 @@ def _loading(what: str, name: str, load):
 
 
 # the files a transformers tokenizer is read from (one of them at least, in a folder)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
-                    "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model",
-                    "source.spm")
+_TOKENIZER_FILES = (VOCABULARY_FILES[0], "tokenizer_config.json", *VOCABULARY_FILES[1:])
 
 
 def _folder_tokenizer(name: str, what: str) -> Any:

@@ -89,14 +89,7 @@ def _settings_json(file: Path, folder: Path, what: str):
     """A settings file of a model folder, read only as a regular file within the limit of
     :data:`MAX_JSON_FILE_BYTES` (a pipe would block, a huge sparse file fill the memory)."""
     shown = file.relative_to(folder)
-    if not file.is_file():
-        why = "is a link to nothing" if not file.exists() else not_a_file(file)
-        raise ValueError(f"{what} {str(folder)!r}: its {shown} {why}")
-    size = file.stat().st_size
-    if size > MAX_JSON_FILE_BYTES:
-        raise ValueError(f"{what} {str(folder)!r}: its {shown} has {size:,} bytes, more than "
-                         f"such a file ever holds (at most {MAX_JSON_FILE_BYTES:,}); refused "
-                         "unread")
+    _check_file(file, MAX_JSON_FILE_BYTES, f"{what} {str(folder)!r}: its {shown}")
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as e:
@@ -127,17 +120,21 @@ def check_model_files(name: str, what: str) -> None:
     if not folder.is_dir():
         return
     for file in SETTINGS_FILES + VOCABULARY_FILES:
-        path = folder / file
-        if not os.path.lexists(path):
-            continue
-        if not path.is_file():
-            why = "is a link to nothing" if not path.exists() else not_a_file(path)
-            raise ValueError(f"{what} {name!r}: its {file} {why}")
-        size = path.stat().st_size
-        bound = MAX_JSON_FILE_BYTES if file in SETTINGS_FILES else MAX_VOCABULARY_FILE_BYTES
-        if size > bound:
-            raise ValueError(f"{what} {name!r}: its {file} has {size:,} bytes, more than such a "
-                             f"file ever holds (at most {bound:,}); refused unread")
+        if os.path.lexists(folder / file):
+            _check_file(folder / file, MAX_JSON_FILE_BYTES if file in SETTINGS_FILES else
+                        MAX_VOCABULARY_FILE_BYTES, f"{what} {name!r}: its {file}")
+
+
+def _check_file(path: Path, bound: int, said: str) -> None:
+    """``path`` a regular file of at most ``bound`` bytes, else a ValueError starting with
+    ``said`` (what names the file: the flag, the folder and the file's name)."""
+    if not path.is_file():
+        why = "is a link to nothing" if not path.exists() else not_a_file(path)
+        raise ValueError(f"{said} {why}")
+    size = path.stat().st_size
+    if size > bound:
+        raise ValueError(f"{said} has {size:,} bytes, more than such a file ever holds (at "
+                         f"most {bound:,}); refused unread")
 
 
 def check_vocabulary(tokenizer, what: str, name: str, use: str) -> None:
