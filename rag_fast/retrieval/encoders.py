@@ -103,17 +103,25 @@ def _settings_json(file: Path, folder: Path, what: str):
 # about 33 MB)
 SETTINGS_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
                   "special_tokens_map.json", "added_tokens.json", "modules.json",
-                  "sentence_bert_config.json", "model.safetensors.index.json")
+                  "sentence_bert_config.json", "model.safetensors.index.json",
+                  "pytorch_model.bin.index.json")
 VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "merges.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.model", "source.spm")
 MAX_VOCABULARY_FILE_BYTES = 256 << 20
+# the weight files transformers reads, and the indexes that list a split model's files
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors library's own bound
 
 
 def check_model_files(name: str, what: str) -> None:
-    """A model folder's settings and tokenizer files (those present), before transformers
-    reads any: each a regular file (a pipe, a device or a link to nothing in place of one is
-    skipped by transformers without a word, and a tokenizer then falls back to its special
-    tokens alone) and of at most its bound (a huge sparse file is refused, never read whole).
+    """A model folder's settings, tokenizer and weight files (those present, and those a
+    split model's index lists), before transformers reads any: each a regular file (a pipe,
+    a device or a link to nothing in place of one is skipped by transformers without a word,
+    and a tokenizer then falls back to its special tokens alone, or blocks on opening it), a
+    settings or tokenizer file of at most its bound (a huge sparse file is refused, never read
+    whole), a safetensors file whose header promises the bytes it holds (never mapped whole
+    when it is zeros or cut short).
     A ValueError naming ``what`` (the argument or flag), the folder and the file; a name that
     is not a folder (a model name) is left to the loaders."""
     folder = Path(name).expanduser()
@@ -123,6 +131,60 @@ def check_model_files(name: str, what: str) -> None:
         if os.path.lexists(folder / file):
             _check_file(folder / file, MAX_JSON_FILE_BYTES if file in SETTINGS_FILES else
                         MAX_VOCABULARY_FILE_BYTES, f"{what} {name!r}: its {file}")
+    for file, listed_in in _weight_files(folder, what, name):
+        said = f"{what} {name!r}: its {file}" + (f" (listed in its {listed_in})"
+                                                  if listed_in else "")
+        if os.path.lexists(folder / file):
+            _check_file(folder / file, 1 << 62, said)
+            if file.endswith(".safetensors"):
+                _check_safetensors(folder / file, said)
+
+
+def _weight_files(folder: Path, what: str, name: str) -> list[tuple[str, str | None]]:
+    """The weight files transformers may open in ``folder``: ``(file, the index listing it or
+    None)``; an index's ``weight_map`` must map tensor names to relative file names that stay
+    in the folder."""
+    files: list[tuple[str, str | None]] = [(file, None) for file in WEIGHT_FILES]
+    for index in WEIGHT_INDEXES:
+        if not os.path.lexists(folder / index):
+            continue
+        weight_map = _settings_json(folder / index, folder, what)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) and v and not os.path.isabs(v)
+                and not os.path.normpath(v).startswith("..") for v in weight_map.values()):
+            raise ValueError(f"{what} {name!r}: its {index} has no weight_map of file names "
+                             "inside the folder (a mapping of tensor names to files such as "
+                             "model-00001-of-00002.safetensors)")
+        files += [(file, index) for file in sorted(set(weight_map.values()))]
+    return files
+
+
+def _check_safetensors(path: Path, said: str) -> None:
+    """A safetensors file whose header is whole and promises exactly the bytes the file
+    holds, read before the library maps the file (a file of zeros, or one cut short, would
+    otherwise be mapped whole); a ValueError starting with ``said`` otherwise."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= length <= min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+            raise ValueError(f"{said} is not a safetensors file: its first 8 bytes give a "
+                             f"header of {length:,} bytes in a file of {size:,}")
+        try:
+            header = json.loads(f.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items()
+                       if key != "__metadata__"), default=0)
+            if not isinstance(end, int):
+                raise TypeError(f"offset {end!r}")
+        except (ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError) \
+                as e:
+            raise ValueError(f"{said} is not a safetensors file: its header does not list "
+                             f"tensors ({brief_error(e, 80)})") from None
+    if 8 + length + end != size:
+        raise ValueError(f"{said} is damaged: its header promises {8 + length + end:,} bytes "
+                         f"but the file holds {size:,} (cut short or extended, or not its "
+                         "own header)")
 
 
 def _check_file(path: Path, bound: int, said: str) -> None:

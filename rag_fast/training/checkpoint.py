@@ -23,6 +23,7 @@ import json
 import os
 import random
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -304,11 +305,17 @@ def load_checkpoint(path: str) -> dict:
             without running them), or not a Trainer checkpoint.
     """
     record = _verify(path)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle.UnpicklingError for a refused object; zip errors...
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        detail = f"it references {found.group(1)}" if found else type(e).__name__
+    # torch's own warnings on the file (a pickle protocol it does not write, ...) are held back
+    # and shown only for a checkpoint that passes every check: a refused one is one line
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("always")
+        try:
+            payload, refused = torch.load(path, map_location="cpu", weights_only=True), None
+        except Exception as e:  # pickle.UnpicklingError for a refused object; zip errors...
+            payload, refused = None, e
+    if refused is not None:
+        found = re.search(r"GLOBAL ([\w.]+)", str(refused))
+        detail = f"it references {found.group(1)}" if found else type(refused).__name__
         raise CheckpointError(
             f"checkpoint {path} was refused: it holds something other than tensors and plain "
             f"data, and nothing in it was run ({detail})") from None
@@ -327,6 +334,8 @@ def load_checkpoint(path: str) -> dict:
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path} is not a valid rag_fast training checkpoint "
                               f"({e})") from None
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return {"model": payload["model"], "optimizer": payload["optimizer"],
             "scheduler": payload["scheduler"], "scaler": payload["scaler"],
             "rng": {"torch": payload["rng_torch"], "cuda": payload["rng_cuda"],
