@@ -11,6 +11,7 @@ second signal exits at once. docs/serving.md describes the routes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -80,11 +81,15 @@ def run(args) -> int:
                                  max_batch=args.max_batch, limits=limits)
         app = create_app(answerer, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                          timeout_s=args.timeout, admin_token=token, index_root=args.index_root)
+        _uvicorn_logging()
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                log_config=None,  # set above, without logging.config
                                 access_log=args.log_requests, lifespan="on",
                                 # connections past the queue's questions get uvicorn's 503
                                 limit_concurrency=args.max_queue + 64,
                                 timeout_graceful_shutdown=args.timeout + 5, workers=1)
+        if args.log_requests:  # (uvicorn's log_level set the request lines' logger too)
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         sock = _listen(args.host, args.port)
     except _StoppedStarting:
         print("rag-fast serve: SIGTERM before the server was ready: stopped (nothing was "
@@ -102,6 +107,25 @@ def run(args) -> int:
         return 130
     print(f"rag-fast serve: {done}", file=sys.stderr)
     return 0
+
+
+def _uvicorn_logging() -> None:
+    """uvicorn's loggers as its default logging config sets them (messages on standard error,
+    request lines on standard output), without ``logging.config.dictConfig``: that closes every
+    handler the process has first, other libraries' included, and one whose stream is a
+    caller's (absl's, holding the standard error of when it was imported) closes that stream.
+    A second call replaces the handlers it added (``main()`` in a process that goes on)."""
+    from uvicorn.logging import AccessFormatter, DefaultFormatter  # deferred: as uvicorn
+
+    for name, stream, formatter in (
+            ("uvicorn", sys.stderr, DefaultFormatter("%(levelprefix)s %(message)s")),
+            ("uvicorn.access", sys.stdout, AccessFormatter(
+                '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s'))):
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(formatter)
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = [handler], False
+        logger.setLevel(logging.INFO)
 
 
 def _listen(host: str, port: int) -> socket.socket:

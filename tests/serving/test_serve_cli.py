@@ -6,7 +6,9 @@ the test (bounded waits)."""
 from __future__ import annotations
 
 import http.client
+import io
 import json
+import logging
 import os
 import re
 import signal
@@ -225,3 +227,49 @@ def test_sigterm_while_loading_stops_with_one_line(serving_world, monkeypatch):
         "rag-fast serve: SIGTERM before the server was ready: stopped (nothing was answered, "
         "nothing written)"]
     assert signal.getsignal(signal.SIGTERM) is before  # the process's own handler is back
+
+
+def test_serving_in_a_process_closes_no_handler_of_another_library(serving_world):
+    """uvicorn's default logging config (logging.config.dictConfig) closed every handler of
+    the process: absl's (rouge-score imports it), holding the standard error of when it was
+    imported, then closed that stream, and the tests' own capture with it."""
+    closed = []
+
+    class Handler(logging.StreamHandler):
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    other = logging.getLogger("another.library")
+    handler = Handler(io.StringIO())
+    other.addHandler(handler)
+    try:
+        code, err = run_cli("serve", "--model", serving_world["bart"], "--device", "cpu",
+                            "--host", "no.such.host.invalid")
+        assert code == 2 and "--host" in err, err
+        assert closed == [] and other.handlers == [handler]
+        # uvicorn's messages go out as its default config sends them, once however often
+        run_cli("serve", "--model", serving_world["bart"], "--host", "no.such.host.invalid")
+        assert len(logging.getLogger("uvicorn").handlers) == 1
+        assert not logging.getLogger("uvicorn").propagate
+    finally:
+        other.removeHandler(handler)
+
+
+def test_log_requests_writes_one_line_per_request_on_standard_output(serving_world):
+    proc, port, _ = _start("--model", serving_world["bart"], "--log-requests")
+    try:
+        status, _ = _post(port, "/v1/answer", {"question": "cairo", "num_beams": 1,
+                                               "max_new_tokens": 2})
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", "/no/such/route")
+        missing = conn.getresponse().status
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert (status, missing, proc.returncode) == (200, 404, 0), err
+    lines = out.splitlines()
+    assert len(lines) == 2, out
+    assert '"POST /v1/answer HTTP/1.1" 200' in lines[0] and "127.0.0.1:" in lines[0]
+    assert '"GET /no/such/route HTTP/1.1" 404' in lines[1]
