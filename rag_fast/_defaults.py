@@ -13,4 +13,8 @@ PRESETS = ("exact", "hnsw", "ivfpq")
 # (rag_fast.tokenization), at most 2**20
 MIN_VOCAB_SIZE, MAX_VOCAB_SIZE = 256 + 5, 1 << 20
 
-__all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "MAX_VOCAB_SIZE", "MIN_VOCAB_SIZE", "PRESETS"]
+# `index search|eval --mode`: how passages are found (rag_fast.retrieval.search)
+RETRIEVAL_MODES = ("dense", "bm25", "hybrid")
+
+__all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "MAX_VOCAB_SIZE", "MIN_VOCAB_SIZE", "PRESETS",
+           "RETRIEVAL_MODES"]

@@ -247,7 +247,7 @@ def test_search_answers_a_file_of_questions_in_one_process(tmp_path, built, caps
     encoded in batches and searched once, one JSON line each (id, title, score, the first 200
     characters of the text), written atomically; the same top passages as one question at a
     time. A file it did not write is never replaced."""
-    from rag_fast.retrieval.bundle import open_bundle_search
+    from rag_fast.retrieval.search import open_bundle_search
 
     txt = tmp_path / "q.txt"
     txt.write_text("".join(q + "\n\n" for q, _ in QUESTIONS))
@@ -332,7 +332,7 @@ def test_index_eval_measures_retrieval_without_a_model(tmp_path, built, capsys):
                      "--out", str(out), "--device", "cpu"]) == 0
     printed = capsys.readouterr()
     lines = printed.out.splitlines()
-    assert lines[0] == f"4 questions, index {built} (10 passages), searched once at k=3"
+    assert lines[0] == f"4 questions, index {built} (10 passages), searched once at k=3 (dense)"
     assert lines[1] == "   k  gold recall@k  answer recall@k  k random passages"
     assert lines[2].split()[:3] == ["1", "1.0000", "1.0000"]
     assert lines[3].split()[:3] == ["3", "1.0000", "1.0000"]
@@ -342,7 +342,7 @@ def test_index_eval_measures_retrieval_without_a_model(tmp_path, built, capsys):
     assert printed.err == ""
     assert folder_kind(out) == RETRIEVAL_EVAL_KIND
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["k"] == [1, 3] and metrics["questions"] == 4
+    assert metrics["k"] == [1, 3] and metrics["questions"] == 4 and metrics["mode"] == "dense"
     assert metrics["metrics"]["gold_recall@1"] == 1.0 and metrics["metrics"]["answer_recall@3"] == 1.0
     assert metrics["answer_leniency"]["passages_counted"] == 10
     rows = [json.loads(x) for x in (out / "retrieval.jsonl").read_text().splitlines()]

@@ -3,7 +3,7 @@ directories.
 
 ``build`` calls :func:`rag_fast.retrieval.bundle.build_index_bundle` (which writes the
 directory atomically and stages sharded builds); ``search`` opens one with the question
-encoder it records (:func:`~rag_fast.retrieval.bundle.open_bundle_search`) and answers one
+encoder it records (:func:`~rag_fast.retrieval.search.open_bundle_search`) and answers one
 question or a file of them (``--queries FILE [--out FILE]``: JSON lines, written atomically);
 ``eval`` searches the questions of a dataset the same way and reports recall@k against
 gold passage ids and answer strings (:mod:`rag_fast.evaluation.retrieval`); ``info`` opens one
@@ -24,8 +24,9 @@ from rag_fast.cli.parsers import SEARCH_TEXT_CHARS
 from rag_fast.evaluation.retrieval import (RETRIEVAL_FILES, format_table, load_retrieval_data,
                                            retrieval_report, write_retrieval_report)
 from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
-                                       open_bundle_search, read_tuning_questions,
-                                       staging_folder)
+                                       read_tuning_questions, staging_folder)
+from rag_fast.retrieval.lexical import load_part
+from rag_fast.retrieval.search import check_mode, open_bundle_search
 from rag_fast.storage import (RETRIEVAL_EVAL_KIND, atomic_write_bytes, check_apart,
                               check_output_file, check_output_folder, shared_lock)
 
@@ -60,7 +61,8 @@ def run_build(args: argparse.Namespace) -> int:
                 preset=args.preset, on_disk=args.on_disk, target_recall=args.target_recall,
                 queries=args.queries, shard=args.shard, split=args.split, pooling=args.pooling,
                 max_length=args.max_length, batch_size=args.batch_size, device=args.device,
-                overwrite=args.overwrite, dedupe=args.dedupe, progress=not args.no_progress,
+                overwrite=args.overwrite, dedupe=args.dedupe, bm25=args.bm25,
+                progress=not args.no_progress,
                 warn=warn, remove_staging=args.remove_staging, alone=alone)
     except (FileNotFoundError, ValueError) as e:  # the reader names it: say the flag
         if str(e).startswith("passages: "):
@@ -92,6 +94,7 @@ def _check_search_out(args: argparse.Namespace) -> None:
 def run_search(args: argparse.Namespace) -> int:
     _check_not_empty(("DIR", args.dir), ("--queries", args.queries), ("--out", args.out))
     check_positive(("-k", args.k))
+    check_mode(args.mode)
     if (args.question is None) == (args.queries is None):
         raise ValueError("give one question, or --queries FILE (not both)")
     if args.out is not None:
@@ -104,7 +107,8 @@ def run_search(args: argparse.Namespace) -> int:
         check_text("question", args.question)
         questions = [args.question]
     searcher = open_bundle_search(args.dir, device=args.device, verify=not args.no_verify)
-    scores, rows = searcher.search(questions, args.k, nprobe=args.nprobe, ef_search=args.ef_search)
+    scores, rows = searcher.search(questions, args.k, mode=args.mode, nprobe=args.nprobe,
+                                   ef_search=args.ef_search)
     if args.queries is None and args.out is None:  # one question, printed
         for rank, (score, row) in enumerate(zip(scores[0].tolist(), rows[0].tolist()), 1):
             if row < 0:
@@ -146,6 +150,7 @@ def parse_ks(text: str, flag: str = "-k") -> list[int]:
 def run_eval(args: argparse.Namespace) -> int:
     _check_not_empty(("--data", args.data), ("--index", args.index), ("--out", args.out))
     ks = parse_ks(args.k)
+    check_mode(args.mode)
     for flag, value in (("--nprobe", args.nprobe), ("--ef-search", args.ef_search)):
         if value is not None:
             check_positive((flag, value))
@@ -158,24 +163,26 @@ def run_eval(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         examples = load_retrieval_data(args.data)
     searcher = open_bundle_search(args.index, device=args.device, verify=not args.no_verify)
+    searcher.check_mode(args.mode)
     if ks[-1] > len(searcher.index):
         raise ValueError(f"-k {ks[-1]} is more passages than the index {args.index!r} holds "
                          f"({len(searcher.index)}); use at most {len(searcher.index)}")
-    scores, rows = searcher.search([e.question for e in examples], ks[-1], nprobe=args.nprobe,
-                                   ef_search=args.ef_search)
+    scores, rows = searcher.search([e.question for e in examples], ks[-1], mode=args.mode,
+                                   nprobe=args.nprobe, ef_search=args.ef_search)
     store = searcher.store
     passages = [[store[r] for r in found if r >= 0] for found in rows.tolist()]
     scores = [[s for s, r in zip(sc, found) if r >= 0]
               for sc, found in zip(scores.tolist(), rows.tolist())]
     report = retrieval_report(examples, passages, scores, store, ks)
     print(f"{len(examples)} questions, index {args.index} ({len(store)} passages), searched once "
-          f"at k={ks[-1]}")
+          f"at k={ks[-1]} ({args.mode})")
     print(format_table(report))
     if args.out is not None:
         args.on_interrupt = said_on_interrupt(  # in the order they are written
             [str(Path(args.out) / "retrieval.jsonl"), str(Path(args.out) / "metrics.json")],
             f"the evaluation was written whole to {args.out}")
-        write_retrieval_report(args.out, report, data=args.data, index=args.index)
+        write_retrieval_report(args.out, report, data=args.data, index=args.index,
+                               mode=args.mode)
         print(f"metrics: {Path(args.out) / 'metrics.json'}; per question: "
               f"{Path(args.out) / 'retrieval.jsonl'}")
     # the data's warnings once the outputs are written, so that a failure is one line
@@ -187,6 +194,7 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     _check_not_empty(("DIR", args.dir))
     manifest, store, index = load_index_bundle(args.dir, verify=args.verify)
+    bm25 = load_part(args.dir, manifest, len(store), verify=args.verify)
     d = index.describe()
     lines = {
         "directory": str(Path(args.dir).resolve()),
@@ -205,6 +213,8 @@ def run_info(args: argparse.Namespace) -> int:
         "bytes/vector": f"{index.index_bytes() / len(index):.1f} (+{2 * d['dim']} fp16 vectors)",
         "faiss": f"{d['faiss_version']} (built with "
                  f"{json.loads((Path(args.dir) / 'index' / 'manifest.json').read_text())['faiss_version']})",
+        "bm25": (f"yes: {len(bm25.model.vocab_dict):,} words (--mode bm25 or hybrid)" if bm25
+                 else "no (`index build --bm25` adds it)"),
         "checksums": "verified" if args.verify else "sizes checked (--verify for SHA-256)",
     }
     width = max(len(k) for k in lines)

@@ -13,7 +13,7 @@ import importlib
 import json
 
 from rag_fast._defaults import (DEFAULT_BEAMS, DEFAULT_NEW_TOKENS, MAX_VOCAB_SIZE, MIN_VOCAB_SIZE,
-                                PRESETS)
+                                PRESETS, RETRIEVAL_MODES)
 
 
 class _Runs:
@@ -98,6 +98,9 @@ def add_index(subparsers: argparse._SubParsersAction) -> None:
                             "kind or one holding other files)")
     build.add_argument("--dedupe", action="store_true",
                        help="keep the first passage of each repeated id (default: an error)")
+    build.add_argument("--bm25", action="store_true",
+                       help="also index the passages' words for BM25 (bm25/, for `index search "
+                            "--mode bm25|hybrid`)")
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.set_defaults(func=_Runs("index", "run_build"))
 
@@ -118,6 +121,9 @@ def add_index(subparsers: argparse._SubParsersAction) -> None:
                         help="write the JSON lines here, atomically (a file it wrote before is "
                              "replaced, any other is refused); default: print them")
     search.add_argument("-k", type=int, default=5, help="passages per question (default 5)")
+    search.add_argument("--mode", default="dense", choices=RETRIEVAL_MODES,
+                        help="dense (the default), bm25 or hybrid (both, by reciprocal rank "
+                             "fusion); bm25 and hybrid need an index built with --bm25")
     search.add_argument("--nprobe", type=int, default=None,
                         help="IVF lists searched (default: the index's tuned setting)")
     search.add_argument("--ef-search", type=int, default=None,
@@ -155,6 +161,9 @@ def add_index(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--out", metavar="DIR", default=None,
                           help="also write metrics.json and retrieval.jsonl here, atomically (a "
                                "new or empty folder, or one this command wrote before)")
+    evaluate.add_argument("--mode", default="dense", choices=RETRIEVAL_MODES,
+                          help="dense (the default), bm25 or hybrid; bm25 and hybrid need an "
+                               "index built with --bm25")
     evaluate.add_argument("--nprobe", type=int, default=None,
                           help="IVF lists searched (default: the index's tuned setting)")
     evaluate.add_argument("--ef-search", type=int, default=None,

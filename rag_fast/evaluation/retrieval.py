@@ -399,10 +399,11 @@ def format_table(report: RetrievalReport) -> str:
 
 
 def write_retrieval_report(out: str | Path, report: RetrievalReport, *, data: str,
-                           index: str) -> None:
-    """Mark ``out`` as a retrieval evaluation's folder and write ``metrics.json`` (the data
-    and index, the counts, the metrics rounded to 4 digits, their definitions, the answers'
-    leniency) and ``retrieval.jsonl`` (one object per question), each atomically."""
+                           index: str, mode: str = "dense") -> None:
+    """Mark ``out`` as a retrieval evaluation's folder and write ``metrics.json`` (the data,
+    index and retrieval mode, the counts, the metrics rounded to 4 digits, their definitions,
+    the answers' leniency) and ``retrieval.jsonl`` (one object per question), each
+    atomically."""
     out = Path(out)
     with new_folder_removed_on_failure(out, RETRIEVAL_FILES):
         write_marker(out, RETRIEVAL_EVAL_KIND)
@@ -410,7 +411,7 @@ def write_retrieval_report(out: str | Path, report: RetrievalReport, *, data: st
             json.dumps(row, ensure_ascii=False) + "\n" for row in report.rows).encode("utf-8"))
         summary = dict(report.summary)
         atomic_write_bytes(out / "metrics.json", (json.dumps({
-            "data": str(data), "index": str(index), "k": report.ks,
+            "data": str(data), "index": str(index), "mode": mode, "k": report.ks,
             "questions": summary.pop("questions"),
             "metrics": {key: round(float(v), 4) for key, v in report.metrics.items()},
             **summary}, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))

@@ -6,6 +6,8 @@
     exact_search                                       exact top-k in torch, any device, no faiss (._exact)
     Retriever, RetrievedPassages                       ids, exact embeddings, generator inputs (.retriever)
     ShardedIndex, ShardedRetriever, search_exact_ties  one index over a torch.distributed group (.sharded)
+    BM25Index, reciprocal_rank_fusion, weighted_fusion BM25 over the passages, fusion (.lexical)
+    open_bundle_search, MODES                          an index directory's dense, bm25, hybrid search (.search)
     StorageError                                       a stored directory is corrupt or mismatched
     NoSpaceError                                       a full disk (an OSError, ENOSPC), naming the file
 
@@ -35,6 +37,11 @@ _LAZY = {
     "ShardedIndex": "rag_fast.retrieval.sharded",
     "ShardedRetriever": "rag_fast.retrieval.sharded",
     "search_exact_ties": "rag_fast.retrieval.sharded",
+    "BM25Index": "rag_fast.retrieval.lexical",
+    "reciprocal_rank_fusion": "rag_fast.retrieval.lexical",
+    "weighted_fusion": "rag_fast.retrieval.lexical",
+    "MODES": "rag_fast.retrieval.search",
+    "open_bundle_search": "rag_fast.retrieval.search",
 }
 __all__ = sorted(_LAZY)
 

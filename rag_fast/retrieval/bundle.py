@@ -1,9 +1,9 @@
 """Index directories: build one from a passage file and an encoder, and open one.
 
 An index directory holds ``manifest.json`` (kind :data:`BUNDLE_KIND`: the encoders and the
-checksums of the parts), ``passages/`` (a PassageStore) and ``index/`` (a DenseIndex). It is
-assembled under a temporary name and renamed at the end, so an interrupted build leaves
-nothing at ``out``. With ``shard=(i, n)`` a process only encodes its shard into
+checksums of the parts), ``passages/`` (a PassageStore), ``index/`` (a DenseIndex) and, built
+with ``bm25``, ``bm25/`` (a BM25Index). It is assembled under a temporary name and renamed at
+the end, so an interrupted build leaves nothing at ``out``. With ``shard=(i, n)`` a process only encodes its shard into
 ``OUT.staging/``; a final build without a shard finds the complete set of shards there and
 builds the index from them. That staging folder is also what training on a sharded index reads
 (``"index": {"path": "OUT.staging", "sharded": true}``), so the build that merges staged shards
@@ -18,8 +18,7 @@ a staging folder holding anything else is refused before any work where the buil
 it, and a staging folder that is a symbolic link is refused always.
 
 This is the library behind ``rag-fast index build``: its errors name the options as that
-command spells them (``--out``, ``--encoder``, ``--shard``, ...), so that the command reports
-them unchanged.
+command spells them (``--out``, ``--shard``, ...), so that the command reports them unchanged.
 """
 from __future__ import annotations
 
@@ -44,6 +43,7 @@ from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard, s
 from rag_fast.retrieval.factory import PRESETS, SMALL_CORPUS, factory_index, plan_factory
 from rag_fast.retrieval.index import INDEX_KIND, DenseIndex
 from rag_fast.retrieval.inputs import NonFiniteError
+from rag_fast.retrieval.lexical import BM25_MANIFEST, BM25_PART, build_part
 from rag_fast.retrieval.tuning import SmallSampleWarning, small_sample_message
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
                                          stand_in_questions)
@@ -606,6 +606,7 @@ def build_index_bundle(
     device: str | None = None,
     overwrite: bool = False,
     dedupe: bool = False,
+    bm25: bool = False,
     progress: bool = True,
     remove_staging: bool = False,
     log: Callable[[str], None] = print,
@@ -637,6 +638,7 @@ def build_index_bundle(
             the query encoder, when given, runs on the CPU).
         batch_size: passages per encoder batch.
         dedupe: keep the first passage of each repeated id instead of refusing.
+        bm25: a BM25 part beside the dense index (:mod:`~rag_fast.retrieval.lexical`).
         progress: progress bars and a line on the tuning questions.
         remove_staging: after a build that used shards staged by ``shard`` builds (sets of
             2 or more), remove ``OUT.staging/`` with them; by default it is kept, as training
@@ -755,6 +757,9 @@ def build_index_bundle(
                 raise NoSpaceError(os.path.join(shown, "index"), e.needed, e.free,
                                    e.errno) from None
             files = ["passages/manifest.json", "index/manifest.json"]
+            if bm25:
+                build_part(store, tmp / BM25_PART)
+                files.append(BM25_MANIFEST)
             write_manifest(tmp / "manifest.json", {
                 "parts": part_digests(tmp, files),
                 "kind": BUNDLE_KIND, "format": 1, "passages_source": str(passages),
@@ -856,45 +861,5 @@ def load_index_bundle(directory: str | Path, verify: bool = False):
     return manifest, store, index
 
 
-class BundleSearch:
-    """An index directory opened to answer questions: its passages (``store``), its index and
-    the question encoder its manifest records (``encoder``), what ``rag-fast index search``
-    and ``rag-fast index eval`` search with (:func:`open_bundle_search`)."""
-
-    def __init__(self, manifest: dict, store: PassageStore, index: DenseIndex, encoder: Encoder):
-        self.manifest, self.store, self.index, self.encoder = manifest, store, index, encoder
-
-    def search(self, questions: list[str], k: int, *, nprobe: int | None = None,
-               ef_search: int | None = None, chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
-        """``(scores, rows)`` ``[Q, k]`` of ``questions``: encoded in batches (``chunk``
-        questions at a time, each a batch search), best first; a row is -1 (its score -inf)
-        where fewer than ``k`` were found. ``nprobe``, ``ef_search``: the index's defaults
-        when None."""
-        settings = {key: v for key, v in (("nprobe", nprobe), ("ef_search", ef_search))
-                    if v is not None}
-        scores, rows = [], []
-        for start in range(0, len(questions), chunk):
-            q = self.encoder.encode_queries(list(questions[start:start + chunk])).numpy()
-            found = self.index.search(q, k, **settings)
-            scores.append(found[0])
-            rows.append(found[1])
-        if not rows:
-            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
-        return np.concatenate(scores), np.concatenate(rows)
-
-
-def open_bundle_search(directory: str | Path, *, device: str | None = None,
-                       verify: bool = True) -> BundleSearch:
-    """An index directory with the question encoder its manifest records, on ``device``
-    (default: CUDA when available), to search questions with (``verify``: every file's
-    SHA-256, else the sizes)."""
-    manifest, store, index = load_index_bundle(directory, verify=verify)
-    spec = manifest["query_encoder"]
-    encoder = Encoder(spec["name"], pooling=spec["pooling"], normalize=spec["normalize"],
-                      max_length=spec["max_length"], device=device)
-    return BundleSearch(manifest, store, index, encoder)
-
-
-__all__ = ["BUNDLE_KIND", "STAGING_KEY", "TUNING_QUESTIONS", "BundleSearch", "build_index_bundle",
-           "describe_quality", "load_index_bundle", "open_bundle_search", "read_tuning_questions",
-           "staging_folder"]
+__all__ = ["BUNDLE_KIND", "STAGING_KEY", "TUNING_QUESTIONS", "build_index_bundle",
+           "describe_quality", "load_index_bundle", "read_tuning_questions", "staging_folder"]

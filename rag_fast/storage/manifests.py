@@ -160,7 +160,8 @@ KIND_WORDS = {"rag_fast.index_bundle": "an index directory from `rag-fast index 
               "rag_fast.retrieval_eval": "a retrieval evaluation's folder (`rag-fast index eval`)",
               "rag_fast.refreshed_index": "a training run's refreshed index directory",
               "rag_fast.tokenized_passages": "a passage store's token cache",
-              "rag_fast.tokenizer": "a tokenizer folder (`rag-fast tokenizer fit`)"}
+              "rag_fast.tokenizer": "a tokenizer folder (`rag-fast tokenizer fit`)",
+              "rag_fast.bm25": "a BM25 part (an index directory's bm25/)"}
 
 
 # a manifest, marker or side file larger than this is not one of rag_fast's (they list a few

