@@ -12,6 +12,12 @@ import torch  # noqa: E402  (importing torch does not import triton)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers (`-n N`) share the machine's cores: each runs torch on its share, as
+# N workers each spinning every core's worth of threads would run slower than one alone
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
 from utils import IN_CI, ext_available, triton_cpu_available  # noqa: E402
 from serving_fixtures import serving_world  # noqa: E402,F401  (tests/serving's fixture)
 

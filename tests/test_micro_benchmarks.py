@@ -42,7 +42,9 @@ def _provider(benchmark: dict) -> str:
 @requires_ext
 def test_micro_benchmarks_run_and_save_every_case(tmp_path):
     out = tmp_path / "micro.json"
-    env = {**os.environ, "RAG_FAST_MICRO_SIZE": "small"}
+    # (not as a worker of a parallel run, `pytest -n N`: pytest-benchmark would then skip)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+           "RAG_FAST_MICRO_SIZE": "small"}
     # cwd outside the checkout: the child imports the installed rag_fast, as this process does
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(BENCH_DIR), "-q", "-p", "no:cacheprovider",

@@ -186,7 +186,8 @@ def test_readme_holds_the_training_schema_and_the_example_config():
 
 @pytest.mark.parametrize("marker,command", [
     ("run-command", 'pip install ".[bench]" && python benchmarks/run.py'),
-    ("test-command", 'pip install ".[test]" && pytest tests -m "not slow"'),
+    ("test-command",
+     'pip install ".[test]" && pytest tests -m "not slow" -n auto --maxprocesses 8 --dist loadfile'),
 ])
 def test_ci_finds_the_two_commands_in_the_readme(marker, command):
     """.ci/run reads each command as the line after its marker and the fence (grep -A2)."""

@@ -29,17 +29,28 @@ def server(serving_world):
     assert s.proc.returncode == 0
 
 
+def _locust(url, body, tmp_path, indexes) -> dict:
+    """A 2 s locust run at 2 clients; once more over 10 s when none was answered in 2 s (a busy
+    machine: locust's start-up and the first answers share the cores with other tests)."""
+    try:
+        return bench_serve._locust(url, 2, 2, body, tmp_path, indexes)
+    except RuntimeError as e:
+        if "no request was answered" not in str(e):
+            raise
+        return bench_serve._locust(url, 2, 10, body, tmp_path, indexes)
+
+
 def test_locust_run_is_read_back_and_mixed_answers_are_counted(server, serving_world, tmp_path):
     checksum = index_checksum(serving_world["kb_a"])
     right = tmp_path / "right.json"
     right.write_text(json.dumps({checksum: _ids(serving_world["root"] / "a.jsonl")}))
     body = {"num_beams": 1, "max_new_tokens": 2}
-    good = bench_serve._locust(server.url, 2, 2, body, tmp_path, right)
+    good = _locust(server.url, body, tmp_path, right)
     assert good["requests"] > 0 and good["failures"] == 0 and good["mixed"] == 0
     assert good["rps"] > 0 and 0 < good["p50"] <= good["p99"]
     wrong = tmp_path / "wrong.json"  # the index's checksum, another index's passages
     wrong.write_text(json.dumps({checksum: _ids(serving_world["root"] / "b.jsonl")}))
-    bad = bench_serve._locust(server.url, 2, 2, body, tmp_path, wrong)
+    bad = _locust(server.url, body, tmp_path, wrong)
     assert bad["requests"] > 0 and bad["mixed"] == bad["failures"] == bad["requests"]
 
 
