@@ -159,3 +159,121 @@ def test_a_resealed_part_of_another_size_is_refused(built, tmp_path):
     assert code == 0, err
     code, _, err = run("index", "search", kb, "x", "--mode", "bm25")
     assert code == 2 and "key 'passages' is 7, expected 8" in err, err
+
+
+# ---- the Retriever's modes, and eval/generate --retrieval-mode ------------------------------
+
+def _retriever(built, mode):
+    from rag_fast.models.retriever_io import load_retriever
+
+    return load_retriever(built["kb"], n_docs=3, mode=mode)
+
+
+def _questions(searcher):
+    return searcher.encoder.encode_queries(QUESTIONS)
+
+
+@pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid"])
+def test_the_retriever_picks_as_its_mode_and_scores_with_the_dense_product(built, mode):
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    q = _questions(searcher)
+    found = _retriever(built, mode).retrieve(q, questions=QUESTIONS)
+    ids = found.ids.numpy()
+    depth = min(HYBRID_DEPTH, len(CORPUS))
+    dense = searcher.search(QUESTIONS, depth)[1]
+    if mode == "dense":
+        expected = dense[:, :3]
+    elif mode == "hybrid":
+        expected = reciprocal_rank_fusion([dense, searcher.search(QUESTIONS, depth,
+                                                                  mode="bm25")[1]], 3)[1]
+    else:  # BM25's hits, then the dense ranking's best to fill the K places
+        lexical = searcher.search(QUESTIONS, 3, mode="bm25")[1]
+        expected = []
+        for hits, ranked in zip(lexical.tolist(), dense.tolist()):
+            found_rows = [r for r in hits if r >= 0]
+            expected.append((found_rows + [r for r in ranked if r not in found_rows])[:3])
+    np.testing.assert_array_equal(ids, expected)
+    # the prior is the dense inner product of the passages picked, in float64 here
+    vectors = searcher.index.embeddings[ids.reshape(-1)].astype(np.float64).reshape(*ids.shape, -1)
+    np.testing.assert_allclose(found.scores.numpy(),
+                               np.einsum("bkd,bd->bk", vectors, q.double().numpy()), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(found.doc_embeddings.numpy(), vectors, atol=1e-6)
+
+
+def test_a_retriever_mode_needing_text_or_a_part_says_so(built):
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    with pytest.raises(ValueError, match="mode 'hybrid' searches the question texts"):
+        _retriever(built, "hybrid").retrieve(_questions(searcher))
+    with pytest.raises(ValueError, match="mode must be one of dense, bm25, hybrid"):
+        _retriever(built, "sparse")
+    from rag_fast.models.retriever_io import load_retriever
+
+    with pytest.raises(ValueError, match="retrieval mode bm25: index .*dense-only.* no BM25"):
+        load_retriever(built["dense"], n_docs=2, mode="bm25")
+    dense = load_retriever(built["dense"], n_docs=2)
+    with pytest.raises(ValueError, match="needs the index directory's BM25 part"):
+        dense.retrieve(_questions(searcher), questions=QUESTIONS, mode="bm25")
+
+
+@pytest.fixture(scope="module")
+def model(built):
+    from pathlib import Path
+
+    tokenizer = Path(__file__).resolve().parents[1] / "examples" / "workflow" / \
+        "generator-tokenizer"
+    config = built["root"] / "g.json"
+    config.write_text(json.dumps({
+        "model_type": "bart", "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+        "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
+        "decoder_ffn_dim": 32, "max_position_embeddings": 128}))
+    out = built["root"] / "model"
+    code, _, err = run("init", "--index", built["kb"], "--generator", config,
+                       "--generator-tokenizer", tokenizer, "--n-docs", "3", "--out", out)
+    assert code == 0, err
+    return out
+
+
+YEARS = "1889 1991 1928"  # a question whose passages differ by mode (a test of this file)
+
+
+def test_the_modes_pick_other_passages_for_a_question_of_numbers(built):
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    q = searcher.encoder.encode_queries([YEARS])
+    picked = {mode: _retriever(built, mode).retrieve(q, questions=[YEARS]).ids[0].tolist()
+              for mode in ("dense", "bm25", "hybrid")}
+    assert len({tuple(p) for p in picked.values()}) == 3, picked
+
+
+@pytest.mark.parametrize("mode", ["bm25", "hybrid"])
+def test_generate_and_eval_retrieve_by_their_mode(built, model, mode, tmp_path):
+    code, out, err = run("generate", "--model", model, "--question", YEARS,
+                         "--max-new-tokens", "2", "--num-beams", "1", "--retrieval-mode", mode,
+                         "--device", "cpu")
+    assert code == 0, err
+    [answer] = [json.loads(line) for line in out.splitlines()]
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    retrieved = _retriever(built, mode).retrieve(searcher.encoder.encode_queries([YEARS]),
+                                                 questions=[YEARS])
+    store = PassageStore.load(built["kb"] / "passages")
+    assert [p["id"] for p in answer["passages"]] == \
+        [store.id(int(r)) for r in retrieved.ids[0]], answer
+    data = tmp_path / "years.jsonl"
+    data.write_text(json.dumps({"question": YEARS, "answers": ["1928"]}) + "\n")
+    code, out, err = run("eval", "--model", model, "--data", data, "--max-new-tokens", "2",
+                         "--num-beams", "1", "--retrieval-mode", mode, "--device", "cpu",
+                         "--no-progress", "--out", tmp_path / "ev")
+    assert code == 0, err
+    [row] = [json.loads(x) for x in (tmp_path / "ev" / "predictions.jsonl").read_text()
+             .splitlines()]
+    assert [p["id"] for p in row["passages"]] == [p["id"] for p in answer["passages"]]
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_retrieval_mode_on_an_index_without_bm25_is_one_line(built, model, command):
+    args = (["--question", "x"] if command == "generate" else ["--data", built["data"]])
+    code, out, err = run(command, "--model", model, "--index", built["dense"], *args,
+                         "--retrieval-mode", "hybrid", "--device", "cpu")
+    assert code == 2 and out == ""
+    [line] = err.strip().splitlines()
+    assert "--retrieval-mode hybrid" in line and "dense-only" in line and "--bm25" in line

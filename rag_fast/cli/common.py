@@ -39,14 +39,15 @@ def warn(message: str) -> None:
 
 
 def load_model(model_dir: str, index: str | None, device: str | None,
-               require_index: bool = True, n_docs: int | None = None):
+               require_index: bool = True, n_docs: int | None = None,
+               retrieval_mode: str = "dense"):
     """A model directory with its retriever (``--index``, else the one the model records; none
     when the model records none and ``require_index`` is False) on ``--device`` (default: CUDA
     when available), retrieving ``--n-docs`` passages per question (None: the model's
-    ``n_docs``), for ``eval`` and ``generate``."""
+    ``n_docs``), by ``--retrieval-mode``, for ``eval`` and ``generate``."""
     device = resolve_device(device, "--device")  # a bad --device fails before the model loads
     return load_for_inference(model_dir, index, device, require_index=require_index,
-                              n_docs=n_docs)
+                              n_docs=n_docs, retrieval_mode=retrieval_mode)
 
 
 # The one default of `eval` and `generate`: beam search with 4 beams, at most 32 new tokens,

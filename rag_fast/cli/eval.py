@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         _print_metrics(round_metrics(metrics), args.json)
         return 0
 
-    model = load_model(args.model, args.index, args.device, n_docs=args.n_docs)
+    model = load_model(args.model, args.index, args.device, n_docs=args.n_docs,
+                       retrieval_mode=args.retrieval_mode)
     check_new_tokens(model, args.max_new_tokens)
     check_apart(out, "--out", {"the model's index": getattr(model, "index_path", None)})
     settings, record = decoding_settings(args, model)

@@ -63,7 +63,7 @@ def _load(args):
         raise FileNotFoundError(f"--model {model_dir}: {not_a_folder(model_dir)} (expected a "
                                 "model directory or a training run)")
     model = load_model(model_dir, args.index, args.device, require_index=False,
-                       n_docs=args.n_docs)
+                       n_docs=args.n_docs, retrieval_mode=args.retrieval_mode)
     if args.tokenizer is not None:
         from transformers import AutoTokenizer  # deferred: import time
 

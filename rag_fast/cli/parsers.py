@@ -417,6 +417,10 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n-docs", type=int, default=None, metavar="N",
                    help="passages retrieved and marginalised over per question (default: the "
                         "model's n_docs); at least 1 and at most the index's passage count")
+    p.add_argument("--retrieval-mode", default="dense", choices=RETRIEVAL_MODES,
+                   help="how passages are found: dense (the default), bm25 or hybrid (both, by "
+                        "reciprocal rank fusion; the passage prior stays the dense score); "
+                        "bm25 and hybrid need an index built with --bm25")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--batch-size", type=int, default=16)
     add_decoding_options(p)  # the same options and default as `rag-fast generate`
@@ -440,6 +444,10 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
                    help="passages retrieved (or read from a question's 'passages') and "
                         "marginalised over per question (default: the model's n_docs); at "
                         "least 1 and at most the index's passage count")
+    p.add_argument("--retrieval-mode", default="dense", choices=RETRIEVAL_MODES,
+                   help="how passages are found: dense (the default), bm25 or hybrid (both, by "
+                        "reciprocal rank fusion; the passage prior stays the dense score); "
+                        "bm25 and hybrid need an index built with --bm25")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="generator tokenizer, when the model directory has none")
     add_decoding_options(p)  # the same options and default as `rag-fast eval`

@@ -20,13 +20,15 @@ from rag_fast._defaults import DEFAULT_BEAMS, DEFAULT_NEW_TOKENS
 
 
 def load_for_inference(model_dir: str, index: str | None, device: torch.device | str,
-                       require_index: bool = True, n_docs: int | None = None) -> RagModel:
+                       require_index: bool = True, n_docs: int | None = None,
+                       retrieval_mode: str = "dense") -> RagModel:
     """The model directory ``model_dir`` with its retriever (over ``index``, else the index the
     model records; none when it records none and ``require_index`` is False), moved to
     ``device`` in eval mode.
 
     ``n_docs`` (``--n-docs``) replaces the model's passages per question, retrieved and
-    marginalised over (None: the model's own).
+    marginalised over (None: the model's own). ``retrieval_mode``: the retriever's ``dense``,
+    ``bm25`` or ``hybrid`` (``--retrieval-mode``; the last two need the index's BM25 part).
 
     Raises:
         ValueError: ``require_index`` and no index given or recorded; ``n_docs`` below 1 or
@@ -47,6 +49,9 @@ def load_for_inference(model_dir: str, index: str | None, device: torch.device |
     if index is None:
         if require_index:
             raise ValueError(f"--model {model_dir!r} records no index directory: pass --index DIR")
+        if retrieval_mode != "dense":
+            raise ValueError(f"--retrieval-mode {retrieval_mode}: --model {model_dir!r} records "
+                             "no index directory to search: pass --index DIR")
     else:
         if not os.path.isdir(index):
             raise FileNotFoundError(f"index directory {index!r} does not exist (the model "
@@ -54,7 +59,8 @@ def load_for_inference(model_dir: str, index: str | None, device: torch.device |
         if n_docs is not None:
             check_n_docs(n_docs, index, name="--n-docs")
         model.retriever = load_retriever(index, n_docs=model.n_docs, n_docs_from=(
-            "--n-docs" if n_docs is not None else f"the model {model_dir!r}"))
+            "--n-docs" if n_docs is not None else f"the model {model_dir!r}"),
+            mode=retrieval_mode, mode_flag="--retrieval-mode")
         model.index_path = index
     return model.to(device).eval()
 

@@ -330,13 +330,20 @@ class RagModel(nn.Module):
         return hidden
 
     # ----------------------------------------------------------------------- retrieval
-    def retrieve(self, question_embeddings: torch.Tensor) -> Retrieved:
-        """K passages per question from the retriever (no gradient through the index)."""
+    def retrieve(self, question_embeddings: torch.Tensor,
+                 questions: Sequence[str] | None = None) -> Retrieved:
+        """K passages per question from the retriever (no gradient through the index);
+        ``questions``: their texts, which a retriever in mode ``bm25`` or ``hybrid`` searches."""
         if self.retriever is None:
             raise ValueError("this RagModel has no retriever: pass passages= and "
                              "passage_embeddings=, or contexts and doc_scores, to forward()")
         with torch.no_grad():
-            found = self.retriever.retrieve(question_embeddings.detach(), n_docs=self.n_docs)
+            if getattr(self.retriever, "mode", "dense") != "dense":
+                found = self.retriever.retrieve(question_embeddings.detach(),
+                                                questions=questions, n_docs=self.n_docs)
+            else:
+                found = self.retriever.retrieve(question_embeddings.detach(),
+                                                n_docs=self.n_docs)
         if isinstance(found, Retrieved):
             return found
         return from_retrieved_passages(self.retriever, found)
@@ -466,7 +473,7 @@ class RagModel(nn.Module):
             if passage_embeddings is None:
                 if passages is not None:
                     raise ValueError("passages= needs passage_embeddings= (to score them)")
-                found = self.retrieve(q)
+                found = self.retrieve(q, questions)
                 passages, passage_embeddings = found.passages, found.embeddings
             if passages is None:  # pre-tokenised contexts: every question has K passages
                 if context_input_ids is None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from rag_fast._validation import not_a_file
 from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
 from rag_fast.retrieval.bundle import BUNDLE_KIND
+from rag_fast.retrieval.lexical import load_part
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
 from rag_fast.storage import check_seal, read_json_file, read_manifest
 
@@ -69,7 +70,8 @@ def check_same_encoder(expected: dict | None, found: dict | None, path: str,
 
 
 def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
-                   n_docs_from: str | None = None):
+                   n_docs_from: str | None = None, mode: str = "dense",
+                   mode_flag: str = "retrieval mode"):
     """A ``rag_fast.retrieval.Retriever`` over the index directory ``path``.
 
     Training, evaluation and serving open their index here, so by default every file's
@@ -85,6 +87,9 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
             the sizes only, for huge indexes whose storage is trusted.
         n_docs_from: where ``n_docs`` comes from (e.g. a model directory), named in the error
             when it exceeds the index's passage count.
+        mode: the Retriever's ``dense``, ``bm25`` or ``hybrid`` (the last two need the
+            directory's BM25 part, ``rag-fast index build --bm25``, loaded whenever present);
+            ``mode_flag``: what set it, named in the error.
     Raises:
         FileNotFoundError: ``path`` is not a directory, or lacks ``passages/`` or ``index/``.
         ValueError: a manifest of another kind; an index whose dimension differs from the
@@ -112,7 +117,11 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
         raise ValueError(f"n_docs={n_docs}{source} is more passages per question than the index "
                          f"{str(root)!r} holds ({len(index)}): use a model with fewer passages "
                          "per question (`rag-fast init --n-docs`) or a larger index")
-    return Retriever(index, store, n_docs=n_docs, progress=False)
+    lexical = load_part(root, manifest, len(store), verify=verify) if manifest else None
+    if mode != "dense" and lexical is None:
+        raise ValueError(f"{mode_flag} {mode}: index {str(root)!r} has no BM25 part (build it "
+                         "with `rag-fast index build --bm25`)")
+    return Retriever(index, store, n_docs=n_docs, progress=False, lexical=lexical, mode=mode)
 
 
 def _staged_shard_counts(root: Path) -> list[int]:

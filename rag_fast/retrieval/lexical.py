@@ -33,6 +33,7 @@ BM25_KIND = "rag_fast.bm25"
 TOKEN_PATTERN = r"(?u)\b\w\w+\b"
 K1, B = 1.5, 0.75
 RRF_C = 60  # reciprocal rank fusion's constant (Cormack et al., 2009)
+HYBRID_DEPTH = 100  # the candidates each ranking gives the fusion (at least k)
 _FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy",
           "vocab.index.json", "params.index.json")
 
@@ -233,6 +234,6 @@ def weighted_fusion(dense: tuple[np.ndarray, np.ndarray], lexical: tuple[np.ndar
     return fused_scores, out
 
 
-__all__ = ["B", "BM25Index", "BM25_KIND", "BM25_MANIFEST", "BM25_PART", "K1", "RRF_C",
-           "TOKEN_PATTERN", "build_part", "load_part", "reciprocal_rank_fusion",
+__all__ = ["B", "BM25Index", "BM25_KIND", "BM25_MANIFEST", "BM25_PART", "HYBRID_DEPTH", "K1",
+           "RRF_C", "TOKEN_PATTERN", "build_part", "load_part", "reciprocal_rank_fusion",
            "weighted_fusion", "words"]

@@ -6,7 +6,13 @@ to the question encoder), and the generator's ``input_ids``/``attention_mask`` `
 assembled from pre-tokenised pieces as ``title + " / " + text + " // " + question`` (the
 Hugging Face RAG retriever's string), padded to the longest row of the batch.
 
-Hot swap: the index, store and tokenised passages form one immutable snapshot that
+Modes: ``dense`` (the index's best K), ``bm25`` (the BM25 part's best K sharing a word with the
+question, then the dense ranking's best to fill K) and ``hybrid`` (reciprocal rank fusion of
+both rankings, :data:`~rag_fast.retrieval.lexical.HYBRID_DEPTH` deep). Whatever picks the
+passages, the scores and embeddings are the dense ones: the passage prior ``p(z|x)`` stays the
+inner product whose gradient reaches the question encoder.
+
+Hot swap: the index, store, BM25 part and tokenised passages form one immutable snapshot that
 :meth:`Retriever.swap` replaces with a single reference assignment. Each call reads the
 snapshot once, so a search running in another thread sees either the old knowledge or the
 new one, never a mix, and never waits for a swap.
@@ -21,7 +27,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from rag_fast._defaults import RETRIEVAL_MODES
 from rag_fast.retrieval.index import DenseIndex
+from rag_fast.retrieval.lexical import HYBRID_DEPTH, BM25Index, reciprocal_rank_fusion
 from rag_fast.retrieval.passages import PassageStore, TokenizedPassages, tokenizer_key
 
 
@@ -41,6 +49,7 @@ class _Knowledge:
     store: PassageStore
     tokens: TokenizedPassages | None
     version: int
+    lexical: BM25Index | None = None
 
 
 @dataclass
@@ -66,6 +75,32 @@ class QuestionCutWarning(UserWarning):
     """Generator contexts too long for ``max_length`` lost the question at their end."""
 
 
+def _check_mode(mode: str, lexical: BM25Index | None) -> str:
+    if mode not in RETRIEVAL_MODES:
+        raise ValueError(f"mode must be one of {', '.join(RETRIEVAL_MODES)}, got {mode!r}")
+    if mode != "dense" and lexical is None:
+        raise ValueError(f"mode {mode!r} needs the index directory's BM25 part (build it with "
+                         "`rag-fast index build --bm25`)")
+    return mode
+
+
+def _lexical_rows(lexical: BM25Index, questions: list[str], dense: np.ndarray, k: int,
+                  mode: str) -> np.ndarray:
+    """``[B, k]`` rows of modes ``bm25`` (its hits, then the dense ranking's to fill k) and
+    ``hybrid`` (reciprocal rank fusion of the dense ranking ``dense`` and BM25's as deep)."""
+    if mode == "hybrid":
+        return reciprocal_rank_fusion([dense, lexical.search(questions, dense.shape[1])[1]],
+                                      k)[1]
+    rows = lexical.search(questions, k)[1]
+    for b in range(len(rows)):
+        found = [int(r) for r in rows[b] if r >= 0]
+        fill = [int(r) for r in dense[b] if r >= 0 and int(r) not in found]
+        rows[b, :] = -1
+        chosen = (found + fill)[:k]
+        rows[b, :len(chosen)] = chosen
+    return rows
+
+
 class Retriever:
     """Retrieve K passages per question from a :class:`DenseIndex` and :class:`PassageStore`.
 
@@ -75,17 +110,21 @@ class Retriever:
         n_docs: K, the passages per question.
         max_length: generator input length cap (tokens, special tokens included).
         title_sep, doc_sep: the separators of ``title + title_sep + text + doc_sep + question``.
+        lexical: the BM25 part over the same passages (needed by modes ``bm25`` and ``hybrid``).
+        mode: ``dense``, ``bm25`` or ``hybrid`` (see the module doc): the default of
+            :meth:`retrieve`.
     Raises:
         ValueError: index and store of different sizes, bad ``n_docs``/``max_length``, a
-            tokenizer without a pad token.
+            tokenizer without a pad token, an unknown mode or one without its BM25 part.
     """
 
     def __init__(self, index: DenseIndex, store: PassageStore, tokenizer=None, *, n_docs: int = 5,
                  max_length: int = 300, title_sep: str = " / ", doc_sep: str = " // ",
-                 progress: bool = True):
+                 progress: bool = True, lexical: BM25Index | None = None, mode: str = "dense"):
         if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
             raise ValueError(f"n_docs must be a positive int, got {n_docs!r}")
         self.n_docs, self.tokenizer, self.progress = n_docs, tokenizer, progress
+        self.mode = _check_mode(mode, lexical)
         self._swap_lock = threading.Lock()
         if tokenizer is not None:
             if tokenizer.pad_token_id is None:
@@ -101,12 +140,13 @@ class Retriever:
             self._doc_sep = self._encode(doc_sep.rstrip())
         self.max_length = max_length
         self._warned_cut = False  # QuestionCutWarning said (once per retriever)
-        self._state = self._snapshot(index, store, version=0)
+        self._state = self._snapshot(index, store, version=0, lexical=lexical)
 
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
 
-    def _snapshot(self, index: DenseIndex, store: PassageStore, version: int) -> _Knowledge:
+    def _snapshot(self, index: DenseIndex, store: PassageStore, version: int,
+                  lexical: BM25Index | None = None) -> _Knowledge:
         if not isinstance(index, DenseIndex):
             raise ValueError(f"index must be a DenseIndex, got {type(index).__name__}")
         if not isinstance(store, PassageStore):
@@ -114,10 +154,13 @@ class Retriever:
         if len(index) != len(store):
             raise ValueError(f"index has {len(index)} vectors but store has {len(store)} passages; "
                              "they must describe the same passages")
+        if lexical is not None and len(lexical) != len(store):
+            raise ValueError(f"the BM25 part has {len(lexical)} passages but store has "
+                             f"{len(store)}; they must describe the same passages")
         tokens = None
         if self.tokenizer is not None:
             tokens = store.tokenized(self.tokenizer, self.progress, key=self._tokenizer_key)
-        return _Knowledge(index, store, tokens, version)
+        return _Knowledge(index, store, tokens, version, lexical)
 
     # ---- knowledge ------------------------------------------------------------------------
     @property
@@ -132,20 +175,23 @@ class Retriever:
     def version(self) -> int:
         return self._state.version
 
-    def swap(self, index: DenseIndex, store: PassageStore) -> int:
-        """Replace the knowledge (index and store) atomically; returns the new version.
+    def swap(self, index: DenseIndex, store: PassageStore, lexical: BM25Index | None = None) -> int:
+        """Replace the knowledge (index, store and BM25 part) atomically; returns the new
+        version.
 
         The new store is tokenised before the swap, so searches never wait. Searches already
         running finish on the old knowledge.
 
         Raises:
-            ValueError: a mismatched pair, or a dimension other than the current index's.
+            ValueError: a mismatched pair, a dimension other than the current index's, or no
+                BM25 part where the retriever's mode needs one.
         """
         with self._swap_lock:
             if index.dim != self._state.index.dim:
                 raise ValueError(f"index dimension {index.dim} differs from the current {self._state.index.dim} "
                                  "(the question encoder would not match)")
-            state = self._snapshot(index, store, self._state.version + 1)
+            _check_mode(self.mode, lexical)
+            state = self._snapshot(index, store, self._state.version + 1, lexical)
             self._state = state  # one reference assignment: the atomic swap
             return state.version
 
@@ -155,6 +201,7 @@ class Retriever:
         question_embeddings: torch.Tensor,
         questions: Sequence[str] | None = None,
         n_docs: int | None = None,
+        mode: str | None = None,
         **search_kwargs,
     ) -> RetrievedPassages:
         """Retrieve for B questions.
@@ -162,15 +209,19 @@ class Retriever:
         Args:
             question_embeddings: ``[B, d]`` float tensor (any device; not modified, no grad
                 needed).
-            questions: B question strings for the generator inputs (None: skip them).
+            questions: B question strings for the generator inputs (None: skip them) and the
+                BM25 search (modes ``bm25`` and ``hybrid`` need them).
             n_docs: K (default: the retriever's).
+            mode: ``dense``, ``bm25`` or ``hybrid`` (default: the retriever's).
             search_kwargs: ``nprobe``, ``ef_search``, ``rerank`` for :meth:`DenseIndex.search`.
         Returns:
-            :class:`RetrievedPassages` (see there for shapes and dtypes).
+            :class:`RetrievedPassages` (see there for shapes and dtypes); its scores are the
+            dense inner products whatever the mode.
         Raises:
-            ValueError: naming ``question_embeddings``, ``questions`` or ``n_docs``.
+            ValueError: naming ``question_embeddings``, ``questions``, ``n_docs`` or ``mode``.
         """
         state = self._state  # read once: every field below comes from this snapshot
+        mode = _check_mode(self.mode if mode is None else mode, state.lexical)
         if not isinstance(question_embeddings, torch.Tensor):
             raise ValueError("question_embeddings must be a torch.Tensor [B, d], got "
                              f"{type(question_embeddings).__name__}")
@@ -183,16 +234,29 @@ class Retriever:
             if isinstance(questions, str) or len(questions) != question_embeddings.shape[0]:
                 raise ValueError(f"questions must be a list of {question_embeddings.shape[0]} strings "
                                  "(one per question embedding)")
+        if mode != "dense" and questions is None:
+            raise ValueError(f"mode {mode!r} searches the question texts: pass questions= (B "
+                             "strings)")
         try:
-            scores, ids = state.index.search(question_embeddings.detach(), k, **search_kwargs)
+            scores, ids = state.index.search(question_embeddings.detach(), k if mode == "dense"
+                                             else min(len(state.store), max(k, HYBRID_DEPTH)),
+                                             **search_kwargs)
         except ValueError as exc:
             raise ValueError(str(exc).replace("queries", "question_embeddings", 1)
                              .replace("k=", "n_docs=", 1)) from None
         device = question_embeddings.device
         ids_np = ids.cpu().numpy()
+        if mode != "dense":
+            ids_np = _lexical_rows(state.lexical, list(questions), ids_np, k, mode)
+            ids = torch.from_numpy(ids_np).to(ids.device)
         rows = np.where(ids_np >= 0, ids_np, 0).reshape(-1)
         vectors = state.index.embeddings[rows].astype(np.float32)  # [B*K, d]
         vectors[ids_np.reshape(-1) < 0] = 0
+        if mode != "dense":  # the dense inner products of the passages picked
+            q = question_embeddings.detach().float().cpu().numpy()
+            dots = np.einsum("bkd,bd->bk", vectors.reshape(*ids_np.shape, -1), q)
+            scores = torch.from_numpy(np.where(ids_np >= 0, dots, -np.inf).astype(np.float32))
+            scores = scores.to(ids.device)
         doc_embeddings = torch.from_numpy(vectors).view(*ids_np.shape, -1).to(device)
         input_ids = attention_mask = None
         if questions is not None and state.tokens is not None:

@@ -16,10 +16,10 @@ from rag_fast._defaults import RETRIEVAL_MODES as MODES  # ("dense", "bm25", "hy
 from rag_fast.retrieval.bundle import load_index_bundle
 from rag_fast.retrieval.encoders import Encoder
 from rag_fast.retrieval.index import DenseIndex
-from rag_fast.retrieval.lexical import BM25Index, load_part, reciprocal_rank_fusion
+from rag_fast.retrieval.lexical import (HYBRID_DEPTH, BM25Index, load_part,
+                                        reciprocal_rank_fusion)
 from rag_fast.retrieval.passages import PassageStore
 
-HYBRID_DEPTH = 100  # passages each ranking gives the fusion (at least k)
 
 
 def check_mode(mode: str, flag: str = "--mode") -> str:

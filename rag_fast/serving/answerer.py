@@ -307,7 +307,7 @@ class Answerer:
             q_inputs = model.tokenize_questions(questions)
             q = model.encode_questions(q_inputs["input_ids"], q_inputs["attention_mask"])
             clock.lap("encode")
-            found = model.retrieve(q)
+            found = model.retrieve(q, questions)
             passages = [list(p) for p in found.passages]
             doc_scores = model.score_passages(q, passages, found.embeddings)
             clock.lap("retrieve")
