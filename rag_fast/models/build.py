@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -252,19 +253,23 @@ def _check_source(value: str, what: str, config_ok: bool = False) -> None:
 
 def _loading(what: str, name: str, load):
     """``load()``, its OSError (a name that is neither a folder nor loadable from the hub or
-    the local cache) as one ValueError line naming ``what``."""
+    the local cache) as one ValueError line naming ``what``; torch's warning on a weights
+    file's pickle (refused or not) is not shown, so that a refusal is one line."""
     try:
-        return load()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return load()
     except RecursionError:  # transformers' json.load of a file nested too deeply
         raise ValueError(f"{what} {name!r}: a JSON file of it is nested too deeply to be "
                          "read") from None
     except Exception as e:  # noqa: BLE001  (transformers', safetensors' own failures)
         if isinstance(e, ValueError) and str(e).startswith(f"{what} "):
             raise  # rag_fast's own line, naming what
-        if out_of_memory(e):
-            raise  # said as such by the command line
-        # transformers' own failure on the files (a config that does not fit the weights,
-        # a model type it does not know, code it would have to run): one line naming what
+        if out_of_memory(e) and not Path(name).expanduser().is_dir():
+            raise  # (a config built at random: said as such by the command line)
+        # transformers' own failure on the files (a config that does not fit the weights, a
+        # model type it does not know, code it would have to run, weights too large for the
+        # memory or holding a refused pickle): one line naming what
         raise unloadable(what, name, e) from None
 
 

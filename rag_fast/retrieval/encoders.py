@@ -10,9 +10,13 @@ corpus.
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
+import pickle
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Sequence
 
@@ -112,6 +116,13 @@ MAX_VOCABULARY_FILE_BYTES = 256 << 20
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MAX_SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors library's own bound
+# added and special tokens a tokenizer's files may list: loading them takes time growing with
+# the square of their count (300,000 took minutes); real tokenizers list up to a few thousand
+MAX_ADDED_TOKENS = 10_000
+_ADDED_TOKENS = (("special_tokens_map.json", ("additional_special_tokens",)),
+                 ("tokenizer_config.json", ("additional_special_tokens", "added_tokens_decoder",
+                                            "extra_special_tokens")),
+                 ("added_tokens.json", None), ("tokenizer.json", ("added_tokens",)))
 
 
 def check_model_files(name: str, what: str) -> None:
@@ -138,6 +149,34 @@ def check_model_files(name: str, what: str) -> None:
             _check_file(folder / file, 1 << 62, said)
             if file.endswith(".safetensors"):
                 _check_safetensors(folder / file, said)
+            elif not zipfile.is_zipfile(folder / file):
+                raise ValueError(f"{said} is not a zip archive as torch.save writes one (an "
+                                 "old-format or crafted pickle); refused unread (safetensors "
+                                 "weights are read instead when present)")
+    _check_added_tokens(folder, what, name)
+
+
+def _check_added_tokens(folder: Path, what: str, name: str) -> None:
+    """At most :data:`MAX_ADDED_TOKENS` added or special tokens in each tokenizer file."""
+    for file, keys in _ADDED_TOKENS:
+        if not os.path.lexists(folder / file):
+            continue
+        if file == "tokenizer.json":  # a vocabulary file, within its bound (checked above)
+            try:
+                data = json.loads((folder / file).read_bytes())
+            except (ValueError, RecursionError):
+                continue  # transformers says what is wrong with it
+        else:
+            data = _settings_json(folder / file, folder, what)
+        if not isinstance(data, dict):
+            continue
+        for key, value in ([(k, data.get(k)) for k in keys] if keys else [(None, data)]):
+            if isinstance(value, (list, dict)) and len(value) > MAX_ADDED_TOKENS:
+                where = f"its {file}" + (f" ({key})" if key else "")
+                raise ValueError(f"{what} {name!r}: {where} lists {len(value):,} added or "
+                                 f"special tokens, more than a tokenizer ever holds (at most "
+                                 f"{MAX_ADDED_TOKENS:,}); refused (loading them would take "
+                                 "minutes)")
 
 
 def _weight_files(folder: Path, what: str, name: str) -> list[tuple[str, str | None]]:
@@ -259,10 +298,38 @@ def needs_code(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and "trust_remote_code" in str(exc)
 
 
+def _chain(exc: BaseException):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _weights_bytes(folder: Path) -> int:
+    return sum((folder / f).stat().st_size for f in WEIGHT_FILES + tuple(
+        v for index in WEIGHT_INDEXES if (folder / index).is_file()
+        for v in set((json.loads((folder / index).read_text()).get("weight_map") or {})
+                     .values())) if (folder / f).is_file())
+
+
 def unloadable(what: str, name: str, exc: BaseException) -> ValueError:
     """The one-line error for a model ``name`` (given as ``what``) that did not load: one that
-    needs its own code, a folder that does not load, or a name that is not a folder and did not
-    load by name (not on the hub, or offline and not in the local cache)."""
+    needs its own code, weights too large for the memory or holding other objects than
+    tensors, a folder that does not load, or a name that is not a folder and did not load by
+    name (not on the hub, or offline and not in the local cache)."""
+    if any(isinstance(e, pickle.UnpicklingError) for e in _chain(exc)):
+        return ValueError(f"{what} {name!r}: its weights hold something other than tensors and "
+                          "plain data, refused by torch's safe loading (nothing in them was "
+                          "run)")
+    if Path(name).expanduser().is_dir() and any(
+            out_of_memory(e) or getattr(e, "errno", None) == errno.ENOMEM
+            or "Cannot allocate memory" in str(e) for e in _chain(exc)):
+        try:
+            size = f" ({_weights_bytes(Path(name).expanduser()) / 2**30:.1f} GiB)"
+        except (OSError, ValueError, AttributeError):
+            size = ""
+        return ValueError(f"{what} {name!r}: its weights{size} do not fit in this process's "
+                          f"memory ({brief_error(exc, 120)}): use a machine with more memory, "
+                          "a higher memory limit (ulimit -v) or a smaller model")
     if needs_code(exc):
         return ValueError(f"{what} {name!r}: it needs its own Python code to load (an auto_map "
                           "naming a .py file), and rag_fast never runs code from a model folder "
@@ -331,11 +398,11 @@ class Encoder:
         try:  # the library's failure on the folder's files (a damaged safetensors, ...)
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path,
                                                                          trust_remote_code=False)
-            model, info = model_cls.from_pretrained(name_or_path, trust_remote_code=False,
-                                                    output_loading_info=True)
-        except Exception as e:  # noqa: BLE001
-            if out_of_memory(e):
-                raise  # said as such by the command line
+            with warnings.catch_warnings():  # torch's on a pickle: a refusal is one line
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                model, info = model_cls.from_pretrained(name_or_path, trust_remote_code=False,
+                                                        output_loading_info=True)
+        except Exception as e:  # noqa: BLE001  (out of memory too: said naming the folder)
             raise unloadable("encoder", name_or_path, e) from None
         check_vocabulary(self.tokenizer, "encoder", self.name, "to encode texts with")
         check_loaded_weights("encoder", self.name, info,
