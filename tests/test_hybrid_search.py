@@ -277,3 +277,58 @@ def test_a_retrieval_mode_on_an_index_without_bm25_is_one_line(built, model, com
     assert code == 2 and out == ""
     [line] = err.strip().splitlines()
     assert "--retrieval-mode hybrid" in line and "dense-only" in line and "--bm25" in line
+
+
+def _train_config(built, tmp_path, index) -> str:
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({
+        "data": {"train": str(built["data"])}, "index": index,
+        "train": {"max_steps": 2, "micro_batch_size": 2, "lr": 1e-3, "log_every": 1,
+                  "checkpoint_every": 1, "eval_every": 0, "seed": 0, "device": "cpu",
+                  "plot_file": None}}))
+    return str(config)
+
+
+def test_training_retrieves_by_the_configs_mode(built, model, tmp_path, monkeypatch):
+    import rag_fast.retrieval.retriever as retriever_module
+
+    picked = []
+    real = retriever_module._lexical_rows
+    monkeypatch.setattr(retriever_module, "_lexical_rows",
+                        lambda *a: picked.append(a[-1]) or real(*a))
+    config = _train_config(built, tmp_path, {"path": str(built["kb"]), "mode": "hybrid"})
+    code, _, err = run("train", "--config", config, "--model", model, "--output-dir",
+                       tmp_path / "run")
+    assert code == 0, err
+    assert picked and set(picked) == {"hybrid"}
+
+
+@pytest.mark.parametrize("index, words", [
+    ({"path": "KB", "mode": "sparse"}, ["index.mode", "dense or bm25 or hybrid", "sparse"]),
+    ({"path": "KB", "mode": "hybrid", "sharded": True}, ["index.mode", "dense only"]),
+    ({"path": "DENSE", "mode": "bm25"}, ["index.mode bm25", "dense-only", "--bm25"])])
+def test_a_bad_index_mode_in_a_training_config_is_one_line(built, model, tmp_path, index,
+                                                             words):
+    index = {**index, "path": str(built["kb"] if index["path"] == "KB" else built["dense"])}
+    config = _train_config(built, tmp_path, index)
+    code, out, err = run("train", "--config", config, "--model", model, "--output-dir",
+                         tmp_path / "run")
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert all(w in line for w in words), line
+
+
+def test_a_refresh_swap_keeps_the_bm25_part_and_a_new_store_needs_one(built):
+    from rag_fast.retrieval.index import DenseIndex
+
+    retriever = _retriever(built, "hybrid")
+    part = retriever._state.lexical
+    index = DenseIndex.load(built["kb"] / "index")
+    assert retriever.swap(index, retriever.store) == 1  # newly encoded, the same passages
+    assert retriever._state.lexical is part
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    assert retriever.retrieve(_questions(searcher), questions=QUESTIONS).ids.shape == (4, 3)
+    other = PassageStore.load(built["kb"] / "passages")
+    with pytest.raises(ValueError, match="mode 'hybrid' needs the index directory's BM25 part"):
+        retriever.swap(index, other)
+    assert retriever.swap(index, other, part) == 2

@@ -177,7 +177,8 @@ class Retriever:
 
     def swap(self, index: DenseIndex, store: PassageStore, lexical: BM25Index | None = None) -> int:
         """Replace the knowledge (index, store and BM25 part) atomically; returns the new
-        version.
+        version. ``lexical`` None with the current store (an index refresh: the same passages,
+        newly encoded) keeps the current BM25 part.
 
         The new store is tokenised before the swap, so searches never wait. Searches already
         running finish on the old knowledge.
@@ -190,6 +191,8 @@ class Retriever:
             if index.dim != self._state.index.dim:
                 raise ValueError(f"index dimension {index.dim} differs from the current {self._state.index.dim} "
                                  "(the question encoder would not match)")
+            if lexical is None and store is self._state.store:
+                lexical = self._state.lexical
             _check_mode(self.mode, lexical)
             state = self._snapshot(index, store, self._state.version + 1, lexical)
             self._state = state  # one reference assignment: the atomic swap

@@ -10,8 +10,12 @@ The config file (paths in it are relative to the file's own folder)::
                                             {"path": DIR, <RagModel option>: value, ...}
                                             ("path" may be left out when --model gives it)
       "index": "kb",                        an index directory (default: the model's own), or
-                                            {"path": DIR, "verify": bool} ("path" may be left
-                                            out when --index gives it), or a sharded index:
+                                            {"path": DIR, "verify": bool, "mode": "dense" |
+                                            "bm25" | "hybrid"} ("path" may be left out when
+                                            --index gives it; "mode": how passages are picked,
+                                            bm25 and hybrid needing an index built with
+                                            --bm25, the prior staying the dense score), or a
+                                            sharded index:
                                             {"path": "kb.staging", "sharded": true,
                                              "preset": "exact", "cache": false} (the staging
                                             directory that `rag-fast index build --shard i/n`
@@ -51,6 +55,7 @@ import time
 
 import torch.distributed as dist
 
+from rag_fast._defaults import RETRIEVAL_MODES
 from rag_fast._validation import IMPLS, not_a_file
 from rag_fast.evaluation import evaluate, load_qa
 from rag_fast.evaluation.data import fields_read
@@ -68,8 +73,8 @@ from rag_fast.training.trainer import resolve_device
 TOP_LEVEL = {
     "model": "model directory (str) or {'path': DIR, RagModel options...} ('path' optional "
              "with --model)",
-    "index": "index directory (str) or {'path': DIR, 'verify': bool, 'sharded': bool, "
-             "'preset': str, 'cache': bool} ('path' optional with --index)",
+    "index": "index directory (str) or {'path': DIR, 'verify': bool, 'mode': str, "
+             "'sharded': bool, 'preset': str, 'cache': bool} ('path' optional with --index)",
     "data": "{'train': FILE, 'eval': FILE}",
     "train": "TrainConfig fields (object)",
     "resume": "true / false",
@@ -295,9 +300,10 @@ def load_config(path: str, model: str | None = None, index: str | None = None,
                                       given=model)
     _check_model_options(out["model"], where)
     out["index"] = _directory_section(config.get("index"), "index",
-                                      ("path", "verify", "sharded", "preset", "cache"),
+                                      ("path", "verify", "mode", "sharded", "preset", "cache"),
                                       "an index directory or {'path': DIR, 'verify': bool, "
-                                      "'sharded': bool, 'preset': str, 'cache': bool}", where,
+                                      "'mode': str, 'sharded': bool, 'preset': str, "
+                                      "'cache': bool}", where,
                                       base, given=index)
     index = out["index"] or {}
     for key in ("verify", "sharded", "cache"):
@@ -309,6 +315,13 @@ def load_config(path: str, model: str | None = None, index: str | None = None,
             raise ValueError(f"{where(f'index.{key}', 'index.sharded')}: index.{key}: only for "
                              "a sharded index (\"sharded\": true); an index directory has its "
                              "index built already")
+    if "mode" in index:
+        if index["mode"] not in RETRIEVAL_MODES:
+            raise _fail(where("index.mode"), "index.mode", " or ".join(RETRIEVAL_MODES),
+                        _given(index["mode"]))
+        if index.get("sharded") and index["mode"] != "dense":
+            raise ValueError(f"{where('index.mode', 'index.sharded')}: index.mode "
+                             f"{index['mode']!r}: a sharded index searches dense only")
     if "preset" in index:
         if not isinstance(index["preset"], str) or not index["preset"]:
             raise _fail(where("index.preset"), "index.preset",
@@ -390,7 +403,8 @@ def section_retriever(spec: dict | None, n_docs: int = 5, n_docs_from: str | Non
         return load_sharded_retriever(spec["path"], n_docs=n_docs, verify=verify,
                                       preset=spec.get("preset", "exact"),
                                       cache=bool(spec.get("cache", False)))
-    return load_retriever(spec["path"], n_docs=n_docs, verify=verify, n_docs_from=n_docs_from)
+    return load_retriever(spec["path"], n_docs=n_docs, verify=verify, n_docs_from=n_docs_from,
+                          mode=spec.get("mode", "dense"), mode_flag="index.mode")
 
 
 def run_training(config: dict, path: str, output_flag: str | None = None):
