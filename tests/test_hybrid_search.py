@@ -332,3 +332,20 @@ def test_a_refresh_swap_keeps_the_bm25_part_and_a_new_store_needs_one(built):
     with pytest.raises(ValueError, match="mode 'hybrid' needs the index directory's BM25 part"):
         retriever.swap(index, other)
     assert retriever.swap(index, other, part) == 2
+
+
+def test_the_server_answers_by_its_retrieval_mode_and_swaps_only_to_an_index_with_bm25(
+        built, model):
+    from rag_fast.serving import Answerer
+
+    answerer = Answerer.load(str(model), device="cpu", retrieval_mode="hybrid")
+    assert answerer.describe()["retrieval_mode"] == "hybrid"
+    [record] = answerer.retrieve([YEARS])
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    expected = _retriever(built, "hybrid").retrieve(searcher.encoder.encode_queries([YEARS]),
+                                                    questions=[YEARS]).ids[0].tolist()
+    store = PassageStore.load(built["kb"] / "passages")
+    assert [p["id"] for p in record["passages"]] == [store.id(r) for r in expected]
+    with pytest.raises(ValueError, match="--retrieval-mode hybrid: index .*dense-only.* BM25"):
+        answerer.swap_index(built["dense"])
+    assert answerer.index.path == str(built["kb"])  # the old index keeps serving

@@ -493,6 +493,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="the folder whose index directories the admin routes may load")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--retrieval-mode", default="dense", choices=RETRIEVAL_MODES,
+                   help="how passages are found: dense (the default), bm25 or hybrid (an index "
+                        "built with --bm25; an index swapped in needs one too)")
     p.add_argument("--log-requests", action="store_true", help="one log line per request")
     p.set_defaults(func=_Runs("serve", "run"))
 

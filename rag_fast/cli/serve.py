@@ -78,7 +78,8 @@ def run(args) -> int:
         limits = Limits(max_n_docs=args.max_n_docs, max_beams=args.max_beams,
                         max_new_tokens=args.max_new_tokens)
         answerer = Answerer.load(args.model, args.index, device=args.device,
-                                 max_batch=args.max_batch, limits=limits)
+                                 max_batch=args.max_batch, limits=limits,
+                                 retrieval_mode=args.retrieval_mode)
         app = create_app(answerer, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                          timeout_s=args.timeout, admin_token=token, index_root=args.index_root)
         _uvicorn_logging()

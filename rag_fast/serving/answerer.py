@@ -103,7 +103,7 @@ def index_checksum(path: str | Path) -> str:
 
 def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
                expect_encoder: dict | None = None, expect_dim: int | None = None,
-               n_docs_from: str | None = None) -> ServedIndex:
+               n_docs_from: str | None = None, retrieval_mode: str = "dense") -> ServedIndex:
     """Open and verify the index directory ``path`` for answering.
 
     Args:
@@ -112,6 +112,7 @@ def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
         expect_dim: the question encoder's output dimension.
         n_docs, n_docs_from: passages per question the index must hold at least, and where
             that number comes from (for the message).
+        retrieval_mode: how its retriever picks passages (bm25 and hybrid need its BM25 part).
     Raises:
         FileNotFoundError, ValueError, rag_fast.retrieval.StorageError: not an index
             directory, a file that fails its checksum, another encoder or dimension.
@@ -123,7 +124,8 @@ def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
     manifest = read_bundle_manifest(path)
     encoder = manifest.get("encoder") if isinstance(manifest, dict) else None
     check_same_encoder(expect_encoder, encoder, path, "the serving index")
-    retriever = load_retriever(path, n_docs=n_docs, verify=verify, n_docs_from=n_docs_from)
+    retriever = load_retriever(path, n_docs=n_docs, verify=verify, n_docs_from=n_docs_from,
+                               mode=retrieval_mode, mode_flag="--retrieval-mode")
     dim = retriever.index.dim
     if expect_dim is not None and dim != expect_dim:
         raise ValueError(f"index {path!r} holds {dim}-d vectors, the model's question encoder "
@@ -178,12 +180,15 @@ class Answerer:
 
     @classmethod
     def load(cls, model_dir: str, index: str | None = None, *, device: str | None = None,
-             verify: bool = True, **kwargs) -> "Answerer":
+             verify: bool = True, retrieval_mode: str = "dense", **kwargs) -> "Answerer":
         """An Answerer over the model directory ``model_dir`` (a training run's folder too)
         and ``index`` (default: the index the model records), on ``device`` (default: CUDA
-        when available). ``kwargs`` go to the constructor."""
+        when available), picking passages by ``retrieval_mode`` (``dense``, ``bm25``,
+        ``hybrid``; an index swapped in must then have a BM25 part too). ``kwargs`` go to the
+        constructor."""
         model_dir = resolve_model_dir(model_dir)
-        model = load_for_inference(model_dir, index, resolve_device(device, "--device"))
+        model = load_for_inference(model_dir, index, resolve_device(device, "--device"),
+                                   retrieval_mode=retrieval_mode)
         served = ServedIndex(model.index_path, index_checksum(model.index_path), model.retriever,
                              (read_bundle_manifest(model.index_path) or {}).get("encoder"),
                              len(model.retriever.index))
@@ -358,7 +363,8 @@ class Answerer:
             # default of every request) is refused, not served to fail each such request
             new = open_index(path, n_docs=self.n_docs, n_docs_from="the served model",
                              verify=verify, expect_encoder=old.encoder,
-                             expect_dim=_question_dim(self.model) or old.retriever.index.dim)
+                             expect_dim=_question_dim(self.model) or old.retriever.index.dim,
+                             retrieval_mode=getattr(old.retriever, "mode", "dense"))
             with self._batch_lock:  # between two batches
                 self._index = new
                 self.model.retriever = new.retriever
@@ -375,6 +381,7 @@ class Answerer:
         return {"index": {"path": self._index.path, "checksum": self._index.checksum,
                           "passages": self._index.size},
                 "mode": self.mode, "n_docs": self.n_docs,
+                "retrieval_mode": getattr(self.model.retriever, "mode", "dense"),
                 "family": self.model.family.name, "max_batch": self.max_batch,
                 "limits": asdict(self.limits), "swaps": self.swaps}
 
