@@ -11,9 +11,14 @@ traceback, and a rank that hangs fails it after a timeout.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import json
 import multiprocessing
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -48,6 +53,15 @@ def _rank_main(rank: int, world: int, port: int, fn, args, results) -> None:
         results.put((rank, traceback.format_exc()))
 
 
+@functools.cache
+def _empty_folder() -> str:
+    """An empty folder for the ranks' processes (they work in it: removed when this process
+    exits, after them)."""
+    folder = tempfile.mkdtemp(prefix="rag-fast-ranks-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
 def run_ranks(world: int, fn, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; fail with the traceback of
     every rank that raised, or name the ranks that did not finish in time."""
@@ -57,8 +71,14 @@ def run_ranks(world: int, fn, *args) -> None:
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
+    # the fork server starts (once per process) as `python -c` in the current folder, with it
+    # first on its path (Python 3.11 leaves out the path it is given): started from the
+    # repository's root, its preloaded rag_fast would be the source checkout's, without the
+    # compiled extension, in every later forkserver process of this test process (a parallel
+    # run's worker met it in tests/test_bench_distributed.py); an empty folder has none
+    with contextlib.chdir(_empty_folder()):
+        for p in procs:
+            p.start()
     done: dict[int, str | None] = {}
     deadline = time.monotonic() + TIMEOUT_S
     try:
