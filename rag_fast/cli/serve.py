@@ -122,11 +122,32 @@ def _uvicorn_logging() -> None:
             ("uvicorn", sys.stderr, DefaultFormatter("%(levelprefix)s %(message)s")),
             ("uvicorn.access", sys.stdout, AccessFormatter(
                 '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s'))):
-        handler = logging.StreamHandler(stream)
+        handler = _LogLines(stream)
         handler.setFormatter(formatter)
         logger = logging.getLogger(name)
         logger.handlers, logger.propagate = [handler], False
         logger.setLevel(logging.INFO)
+
+
+class _LogLines(logging.StreamHandler):
+    """A stream handler that stops at its stream's first failure (a closed pipe, a full disk)
+    with one warning line, where logging's own would print a traceback for every record."""
+
+    failed = False
+
+    def handleError(self, record) -> None:  # noqa: N802  (logging's name)
+        if not self.failed:
+            self.failed = True
+            error = sys.exc_info()[1]
+            where = "standard output" if self.stream is sys.stdout else "its stream"
+            with contextlib.suppress(Exception):
+                print(f"rag-fast serve: warning: writing log lines to {where} failed "
+                      f"({error.strerror if isinstance(error, OSError) else error}); no more "
+                      "are written", file=sys.stderr, flush=True)
+
+    def emit(self, record) -> None:
+        if not self.failed:
+            super().emit(record)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -95,6 +95,9 @@ def _check_out(out: str | os.PathLike) -> None:
         ValueError: naming ``--out`` and the value as given.
     """
     why = _no_name_of_its_own(os.fspath(out))
+    parent = Path(os.fspath(out)).parent
+    if why is None and parent.exists() and not parent.is_dir():
+        why = f"{str(parent)!r} before it is a file, not a folder"
     if why is not None:
         raise ValueError(f"--out {os.fspath(out)!r} names no folder of its own ({why}); give a "
                          "new folder's path such as work/kb")

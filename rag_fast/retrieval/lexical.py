@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from rag_fast._validation import brief_error
 from rag_fast.storage import (MANIFEST, StorageError, describe_files, read_manifest,
                               write_manifest)
 
@@ -75,9 +76,13 @@ class BM25Index:
             raise ValueError("no passages to index")
         bm25s = _bm25s()
         model = bm25s.BM25(k1=K1, b=B, method="lucene")
+        indexed = words([f"{t} {x}" for t, x in zip(titles, texts)])
+        if not any(indexed):
+            raise ValueError(f"--bm25: none of the {len(texts):,} passages holds a word BM25 "
+                             "indexes (two or more letters or digits, not an English stop "
+                             "word)")
         with contextlib.redirect_stderr(io.StringIO()):
-            model.index(words([f"{t} {x}" for t, x in zip(titles, texts)]),
-                        show_progress=False)
+            model.index(indexed, show_progress=False)
         return cls(model, len(texts))
 
     def scores(self, question: str) -> np.ndarray:
@@ -138,8 +143,15 @@ class BM25Index:
             raise StorageError(f"{folder / MANIFEST}: key 'passages' is {count!r}, expected "
                                f"{expected_count or 'a positive int'} (the index directory's "
                                "passages)")
-        with contextlib.redirect_stderr(io.StringIO()):
-            model = _bm25s().BM25.load(str(folder), mmap=True, show_progress=False)
+        try:  # (files that passed their checksums, or only their sizes with verify=False)
+            with contextlib.redirect_stderr(io.StringIO()):
+                model = _bm25s().BM25.load(str(folder), mmap=True, show_progress=False,
+                                           override_params={"backend": "numpy"})
+        except Exception as e:  # noqa: BLE001  (bm25s' failure on edited files)
+            raise StorageError(f"{folder}: its BM25 files do not load ({brief_error(e, 120)}): "
+                               "edited or damaged; rebuild the index directory") from None
+        if not verify:  # what the checksums would have vouched for
+            _check_arrays(folder, model.scores, count)
         columns, vocabulary = len(model.scores["indptr"]) - 1, len(model.vocab_dict)
         if model.scores.get("num_docs") != count or columns not in (vocabulary - 1, vocabulary):
             raise StorageError(f"{folder}: its arrays ({model.scores.get('num_docs')!r} "
@@ -166,6 +178,18 @@ def load_part(root: str | os.PathLike, manifest: dict, count: int,
     if BM25_MANIFEST not in manifest["files"]:
         return None
     return BM25Index.load(Path(root) / BM25_PART, verify=verify, expected_count=count)
+
+
+def _check_arrays(folder: Path, scores: dict, count: int) -> None:
+    """bm25s' sparse arrays whole and in range (read once, memory-mapped)."""
+    data, indices, indptr = scores["data"], scores["indices"], scores["indptr"]
+    fine = (len(indptr) >= 1 and indptr[0] == 0 and int(indptr[-1]) == len(data) == len(indices)
+            and bool(np.all(np.diff(indptr) >= 0))
+            and (len(indices) == 0 or (int(indices.min()) >= 0 and int(indices.max()) < count))
+            and bool(np.all(np.isfinite(data))))
+    if not fine:
+        raise StorageError(f"{folder}: its BM25 arrays are out of range or inconsistent: edited "
+                           "or damaged; rebuild the index directory")
 
 
 def _ranked(rows: np.ndarray) -> dict[int, int]:

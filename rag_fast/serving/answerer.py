@@ -203,7 +203,8 @@ class Answerer:
     def settings(self, n_docs: int | None = None, num_beams: int | None = None,
                  max_new_tokens: int | None = None, mode: str | None = None) -> AnswerSettings:
         """Checked settings, the defaults filled in (the model's ``n_docs`` and mode, 4 beams,
-        32 new tokens, as ``rag-fast generate``).
+        32 new tokens, as ``rag-fast generate``; a server limited below those defaults to its
+        limits, so that a request that names none is answered).
 
         Raises:
             ValueError: a value of the wrong type or past the limits, naming the field.
@@ -212,10 +213,11 @@ class Answerer:
         n_docs = self.n_docs if n_docs is None else n_docs
         top = min(lim.max_n_docs, self._index.size)
         values = {"n_docs": (n_docs, top, "passages"),
-                  "num_beams": (DEFAULT_BEAMS if num_beams is None else num_beams,
-                                lim.max_beams, "beams"),
-                  "max_new_tokens": (DEFAULT_NEW_TOKENS if max_new_tokens is None
-                                     else max_new_tokens, lim.max_new_tokens, "new tokens")}
+                  "num_beams": (min(DEFAULT_BEAMS, lim.max_beams) if num_beams is None
+                                else num_beams, lim.max_beams, "beams"),
+                  "max_new_tokens": (min(DEFAULT_NEW_TOKENS, lim.max_new_tokens)
+                                     if max_new_tokens is None else max_new_tokens,
+                                     lim.max_new_tokens, "new tokens")}
         for name, (value, bound, what) in values.items():
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
