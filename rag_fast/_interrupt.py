@@ -35,6 +35,15 @@ def _exit_130(signum, frame) -> None:
         os._exit(130)
 
 
+def exit_now(code: int) -> None:
+    """Flush the standard streams and end the process with ``code`` at once (no atexit
+    handlers, no interpreter shutdown)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 

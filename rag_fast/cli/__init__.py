@@ -197,11 +197,17 @@ def main(argv: list[str] | None = None) -> int:
             set_verbose(args.verbose)
             # the command's module, torch and the kernels load only now (the parsers import
             # nothing heavy: `rag-fast --help` and a mistyped flag do not wait for them)
-            return importlib.import_module("rag_fast.cli.runner").run(args)
+            code = importlib.import_module("rag_fast.cli.runner").run(args)
     finally:
         warnings.showwarning, sys.stdout = shown, stdout  # main() in a process that goes on
         if _interrupt.active():  # the command's process: Ctrl-C while it exits is one line
             _interrupt.exit_on_interrupt("while exiting; the command had ended")
+    if code == 130 and _threads.is_command():
+        # interrupted, its last line said: the command's process ends here, without Python's
+        # shutdown, where a library's thread (torch's) writing to a stream already closed
+        # aborted the process (SIGABRT) after a Ctrl-C of `train`
+        _interrupt.exit_now(130)
+    return code
 
 
 class _NamedStdout:
