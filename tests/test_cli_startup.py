@@ -5,6 +5,7 @@ the time is a benchmark's figure)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,9 +35,11 @@ for args in json.loads(sys.argv[1]):
 def _run(*command_lines: list[str]) -> list[dict]:
     code = f"HEAVY = {HEAVY!r}\n" + _PROBE
     # argv[0] is `rag-fast` from the start: rag_fast's import takes the command's path
+    # (in the tests' folder: `python -c` puts its folder first on the path, and the checkout's
+    # root would give the source rag_fast, without the compiled extension)
     done = subprocess.run([sys.executable, "-c", f"import sys; sys.argv[0] = 'rag-fast'\n{code}",
                            json.dumps(command_lines)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(command_lines), done.stderr[-2000:]
     return results
