@@ -48,9 +48,13 @@ class BundleSearch:
         ``ef_search``: the dense index's (its defaults when None).
 
         Raises:
-            ValueError: an unknown ``mode``, or bm25/hybrid on a directory without BM25.
+            ValueError: an unknown ``mode``, bm25/hybrid on a directory without BM25, or (for
+                those) ``k`` above the passages held.
         """
         self.check_mode(mode)
+        if mode != "dense" and k > len(self.store):
+            raise ValueError(f"-k {k} is more passages than {self.name} holds "
+                             f"({len(self.store)}); use at most {len(self.store)}")
         if mode == "bm25":
             return self.bm25.search(questions, k)
         if mode == "dense":

@@ -148,6 +148,12 @@ def check_output_folder(out: str | os.PathLike, kind: str, *, overwrite: bool = 
         FileExistsError: naming ``flag`` and ``out``, and what to do instead.
     """
     out = Path(out)
+    for parent in out.parents:  # the nearest entry of the path that exists must be a folder
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise FileExistsError(f"{flag} {str(out)!r}: {str(parent)!r} before it is a "
+                                      "file, not a folder; refused: choose another path")
+            break
     for name in files:
         path = out / name
         if out.is_dir() and (path.exists() or path.is_symlink()) and not path.is_file():

@@ -9,6 +9,9 @@
 - Q108: `index build --out FILE/x` said only "Not a directory: FILE/x.staging";
 - X938/X939: with --no-verify, a BM25 part edited at its recorded sizes was an "unexpected
   error" (an IndexError at search, an ImportError at load).
+
+And of the nineteenth (at 7ebcc84): O102-O106b, every other command's output under a file
+(the OS's "File exists" or "Not a directory", no flag); S306/S306c, a huge -k in a BM25 mode.
 """
 from __future__ import annotations
 
@@ -131,3 +134,29 @@ def test_a_bm25_part_edited_at_its_sizes_is_one_line_without_verify(bm25_kb, tmp
     params.write_text("[" + text[1:])  # not JSON of settings any more
     code, err = run_cli("index", "search", kb, "paris", "--mode", "bm25", "--no-verify")
     one_error(code, err, "bm25", "do not load")
+
+
+# ---- the nineteenth pass (at 7ebcc84) -------------------------------------------------------
+
+@pytest.mark.parametrize("command", [
+    ["tokenizer", "fit", "--passages", "P", "--vocab-size", "300", "--out"],
+    ["index", "eval", "--data", "D", "--index", "KB", "--out"],
+    ["eval", "--data", "D", "--model", "M", "--max-new-tokens", "2", "--out"],
+    ["train", "--config", "C", "--model", "M", "--output-dir"]])
+def test_an_output_under_a_file_is_one_line_naming_its_flag(world, tmp_path, command):
+    """O102-O106b: the OS's "File exists" or "Not a directory", naming no flag."""
+    (tmp_path / "userfile.txt").write_text("mine\n")
+    out = tmp_path / "userfile.txt" / "x"
+    values = {"P": world["passages"], "D": world["dev"], "KB": world["kb"], "M": world["model"],
+              "C": world["config"]}
+    code, err = run_cli(*[values.get(a, a) for a in command], out)
+    one_error(code, err, command[-1], str(out), "is a file, not a folder")
+    assert (tmp_path / "userfile.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("mode", ["bm25", "hybrid"])
+def test_a_huge_k_in_a_bm25_mode_is_one_line_naming_k(bm25_kb, mode):
+    """S306/S306c: numpy's "array is too big" or "Maximum allowed dimension exceeded"."""
+    code, err = run_cli("index", "search", bm25_kb, "paris", "--mode", mode, "-k",
+                        str(2**63 - 1))
+    one_error(code, err, "-k", "more passages than")
