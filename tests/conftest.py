@@ -22,6 +22,20 @@ from utils import IN_CI, ext_available, triton_cpu_available  # noqa: E402
 from serving_fixtures import serving_world  # noqa: E402,F401  (tests/serving's fixture)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def working_folder(tmp_path_factory):
+    """The tests run in an empty folder of their own (once collected), not the folder pytest
+    was started in: a `python -c` or `python -m` child puts its working folder first on its
+    path, and in the repository's root that imports the source rag_fast, without the compiled
+    extension. (Tests name their files by absolute paths; one of them used to leave the
+    working folder elsewhere for every test after it, which a parallel run's workers did not
+    all get.)"""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(before)
+
+
 @pytest.fixture(autouse=True)
 def fixed_threads(monkeypatch):
     """Every test runs with its thread count fixed (RAG_FAST_THREADS, inherited by the commands

@@ -10,7 +10,6 @@ too. A checkpoint manifest is verified field by field: an edited one is refused,
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
@@ -32,13 +31,13 @@ def _train(world, out, *extra):
     ("train.metrics_file", "~/.bashrc"),
     ("train.metrics_file", "logs/../../mine/a.txt"),
 ])
-def test_a_config_path_out_of_the_run_is_refused(world, tmp_path, key, value):
+def test_a_config_path_out_of_the_run_is_refused(world, tmp_path, key, value, monkeypatch):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "photo.png").write_bytes(b"my photo")
     (mine / "a.txt").write_text("my text\n")
     value = str(mine / "a.txt") if value == "PLACEHOLDER_ABS" else value
-    os.chdir(tmp_path)  # ../mine from the run folder r/ is tmp_path/mine
+    monkeypatch.chdir(tmp_path)  # ../mine from the run folder r/ is tmp_path/mine
     code, err = _train(world, "r", "--set", f"{key}={value}")
     one_error(code, err, key, "inside output_dir")
     assert (mine / "photo.png").read_bytes() == b"my photo"
