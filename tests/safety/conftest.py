@@ -55,6 +55,18 @@ def start_command(*args, env: dict | None = None, **kwargs) -> subprocess.Popen:
                             env={"HF_HUB_OFFLINE": "1", **os.environ, **(env or {})}, **kwargs)
 
 
+def build_with_memory_limit(world: dict, encoder, out, limit: int = 6 << 30):
+    """``rag-fast index build --encoder ENCODER --out OUT`` over the world's passages in a
+    process whose address space is limited to ``limit`` bytes: (exit status, stderr)."""
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, "
+            f"({limit}, {limit})); from rag_fast.cli import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "index", "build", "--passages",
+                           str(world["passages"]), "--encoder", str(encoder), "--out", str(out),
+                           "--no-progress"],
+                          capture_output=True, text=True, timeout=120, cwd=Path(out).parent)
+    return done.returncode, done.stderr
+
+
 def one_error(code: int, err: str, *words: str) -> str:
     """The one ``rag-fast: error:`` line of a command that exited 2 (asserted), holding every
     one of ``words``."""

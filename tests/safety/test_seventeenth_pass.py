@@ -16,13 +16,11 @@ import os
 import pickle
 import shutil
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import one_error, run_cli
+from conftest import build_with_memory_limit, one_error, run_cli
 
 
 class Exploit:
@@ -148,12 +146,7 @@ def _with_huge_tensor(path, size):
 def test_weights_too_large_for_the_memory_limit_name_the_folder(world, tmp_path):
     folder = _copy(world, tmp_path)
     _with_huge_tensor(folder / "model.safetensors", 20 << 30)
-    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)); "
-            "from rag_fast.cli import main; sys.exit(main(sys.argv[1:]))")
-    done = subprocess.run([sys.executable, "-c", code, "index", "build", "--passages",
-                           str(world["passages"]), "--encoder", str(folder), "--out",
-                           str(tmp_path / "kb"), "--no-progress"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    line = one_error(done.returncode, done.stderr, "encoder", str(folder), "20.0 GiB",
+    code, err = build_with_memory_limit(world, folder, tmp_path / "kb")
+    line = one_error(code, err, "encoder", str(folder), "20.0 GiB",
                      "do not fit in this process's memory")
     assert "--batch-size" not in line

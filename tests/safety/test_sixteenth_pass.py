@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import one_error, run_cli
+from conftest import build_with_memory_limit, one_error, run_cli
 
 
 def _split(world, tmp_path) -> Path:
@@ -121,14 +121,8 @@ def test_a_weights_file_whose_header_does_not_fit_it_is_refused_unmapped(world, 
     shutil.copytree(world["encoder"], folder)
     damage(folder / "model.safetensors")
     # an address-space limit below the file's size: mapping it whole would fail for memory
-    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)); "
-            "from rag_fast.cli import main; sys.exit(main(sys.argv[1:]))")
-    done = subprocess.run([sys.executable, "-c", code, "index", "build", "--passages",
-                           str(world["passages"]), "--encoder", str(folder), "--out",
-                           str(tmp_path / "kb"), "--no-progress"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    line = one_error(done.returncode, done.stderr, "encoder", str(folder), "model.safetensors",
-                     said)
+    code, err = build_with_memory_limit(world, folder, tmp_path / "kb")
+    line = one_error(code, err, "encoder", str(folder), "model.safetensors", said)
     assert "memory" not in line
 
 
