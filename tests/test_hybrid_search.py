@@ -349,3 +349,34 @@ def test_the_server_answers_by_its_retrieval_mode_and_swaps_only_to_an_index_wit
     with pytest.raises(ValueError, match="--retrieval-mode hybrid: index .*dense-only.* BM25"):
         answerer.swap_index(built["dense"])
     assert answerer.index.path == str(built["kb"])  # the old index keeps serving
+
+
+def test_a_refreshed_run_saves_its_index_with_the_bm25_part(built, model, tmp_path):
+    """The nineteenth hostile pass (N912): a hybrid run with refresh_index_every saved its
+    refreshed index/ without bm25/, so the trained model could not answer in its own mode."""
+    from pathlib import Path
+
+    config = json.loads(Path(_train_config(built, tmp_path, {"path": str(built["kb"]),
+                                                             "mode": "hybrid"})).read_text())
+    config["train"]["refresh_index_every"] = 1
+    (tmp_path / "refresh.json").write_text(json.dumps(config))
+    code, _, err = run("train", "--config", tmp_path / "refresh.json", "--model", model,
+                       "--output-dir", tmp_path / "run")
+    assert code == 0, err
+    saved = tmp_path / "run" / "index"
+    assert (saved / "bm25" / "manifest.json").is_file()
+    for mode in ("hybrid", "bm25"):
+        code, out, err = run("generate", "--model", tmp_path / "run" / "model", "--question",
+                             QUESTIONS[0], "--retrieval-mode", mode, "--max-new-tokens", "2",
+                             "--num-beams", "1", "--device", "cpu", "--no-progress")
+        assert code == 0, err
+        assert "doc3" in out  # BM25 finds the passage naming penicillin
+    # the part keeps its own seal there: an edited file is refused on load
+    victim = next(p for p in sorted((saved / "bm25").iterdir()) if p.name != "manifest.json")
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.unlink()  # (a hard link to the built index's file: that one stays as it was)
+    victim.write_bytes(bytes(data))
+    code, out, err = run("generate", "--model", tmp_path / "run" / "model", "--question",
+                         QUESTIONS[0], "--retrieval-mode", "hybrid", "--device", "cpu")
+    assert code == 2 and out == "" and "bm25" in err, err

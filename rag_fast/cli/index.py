@@ -54,6 +54,10 @@ def run_build(args: argparse.Namespace) -> int:
     if Path(args.out).name not in ("", ".."):
         lock = shared_lock(staging_folder(args.out), bool(args.shard), "--out's staging folder",
                            who)
+        if not args.shard:  # a Ctrl-C after the swap: the index is whole, its staging may stay
+            args.on_interrupt = said_on_interrupt(
+                [args.out], f"the index was written whole to {args.out}; its staging folder "
+                f"{staging_folder(args.out)} may be left behind (safe to remove)")
     try:
         with lock as alone:
             build_index_bundle(

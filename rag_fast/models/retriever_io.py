@@ -2,8 +2,9 @@
 
 An index directory is what ``rag-fast index build --out DIR`` writes: ``passages/`` (a
 ``PassageStore``), ``index/`` (a ``DenseIndex``) and ``manifest.json`` (kind
-``rag_fast.index_bundle``: the encoders and checksums). A directory holding only ``passages/``
-and ``index/`` (saved with their own ``save``/``create``) is accepted too.
+``rag_fast.index_bundle``: the encoders and checksums), with ``bm25/`` when built with
+``--bm25``. A directory holding only ``passages/`` and ``index/`` (saved with their own
+``save``/``create``), and ``bm25/`` (a training run's refreshed ``index/``), is accepted too.
 
 The Retriever gets no tokenizer: RagModel builds the generator inputs from the passage texts
 with its own generator tokenizer. Only the public API of ``rag_fast.retrieval`` is used.
@@ -16,7 +17,7 @@ from pathlib import Path
 from rag_fast._validation import not_a_file
 from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
 from rag_fast.retrieval.bundle import BUNDLE_KIND
-from rag_fast.retrieval.lexical import load_part
+from rag_fast.retrieval.lexical import BM25_PART, BM25Index, load_part
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
 from rag_fast.storage import check_seal, read_json_file, read_manifest
 
@@ -117,7 +118,15 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
         raise ValueError(f"n_docs={n_docs}{source} is more passages per question than the index "
                          f"{str(root)!r} holds ({len(index)}): use a model with fewer passages "
                          "per question (`rag-fast init --n-docs`) or a larger index")
-    lexical = load_part(root, manifest, len(store), verify=verify) if manifest else None
+    if manifest is not None:
+        lexical = load_part(root, manifest, len(store), verify=verify)
+    else:  # parts without a bundle manifest (a training run's refreshed index/): each its own
+        lexical = None
+        if os.path.lexists(root / BM25_PART):
+            if (root / BM25_PART).is_symlink():
+                raise ValueError(f"{root / BM25_PART} is a symbolic link; refused (an index "
+                                 "directory's BM25 part is a folder of its own)")
+            lexical = BM25Index.load(root / BM25_PART, verify=verify, expected_count=len(store))
     if mode != "dense" and lexical is None:
         raise ValueError(f"{mode_flag} {mode}: index {str(root)!r} has no BM25 part (build it "
                          "with `rag-fast index build --bm25`)")

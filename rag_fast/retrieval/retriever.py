@@ -175,6 +175,11 @@ class Retriever:
     def version(self) -> int:
         return self._state.version
 
+    @property
+    def lexical(self) -> BM25Index | None:
+        """The BM25 part searched by modes ``bm25`` and ``hybrid`` (None without one)."""
+        return self._state.lexical
+
     def swap(self, index: DenseIndex, store: PassageStore, lexical: BM25Index | None = None) -> int:
         """Replace the knowledge (index, store and BM25 part) atomically; returns the new
         version. ``lexical`` None with the current store (an index refresh: the same passages,

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from rag_fast.retrieval.encoders import shard_rows
 from rag_fast.retrieval.index import DenseIndex
+from rag_fast.retrieval.lexical import BM25_PART
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever, comm_device
 from rag_fast.storage import REFRESHED_KIND, atomic_directory, remove_leftovers, write_marker
 
@@ -102,12 +103,16 @@ def question_encoder_embedder(model, *, batch_size: int = 64, max_length: int = 
     return embed
 
 
-def export_index_directory(store, refreshed: str | Path, out: str | Path) -> Path:
+def export_index_directory(store, refreshed: str | Path, out: str | Path,
+                           lexical: str | Path | None = None) -> Path:
     """Write ``out`` (atomically, replacing it): an index directory that ``rag-fast eval`` /
     ``generate`` and ``load_retriever`` open, made of ``store``'s passages (hard links where
-    the file system allows, else copies; the tokenisation cache left out) and the refreshed
-    index ``refreshed`` (an ``index-refresh/step-*`` directory). No bundle manifest: its
-    encoder is the trained model's question encoder, not a Hugging Face encoder by name.
+    the file system allows, else copies; the tokenisation cache left out), the refreshed
+    index ``refreshed`` (an ``index-refresh/step-*`` directory) and, given ``lexical`` (the
+    BM25 part of the index directory trained on, which a refresh leaves as it is: the same
+    passages), that part as ``bm25/``. No bundle manifest: its encoder is the trained model's
+    question encoder, not a Hugging Face encoder by name; each part keeps its own sealed
+    manifest.
 
     Raises:
         FileNotFoundError: ``refreshed`` is not a directory.
@@ -127,6 +132,8 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path) -> Pat
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"),
                         copy_function=link_or_copy)
         shutil.copytree(refreshed, tmp / "index", copy_function=link_or_copy)
+        if lexical is not None:
+            shutil.copytree(lexical, tmp / BM25_PART, copy_function=link_or_copy)
     return Path(out)
 
 

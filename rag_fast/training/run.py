@@ -63,6 +63,7 @@ from rag_fast.models import RagModel
 from rag_fast.models.checkpoint import SIDE_FILE, resolve_model_dir
 from rag_fast.models.options import LM_HEAD_LOSSES, MODES, POOLINGS, check_arguments
 from rag_fast.models.retriever_io import TimedRetriever, load_retriever, load_sharded_retriever
+from rag_fast.retrieval.lexical import BM25_PART
 from rag_fast.storage import check_apart, output_lock
 from rag_fast.training import Trainer, TrainConfig, rag_collate, rag_loss
 from rag_fast.training.distributed import init_from_env
@@ -500,9 +501,12 @@ def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
         recorded = None if index.get("sharded") else index["path"]
         if recorded is not None and trainer.refresher is not None and state.refreshed_at:
             # the index of the trained encoder (the last refresh), not the stale starting one
+            lexical = None  # the BM25 part trained with (modes bm25, hybrid) goes along
+            if getattr(retriever, "lexical", None) is not None:
+                lexical = os.path.join(index["path"], BM25_PART)
             recorded = str(export_index_directory(
                 retriever.store, trainer.refresher._path(state.refreshed_at),
-                os.path.join(tc.output_dir, "index")))
+                os.path.join(tc.output_dir, "index"), lexical=lexical))
         model.save(final, index=recorded)
         summary = f"loss {state.last_loss:.4f} per question"
         if trainer.last_token_loss is not None:

@@ -229,6 +229,25 @@ def test_a_failed_build_leaves_no_staging_folder(world, tmp_path, monkeypatch, h
     assert sorted(p.name for p in tmp_path.iterdir()) == (["p.jsonl"] if how == "bad-line" else [])
 
 
+def test_a_ctrl_c_after_the_swap_says_the_index_is_whole(world, tmp_path, monkeypatch):
+    """The nineteenth hostile pass (K502): a Ctrl-C once the new index was in place (while its
+    staging folder was being removed) said "nothing was written"."""
+    from rag_fast.retrieval import bundle
+
+    real = bundle._discard_staging
+    _fail(monkeypatch, bundle, "_discard_staging", KeyboardInterrupt())
+    code, err = _build(world, tmp_path / "kb")
+    assert code == 130, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("rag-fast: interrupted; the index was written whole to "), line
+    assert "nothing was written" not in line and "kb.staging" in line, line
+    assert (tmp_path / "kb" / "manifest.json").is_file() and (tmp_path / "kb.staging").is_dir()
+    monkeypatch.setattr(bundle, "_discard_staging", real)  # the next build removes what it left
+    code, err = _build(world, tmp_path / "kb", "--overwrite")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kb"]
+
+
 def test_a_failed_merge_keeps_the_staged_shards(world, tmp_path, monkeypatch):
     staging = _stage_two_shards(world, tmp_path / "kb")
     before = {p.name: p.read_bytes() for p in staging.iterdir() if p.is_file()}
