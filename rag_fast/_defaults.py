@@ -14,7 +14,7 @@ PRESETS = ("exact", "hnsw", "ivfpq")
 MIN_VOCAB_SIZE, MAX_VOCAB_SIZE = 256 + 5, 1 << 20
 
 # `index search|eval --mode`: how passages are found (rag_fast.retrieval.search)
-RETRIEVAL_MODES = ("dense", "bm25", "hybrid")
+RETRIEVAL_MODES = ("dense", "bm25", "hybrid", "weighted")
 
 __all__ = ["DEFAULT_BEAMS", "DEFAULT_NEW_TOKENS", "MAX_VOCAB_SIZE", "MIN_VOCAB_SIZE", "PRESETS",
            "RETRIEVAL_MODES"]

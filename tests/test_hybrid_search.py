@@ -67,7 +67,8 @@ def test_the_part_is_listed_sealed_and_said_by_info(built):
     assert "bm25/manifest.json" not in json.loads(
         (built["dense"] / "manifest.json").read_text())["files"]
     code, out, _ = run("index", "info", built["kb"])
-    assert code == 0 and "bm25" in out and "words (--mode bm25 or hybrid)" in out
+    assert code == 0 and "bm25" in out and "words (--mode bm25, hybrid or weighted)" in out
+    assert "weighted fusion  weight 0." in out and "stand-in questions" in out
     code, out, _ = run("index", "info", built["dense"])
     assert code == 0 and "no (`index build --bm25` adds it)" in out
 
@@ -94,7 +95,40 @@ def test_hybrid_is_the_fusion_of_both_rankings_at_the_depth(built):
         np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid"])
+def test_weighted_is_the_weighted_fusion_at_the_tuned_weight(built):
+    from rag_fast.retrieval.lexical import weighted_fusion
+
+    searcher = open_bundle_search(built["kb"], device="cpu")
+    recorded = json.loads((built["kb"] / "bm25" / "manifest.json").read_text())["fusion"]
+    assert searcher.bm25.weight == recorded["weight"] and len(recorded["recall"]) == 21
+    depth = min(HYBRID_DEPTH, len(CORPUS))
+    for weight in (searcher.bm25.weight, 0.2):
+        searcher.bm25.fusion = {"weight": weight}
+        expected = weighted_fusion(searcher.search(QUESTIONS, depth),
+                                   searcher.search(QUESTIONS, depth, mode="bm25"), 4, weight)
+        for got, want in zip(searcher.search(QUESTIONS, 4, mode="weighted"), expected):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_the_weight_is_tuned_on_the_queries_gold_passages(built, tmp_path):
+    """--queries lines with gold ids tune the weight on them (those naming no passage of the
+    corpus left out); a file without gold ids falls back to the stand-in questions."""
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"question": QUESTIONS[1], "positive_ids": ["doc5"]},
+        {"question": QUESTIONS[0], "gold": "doc3"},
+        {"question": "nothing known", "positive_ids": ["nope"]},
+        {"question": QUESTIONS[2]}]))
+    code, out, err = run("index", "build", "--passages", built["root"] / "p.jsonl", "--encoder",
+                       json.loads((built["kb"] / "manifest.json").read_text())["encoder"]["name"],
+                       "--out", tmp_path / "kb", "--no-progress", "--bm25", "--queries", queries)
+    assert code == 0, err
+    fusion = json.loads((tmp_path / "kb" / "bm25" / "manifest.json").read_text())["fusion"]
+    assert fusion["tuned_on"] == f"2 questions with gold passages from {queries}", fusion
+    assert "tuned on 2 questions with gold passages" in out and "give --queries" not in out
+
+
+@pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid", "weighted"])
 def test_index_search_prints_each_mode(built, mode):
     code, out, err = run("index", "search", built["kb"], QUESTIONS[1], "-k", "2", "--json",
                          "--mode", mode)
@@ -115,6 +149,47 @@ def test_index_eval_reports_each_mode(built, mode, tmp_path):
     assert f"at k=3 ({mode})" in out
     metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
     assert metrics["mode"] == mode and metrics["metrics"]["gold_recall@3"] == 1.0, metrics
+
+
+@pytest.mark.parametrize("modes", ["all", "bm25,dense", "dense,hybrid,weighted,bm25"])
+def test_index_eval_puts_modes_side_by_side(built, modes, tmp_path):
+    code, out, err = run("index", "eval", "--data", built["data"], "--index", built["kb"],
+                         "-k", "1,3", "--mode", modes, "--out", tmp_path / "ev")
+    assert code == 0, err
+    names = ["dense", "bm25", "hybrid", "weighted"] if modes == "all" else modes.split(",")
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert metrics["modes"] == names and list(metrics["metrics"]) == names
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["k"])
+    assert header.split()[1:] == [w for name in ("gold", "answer") for m in names
+                                  for w in (name, m)] + ["k", "random"]
+    rows = [json.loads(x) for x in (tmp_path / "ev" / "retrieval.jsonl").read_text()
+            .splitlines()]
+    for mode in names:  # each mode's figures are those of the mode evaluated alone
+        code, _, err = run("index", "eval", "--data", built["data"], "--index", built["kb"],
+                           "-k", "1,3", "--mode", mode, "--out", tmp_path / mode)
+        assert code == 0, err
+        alone = json.loads((tmp_path / mode / "metrics.json").read_text())
+        assert alone["metrics"] == metrics["metrics"][mode]
+        single = [json.loads(x) for x in (tmp_path / mode / "retrieval.jsonl").read_text()
+                  .splitlines()]
+        assert [r["modes"][mode]["retrieved"] for r in rows] == [r["retrieved"] for r in single]
+
+
+@pytest.mark.parametrize("modes, words", [("dense,dense", ["--mode", "twice"]),
+                                          ("dense,sparse", ["--mode", "sparse"]),
+                                          ("dense,weighted", ["--mode weighted", "--bm25"])])
+def test_bad_eval_modes_are_one_line(built, modes, words):
+    code, out, err = run("index", "eval", "--data", built["data"], "--index", built["dense"],
+                         "--mode", modes)
+    assert code == 2 and out == ""
+    [line] = err.strip().splitlines()
+    assert all(w in line for w in words), line
+
+
+def test_all_modes_of_a_dense_only_index_is_dense(built):
+    code, out, err = run("index", "eval", "--data", built["data"], "--index", built["dense"],
+                         "-k", "1,3", "--mode", "all")
+    assert code == 0 and "(dense)" in out, err
 
 
 @pytest.mark.parametrize("command", ["search", "eval"])
@@ -173,7 +248,7 @@ def _questions(searcher):
     return searcher.encoder.encode_queries(QUESTIONS)
 
 
-@pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid"])
+@pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid", "weighted"])
 def test_the_retriever_picks_as_its_mode_and_scores_with_the_dense_product(built, mode):
     searcher = open_bundle_search(built["kb"], device="cpu")
     q = _questions(searcher)
@@ -186,6 +261,8 @@ def test_the_retriever_picks_as_its_mode_and_scores_with_the_dense_product(built
     elif mode == "hybrid":
         expected = reciprocal_rank_fusion([dense, searcher.search(QUESTIONS, depth,
                                                                   mode="bm25")[1]], 3)[1]
+    elif mode == "weighted":
+        expected = searcher.search(QUESTIONS, 3, mode="weighted")[1]
     else:  # BM25's hits, then the dense ranking's best to fill the K places
         lexical = searcher.search(QUESTIONS, 3, mode="bm25")[1]
         expected = []

@@ -220,3 +220,73 @@ def test_weighted_fusion_ties_and_bounds():
     assert weighted_fusion(dense, lexical, 2, 0.0)[1].tolist() == [[6, 4]]
     with pytest.raises(ValueError, match="weight must be in"):
         weighted_fusion(dense, lexical, 2, 1.5)
+
+
+# ---- the weighted fusion's weight, tuned --------------------------------------------------
+
+def plain_tune(dense, lexical, gold, k):
+    """Every weight 0, 0.05, ..., 1 tried by plain_weighted; the best recall@k, the weight
+    nearest 0.5 (the lower of two) among those that reach it."""
+    recall = {}
+    for i in range(21):
+        weight = i / 20
+        rows = plain_weighted(dense, lexical, k, weight)
+        recall[weight] = sum(bool(set(r) & g) for r, g in zip(rows, gold)) / len(gold)
+    best = max(recall.values())
+    return sorted((w for w in recall if recall[w] == best), key=lambda w: (abs(w - 0.5), w))[0]
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("k", [1, 2])
+def test_tune_weight_equals_plain_python(seed, k):
+    from rag_fast.retrieval.lexical import tune_weight
+
+    dense, lexical = _rankings(seed, questions=12)
+    rng = random.Random(seed)
+    gold = [{rng.randrange(9)} | {rng.randrange(9)} for _ in range(12)]
+    weight, recall = tune_weight(dense, lexical, gold, k)
+    assert weight == plain_tune(dense, lexical, gold, k)
+    assert len(recall) == 21 and recall[weight] == max(recall.values())
+
+
+def test_tune_weight_follows_the_ranking_that_finds_the_gold():
+    from rag_fast.retrieval.lexical import tune_weight
+
+    scores = np.array([[3.0, 2.0, 1.0]] * 4, np.float32)
+    dense = (scores, np.array([[0, 1, 2]] * 4))
+    lexical = (scores, np.array([[2, 1, 0]] * 4))
+    # rows 0 and 2 tie at 0.5, the dense ranking's first wins: 0.5 finds dense's best
+    assert tune_weight(dense, lexical, [{0}] * 4, 1)[0] == 0.5
+    assert tune_weight(dense, lexical, [{2}] * 4, 1)[0] == 0.45  # BM25's best needs less
+    assert tune_weight(dense, lexical, [{1}] * 4, 1)[0] == 0.5  # never first: an even mix
+    with pytest.raises(ValueError, match="at least one gold"):
+        tune_weight(dense, lexical, [{0}, set(), {0}, {0}], 1)
+    with pytest.raises(ValueError, match="3 gold sets for 4"):
+        tune_weight(dense, lexical, [{0}] * 3, 1)
+    # row 0: dense 1, BM25 0; row 3: dense 0.75, BM25 0.5 (scaled): row 0 first past 2/3
+    dense = (np.array([[1.0, 0.75, 0.0]], np.float32), np.array([[0, 3, 1]]))
+    lexical = (np.array([[1.0, 0.5, 0.0]], np.float32), np.array([[2, 3, 0]]))
+    weight, recall = tune_weight(dense, lexical, [{0}], 1)
+    assert weight == 0.7 and recall[0.65] == 0.0 and recall[1.0] == 1.0
+
+
+def test_the_tuned_weight_is_saved_sealed_and_checked(bm25, tmp_path):
+    part = BM25Index.build(TITLES, TEXTS)
+    assert part.weight == 0.5 and part.fusion is None
+    part.fusion = {"weight": 0.35, "k": 5, "tuned_on": "a test"}
+    part.save(tmp_path / "bm25")
+    assert BM25Index.load(tmp_path / "bm25").weight == 0.35
+    manifest = tmp_path / "bm25" / "manifest.json"
+    payload = json.loads(manifest.read_text())
+    payload["fusion"]["weight"] = 0.9  # edited: the seal no longer holds
+    manifest.write_text(json.dumps(payload))
+    with pytest.raises(StorageError, match="manifest.json"):
+        BM25Index.load(tmp_path / "bm25")
+    from rag_fast.storage import write_manifest
+
+    for bad in (1.5, "0.5", None, True):  # resealed, a weight out of range is still refused
+        payload["fusion"]["weight"] = bad
+        payload.pop("sha256", None)
+        write_manifest(manifest, {k: v for k, v in payload.items() if k != "seal"})
+        with pytest.raises(StorageError, match="key 'fusion'"):
+            BM25Index.load(tmp_path / "bm25")

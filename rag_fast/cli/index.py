@@ -21,12 +21,14 @@ from pathlib import Path
 from rag_fast.cli.common import (check_positive, check_text, resolve_device,
                                  said_on_interrupt, warn)
 from rag_fast.cli.parsers import SEARCH_TEXT_CHARS
-from rag_fast.evaluation.retrieval import (RETRIEVAL_FILES, format_table, load_retrieval_data,
-                                           retrieval_report, write_retrieval_report)
+from rag_fast.evaluation.retrieval import (RETRIEVAL_FILES, format_modes, format_table,
+                                           load_retrieval_data, retrieval_report,
+                                           write_mode_reports)
 from rag_fast.retrieval.bundle import (build_index_bundle, describe_quality, load_index_bundle,
                                        read_tuning_questions, staging_folder)
 from rag_fast.retrieval.lexical import load_part
-from rag_fast.retrieval.search import check_mode, open_bundle_search
+from rag_fast.retrieval.search import MODES, check_mode, open_bundle_search
+from rag_fast.retrieval.weights import tuning_summary
 from rag_fast.storage import (RETRIEVAL_EVAL_KIND, atomic_write_bytes, check_apart,
                               check_output_file, check_output_folder, shared_lock)
 
@@ -151,10 +153,23 @@ def parse_ks(text: str, flag: str = "-k") -> list[int]:
     return ks
 
 
+def parse_modes(text: str) -> list[str]:
+    """``index eval --mode``: one mode, several comma-separated, or ``all`` (``["all"]``,
+    resolved once the index is open); else a ValueError naming ``--mode``."""
+    if text.strip() == "all":
+        return ["all"]
+    modes = [m.strip() for m in text.split(",")]
+    for mode in modes:
+        check_mode(mode)
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"--mode names a mode twice: {text!r}")
+    return modes
+
+
 def run_eval(args: argparse.Namespace) -> int:
     _check_not_empty(("--data", args.data), ("--index", args.index), ("--out", args.out))
     ks = parse_ks(args.k)
-    check_mode(args.mode)
+    modes = parse_modes(args.mode)
     for flag, value in (("--nprobe", args.nprobe), ("--ef-search", args.ef_search)):
         if value is not None:
             check_positive((flag, value))
@@ -167,26 +182,30 @@ def run_eval(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         examples = load_retrieval_data(args.data)
     searcher = open_bundle_search(args.index, device=args.device, verify=not args.no_verify)
-    searcher.check_mode(args.mode)
+    if modes == ["all"]:  # every mode this index can search
+        modes = list(MODES) if searcher.bm25 is not None else ["dense"]
+    for mode in modes:
+        searcher.check_mode(mode)
     if ks[-1] > len(searcher.index):
         raise ValueError(f"-k {ks[-1]} is more passages than the index {args.index!r} holds "
                          f"({len(searcher.index)}); use at most {len(searcher.index)}")
-    scores, rows = searcher.search([e.question for e in examples], ks[-1], mode=args.mode,
-                                   nprobe=args.nprobe, ef_search=args.ef_search)
-    store = searcher.store
-    passages = [[store[r] for r in found if r >= 0] for found in rows.tolist()]
-    scores = [[s for s, r in zip(sc, found) if r >= 0]
-              for sc, found in zip(scores.tolist(), rows.tolist())]
-    report = retrieval_report(examples, passages, scores, store, ks)
+    store, reports = searcher.store, {}
+    for mode in modes:
+        scores, rows = searcher.search([e.question for e in examples], ks[-1], mode=mode,
+                                       nprobe=args.nprobe, ef_search=args.ef_search)
+        passages = [[store[r] for r in found if r >= 0] for found in rows.tolist()]
+        scores = [[s for s, r in zip(sc, found) if r >= 0]
+                  for sc, found in zip(scores.tolist(), rows.tolist())]
+        reports[mode] = retrieval_report(examples, passages, scores, store, ks)
+    report = reports[modes[0]]
     print(f"{len(examples)} questions, index {args.index} ({len(store)} passages), searched once "
-          f"at k={ks[-1]} ({args.mode})")
-    print(format_table(report))
+          f"at k={ks[-1]} ({', '.join(modes)})")
+    print(format_table(report) if len(modes) == 1 else format_modes(reports))
     if args.out is not None:
         args.on_interrupt = said_on_interrupt(  # in the order they are written
             [str(Path(args.out) / "retrieval.jsonl"), str(Path(args.out) / "metrics.json")],
             f"the evaluation was written whole to {args.out}")
-        write_retrieval_report(args.out, report, data=args.data, index=args.index,
-                               mode=args.mode)
+        write_mode_reports(args.out, reports, data=args.data, index=args.index)
         print(f"metrics: {Path(args.out) / 'metrics.json'}; per question: "
               f"{Path(args.out) / 'retrieval.jsonl'}")
     # the data's warnings once the outputs are written, so that a failure is one line
@@ -217,8 +236,9 @@ def run_info(args: argparse.Namespace) -> int:
         "bytes/vector": f"{index.index_bytes() / len(index):.1f} (+{2 * d['dim']} fp16 vectors)",
         "faiss": f"{d['faiss_version']} (built with "
                  f"{json.loads((Path(args.dir) / 'index' / 'manifest.json').read_text())['faiss_version']})",
-        "bm25": (f"yes: {len(bm25.model.vocab_dict):,} words (--mode bm25 or hybrid)" if bm25
-                 else "no (`index build --bm25` adds it)"),
+        "bm25": (f"yes: {len(bm25.model.vocab_dict):,} words (--mode bm25, hybrid or "
+                 "weighted)" if bm25 else "no (`index build --bm25` adds it)"),
+        **({"weighted fusion": tuning_summary(bm25.fusion)} if bm25 else {}),
         "checksums": "verified" if args.verify else "sizes checked (--verify for SHA-256)",
     }
     width = max(len(k) for k in lines)

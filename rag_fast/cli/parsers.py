@@ -122,8 +122,9 @@ def add_index(subparsers: argparse._SubParsersAction) -> None:
                              "replaced, any other is refused); default: print them")
     search.add_argument("-k", type=int, default=5, help="passages per question (default 5)")
     search.add_argument("--mode", default="dense", choices=RETRIEVAL_MODES,
-                        help="dense (the default), bm25 or hybrid (both, by reciprocal rank "
-                             "fusion); bm25 and hybrid need an index built with --bm25")
+                        help="dense (the default), bm25, hybrid (both, by reciprocal rank "
+                             "fusion) or weighted (both, by a weighted sum of scores, its weight "
+                             "tuned at build); all but dense need an index built with --bm25")
     search.add_argument("--nprobe", type=int, default=None,
                         help="IVF lists searched (default: the index's tuned setting)")
     search.add_argument("--ef-search", type=int, default=None,
@@ -161,9 +162,10 @@ def add_index(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--out", metavar="DIR", default=None,
                           help="also write metrics.json and retrieval.jsonl here, atomically (a "
                                "new or empty folder, or one this command wrote before)")
-    evaluate.add_argument("--mode", default="dense", choices=RETRIEVAL_MODES,
-                          help="dense (the default), bm25 or hybrid; bm25 and hybrid need an "
-                               "index built with --bm25")
+    evaluate.add_argument("--mode", default="dense", metavar="MODE[,MODE...]",
+                          help="dense (the default), bm25, hybrid or weighted (those three "
+                               "need an index built with --bm25); several comma-separated, or "
+                               "all (every mode the index can search), side by side")
     evaluate.add_argument("--nprobe", type=int, default=None,
                           help="IVF lists searched (default: the index's tuned setting)")
     evaluate.add_argument("--ef-search", type=int, default=None,
@@ -418,9 +420,10 @@ def add_eval(subparsers: argparse._SubParsersAction) -> None:
                    help="passages retrieved and marginalised over per question (default: the "
                         "model's n_docs); at least 1 and at most the index's passage count")
     p.add_argument("--retrieval-mode", default="dense", choices=RETRIEVAL_MODES,
-                   help="how passages are found: dense (the default), bm25 or hybrid (both, by "
-                        "reciprocal rank fusion; the passage prior stays the dense score); "
-                        "bm25 and hybrid need an index built with --bm25")
+                   help="how passages are found: dense (the default), bm25, hybrid (both, by "
+                        "reciprocal rank fusion) or weighted (by a tuned weighted sum); the "
+                        "passage prior stays the dense score; all but dense need an index "
+                        "built with --bm25")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--batch-size", type=int, default=16)
     add_decoding_options(p)  # the same options and default as `rag-fast generate`
@@ -445,9 +448,10 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
                         "marginalised over per question (default: the model's n_docs); at "
                         "least 1 and at most the index's passage count")
     p.add_argument("--retrieval-mode", default="dense", choices=RETRIEVAL_MODES,
-                   help="how passages are found: dense (the default), bm25 or hybrid (both, by "
-                        "reciprocal rank fusion; the passage prior stays the dense score); "
-                        "bm25 and hybrid need an index built with --bm25")
+                   help="how passages are found: dense (the default), bm25, hybrid (both, by "
+                        "reciprocal rank fusion) or weighted (by a tuned weighted sum); the "
+                        "passage prior stays the dense score; all but dense need an index "
+                        "built with --bm25")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="generator tokenizer, when the model directory has none")
     add_decoding_options(p)  # the same options and default as `rag-fast eval`
@@ -494,8 +498,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--retrieval-mode", default="dense", choices=RETRIEVAL_MODES,
-                   help="how passages are found: dense (the default), bm25 or hybrid (an index "
-                        "built with --bm25; an index swapped in needs one too)")
+                   help="how passages are found: dense (the default), bm25, hybrid or "
+                        "weighted (an index built with --bm25; an index swapped in needs one "
+                        "too)")
     p.add_argument("--log-requests", action="store_true", help="one log line per request")
     p.set_defaults(func=_Runs("serve", "run"))
 

@@ -398,6 +398,31 @@ def format_table(report: RetrievalReport) -> str:
     return "\n".join(lines + report.notes)
 
 
+def format_modes(reports: dict[str, RetrievalReport]) -> str:
+    """Reports of the same questions searched in several modes, side by side: one row per k,
+    a column per measure and mode (then the first report's notes, which do not depend on the
+    mode)."""
+    first = next(iter(reports.values()))
+    measures = []
+    if first.summary["gold_questions"]:
+        measures.append(("gold", "gold_recall@{}"))
+    if first.summary["answer_questions"]:
+        measures.append(("answer", "answer_recall@{}"))
+    columns = [(f"{name} {mode}", key, report) for name, key in measures
+               for mode, report in reports.items()]
+    if first.summary["answer_questions"]:
+        columns.append(("k random", "random_answer_recall@{}", first))
+    lines = ["recall@k of " + " and ".join(f"{name} passages" if name == "gold" else
+                                           "answer strings" for name, _ in measures),
+             "  ".join(f"{name:>{max(len(name), 6)}}" for name in ["k"] + [c[0] for c in columns])]
+    for k in first.ks:
+        cells = [f"{k:>6}"]
+        for name, key, report in columns:
+            cells.append(f"{report.metrics[key.format(k)]:>{max(len(name), 6)}.4f}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines + first.notes)
+
+
 def write_retrieval_report(out: str | Path, report: RetrievalReport, *, data: str,
                            index: str, mode: str = "dense") -> None:
     """Mark ``out`` as a retrieval evaluation's folder and write ``metrics.json`` (the data,
@@ -417,6 +442,37 @@ def write_retrieval_report(out: str | Path, report: RetrievalReport, *, data: st
             **summary}, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
+def write_mode_reports(out: str | Path, reports: dict[str, RetrievalReport], *, data: str,
+                       index: str) -> None:
+    """:func:`write_retrieval_report` for the same questions searched in several modes:
+    ``metrics.json`` holds ``"modes"`` (their names) and ``"metrics"`` per mode; each line of
+    ``retrieval.jsonl`` a question with ``"modes"``: per mode its ``"retrieved"`` and
+    ``"hits"``."""
+    if len(reports) == 1:
+        [(mode, report)] = reports.items()
+        write_retrieval_report(out, report, data=data, index=index, mode=mode)
+        return
+    out = Path(out)
+    first = next(iter(reports.values()))
+    with new_folder_removed_on_failure(out, RETRIEVAL_FILES):
+        write_marker(out, RETRIEVAL_EVAL_KIND)
+        lines = []
+        for i, row in enumerate(first.rows):
+            merged = {key: v for key, v in row.items() if key not in ("retrieved", "hits")}
+            merged["modes"] = {mode: {"retrieved": r.rows[i]["retrieved"],
+                                      "hits": r.rows[i]["hits"]} for mode, r in reports.items()}
+            lines.append(json.dumps(merged, ensure_ascii=False) + "\n")
+        atomic_write_bytes(out / "retrieval.jsonl", "".join(lines).encode("utf-8"))
+        summary = dict(first.summary)
+        atomic_write_bytes(out / "metrics.json", (json.dumps({
+            "data": str(data), "index": str(index), "modes": list(reports), "k": first.ks,
+            "questions": summary.pop("questions"),
+            "metrics": {mode: {key: round(float(v), 4) for key, v in r.metrics.items()}
+                        for mode, r in reports.items()},
+            **summary}, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
 __all__ = ["ANSWER_FIELDS", "CORPUS_SAMPLE", "GOLD_FIELDS", "RETRIEVAL_FILES",
-           "RetrievalExample", "RetrievalReport", "fields_used", "format_table",
-           "load_retrieval_data", "retrieval_report", "write_retrieval_report"]
+           "RetrievalExample", "RetrievalReport", "fields_used", "format_modes",
+           "format_table", "load_retrieval_data", "retrieval_report", "write_mode_reports",
+           "write_retrieval_report"]

@@ -45,6 +45,7 @@ from rag_fast.retrieval.index import INDEX_KIND, DenseIndex
 from rag_fast.retrieval.inputs import NonFiniteError
 from rag_fast.retrieval.lexical import BM25_MANIFEST, BM25_PART, build_part
 from rag_fast.retrieval.tuning import SmallSampleWarning, small_sample_message
+from rag_fast.retrieval.weights import tune_part
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
                                          stand_in_questions)
 from rag_fast.storage import (NoSpaceError, StorageError, atomic_directory, check_apart,
@@ -760,8 +761,12 @@ def build_index_bundle(
                 raise NoSpaceError(os.path.join(shown, "index"), e.needed, e.free,
                                    e.errno) from None
             files = ["passages/manifest.json", "index/manifest.json"]
-            if bm25:
-                build_part(store, tmp / BM25_PART)
+            if bm25:  # with the weighted fusion's weight tuned on the tuning questions
+                said = []
+                build_part(store, tmp / BM25_PART, tune=lambda part: said.append(tune_part(
+                    part, store, lambda q: question_encoder.encode_queries(q).numpy(),
+                    index.search, queries, TUNING_QUESTIONS)))
+                log(said[0])
                 files.append(BM25_MANIFEST)
             write_manifest(tmp / "manifest.json", {
                 "parts": part_digests(tmp, files),

@@ -34,6 +34,9 @@ BM25_KIND = "rag_fast.bm25"
 TOKEN_PATTERN = r"(?u)\b\w\w+\b"
 K1, B = 1.5, 0.75
 RRF_C = 60  # reciprocal rank fusion's constant (Cormack et al., 2009)
+DEFAULT_WEIGHT = 0.5  # the weighted fusion's dense weight where none was tuned
+WEIGHTS = tuple(i / 20 for i in range(21))  # the weights tune_weight tries: 0, 0.05, ..., 1
+TUNE_K = 5  # tune_weight's cut-off: recall@5 of the gold passages
 HYBRID_DEPTH = 100  # the candidates each ranking gives the fusion (at least k)
 _FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy",
           "vocab.index.json", "params.index.json")
@@ -61,8 +64,15 @@ class BM25Index:
         count: ``N``.
     """
 
-    def __init__(self, model, count: int):
+    def __init__(self, model, count: int, fusion: dict | None = None):
         self.model, self.count = model, count
+        self.fusion = fusion  # how the weighted fusion's weight was tuned (None: not tuned)
+
+    @property
+    def weight(self) -> float:
+        """Mode ``weighted``'s dense weight: the one tuned when the part was built
+        (:func:`tune_weight`), else :data:`DEFAULT_WEIGHT`."""
+        return float(self.fusion["weight"]) if self.fusion else DEFAULT_WEIGHT
 
     def __len__(self) -> int:
         return self.count
@@ -113,7 +123,7 @@ class BM25Index:
 
     def save(self, folder: str | os.PathLike) -> None:
         """Write the part into ``folder`` (created; it must not exist): bm25s' files and a
-        sealed manifest listing them."""
+        sealed manifest listing them (with :attr:`fusion`, the tuned weight, when set)."""
         folder = Path(folder)
         folder.mkdir()
         with contextlib.redirect_stderr(io.StringIO()):
@@ -125,6 +135,7 @@ class BM25Index:
             "kind": BM25_KIND, "format": 1, "passages": self.count,
             "settings": {"k1": K1, "b": B, "method": "lucene", "token_pattern": TOKEN_PATTERN,
                          "lowercase": True, "stopwords": "en", "stemmer": None},
+            **({"fusion": self.fusion} if self.fusion else {}),
             "files": describe_files(folder, list(_FILES))})
 
     @classmethod
@@ -150,6 +161,11 @@ class BM25Index:
         except Exception as e:  # noqa: BLE001  (bm25s' failure on edited files)
             raise StorageError(f"{folder}: its BM25 files do not load ({brief_error(e, 120)}): "
                                "edited or damaged; rebuild the index directory") from None
+        fusion = manifest.get("fusion")
+        if fusion is not None and not (isinstance(fusion, dict) and _is_weight(
+                fusion.get("weight"))):
+            raise StorageError(f"{folder / MANIFEST}: key 'fusion' is {fusion!r}, expected an "
+                               "object with a 'weight' in [0, 1]")
         if not verify:  # what the checksums would have vouched for
             _check_arrays(folder, model.scores, count)
         columns, vocabulary = len(model.scores["indptr"]) - 1, len(model.vocab_dict)
@@ -157,18 +173,27 @@ class BM25Index:
             raise StorageError(f"{folder}: its arrays ({model.scores.get('num_docs')!r} "
                                f"passages, {columns} words) do not match its manifest and "
                                f"vocabulary ({count} passages, {vocabulary} words)")
-        return cls(model, count)
+        return cls(model, count, fusion)
+
+
+def _is_weight(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0.0 <= value <= 1.0)
 
 
 BM25_PART = "bm25"  # the part's folder in an index directory
 BM25_MANIFEST = f"{BM25_PART}/{MANIFEST}"  # as the index directory's manifest lists it
 
 
-def build_part(store, folder: str | os.PathLike) -> None:
+def build_part(store, folder: str | os.PathLike, tune=None) -> None:
     """BM25 over a :class:`~rag_fast.retrieval.passages.PassageStore`'s passages, saved as an
-    index directory's part in ``folder``."""
+    index directory's part in ``folder``; ``tune(part)``, when given, runs before the save
+    (to set the part's :attr:`~BM25Index.fusion`, :mod:`~rag_fast.retrieval.weights`)."""
     rows = range(len(store))
-    BM25Index.build([store.title(i) for i in rows], [store.text(i) for i in rows]).save(folder)
+    part = BM25Index.build([store.title(i) for i in rows], [store.text(i) for i in rows])
+    if tune is not None:
+        tune(part)
+    part.save(folder)
 
 
 def load_part(root: str | os.PathLike, manifest: dict, count: int,
@@ -258,6 +283,50 @@ def weighted_fusion(dense: tuple[np.ndarray, np.ndarray], lexical: tuple[np.ndar
     return fused_scores, out
 
 
-__all__ = ["B", "BM25Index", "BM25_KIND", "BM25_MANIFEST", "BM25_PART", "HYBRID_DEPTH", "K1",
-           "RRF_C", "TOKEN_PATTERN", "build_part", "load_part", "reciprocal_rank_fusion",
-           "weighted_fusion", "words"]
+def fuse(mode: str, lexical: BM25Index, questions: Sequence[str],
+         dense: tuple[np.ndarray, np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(scores, rows)`` ``[Q, k]`` of mode ``hybrid`` (:func:`reciprocal_rank_fusion`) or
+    ``weighted`` (:func:`weighted_fusion` with ``lexical.weight``): the dense ranking
+    ``dense`` (``(scores, rows)`` ``[Q, depth]``) fused with BM25's as deep."""
+    found = lexical.search(questions, dense[1].shape[1])
+    if mode == "hybrid":
+        return reciprocal_rank_fusion([dense[1], found[1]], k)
+    if mode == "weighted":
+        return weighted_fusion(dense, found, k, lexical.weight)
+    raise ValueError(f"fuse: mode must be hybrid or weighted, got {mode!r}")
+
+
+def tune_weight(dense: tuple[np.ndarray, np.ndarray], lexical: tuple[np.ndarray, np.ndarray],
+                gold: Sequence[set[int]], k: int = TUNE_K) -> tuple[float, dict[float, float]]:
+    """The dense weight of :func:`weighted_fusion` that finds the most gold passages in the
+    top ``k`` of questions with known answers, and the recall@k of every weight tried.
+
+    Each of :data:`WEIGHTS` is tried; among the weights of the best recall, the one nearest
+    :data:`DEFAULT_WEIGHT` (the lower of two as near) is kept, so that a flat curve (a tuning
+    set too small or too easy to tell them apart) keeps an even mix.
+
+    Args:
+        dense, lexical: ``(scores, rows)`` ``[Q, depth]`` of each ranking (see
+            :func:`weighted_fusion`), ``depth >= k``.
+        gold: per question, the rows of its gold passages (a non-empty set each).
+    Raises:
+        ValueError: no questions, lists of other lengths, or a question without gold rows.
+    """
+    if not len(gold) or len(gold) != len(dense[1]) or len(gold) != len(lexical[1]):
+        raise ValueError(f"tune_weight: {len(gold)} gold sets for {len(dense[1])} dense and "
+                         f"{len(lexical[1])} BM25 rankings (at least one question)")
+    if not all(gold):
+        raise ValueError("tune_weight: every question needs at least one gold passage row")
+    recall = {}
+    for weight in WEIGHTS:
+        rows = weighted_fusion(dense, lexical, k, weight)[1]
+        recall[weight] = sum(bool(g & set(r.tolist())) for g, r in zip(gold, rows)) / len(gold)
+    best = max(recall.values())
+    chosen = min((w for w, r in recall.items() if r == best),
+                 key=lambda w: (abs(w - DEFAULT_WEIGHT), w))
+    return chosen, recall
+
+
+__all__ = ["B", "BM25Index", "BM25_KIND", "BM25_MANIFEST", "BM25_PART", "DEFAULT_WEIGHT",
+           "HYBRID_DEPTH", "K1", "RRF_C", "TOKEN_PATTERN", "TUNE_K", "WEIGHTS", "build_part",
+           "fuse", "load_part", "reciprocal_rank_fusion", "tune_weight", "weighted_fusion", "words"]

@@ -129,11 +129,17 @@ def sentences(text: str, min_words: int = 8, max_words: int = 40) -> list[str]:
     return [s for s in _SENTENCE_END.split(text) if min_words <= len(s.split()) <= max_words]
 
 
+def stand_in_rows(store: "PassageStore", n: int, seed: int = 0) -> np.ndarray:
+    """The rows (sorted) of the ``n`` passages :func:`stand_in_questions` samples."""
+    return np.sort(np.random.default_rng(seed).choice(len(store), min(n, len(store)),
+                                                      replace=False))
+
+
 def stand_in_questions(store: "PassageStore", n: int, seed: int = 0) -> list[str]:
     """One sentence from each of ``n`` passages sampled with ``seed`` (their first 30 words
-    where none has 8 to 40 words): short texts about the corpus, encoded as questions to
-    measure an index when no real questions are given."""
-    rows = np.sort(np.random.default_rng(seed).choice(len(store), min(n, len(store)), replace=False))
+    where none has 8 to 40 words; :func:`stand_in_rows`, in that order): short texts about
+    the corpus, encoded as questions to measure an index when no real questions are given."""
+    rows = stand_in_rows(store, n, seed)
     out = []
     for row in rows.tolist():
         text = store.text(row)

@@ -29,7 +29,7 @@ import torch
 
 from rag_fast._defaults import RETRIEVAL_MODES
 from rag_fast.retrieval.index import DenseIndex
-from rag_fast.retrieval.lexical import HYBRID_DEPTH, BM25Index, reciprocal_rank_fusion
+from rag_fast.retrieval.lexical import HYBRID_DEPTH, BM25Index, fuse
 from rag_fast.retrieval.passages import PassageStore, TokenizedPassages, tokenizer_key
 
 
@@ -84,13 +84,14 @@ def _check_mode(mode: str, lexical: BM25Index | None) -> str:
     return mode
 
 
-def _lexical_rows(lexical: BM25Index, questions: list[str], dense: np.ndarray, k: int,
-                  mode: str) -> np.ndarray:
-    """``[B, k]`` rows of modes ``bm25`` (its hits, then the dense ranking's to fill k) and
-    ``hybrid`` (reciprocal rank fusion of the dense ranking ``dense`` and BM25's as deep)."""
-    if mode == "hybrid":
-        return reciprocal_rank_fusion([dense, lexical.search(questions, dense.shape[1])[1]],
-                                      k)[1]
+def _lexical_rows(lexical: BM25Index, questions: list[str], dense: tuple[np.ndarray, np.ndarray],
+                  k: int, mode: str) -> np.ndarray:
+    """``[B, k]`` rows of modes ``bm25`` (its hits, then the dense ranking's to fill k),
+    ``hybrid`` and ``weighted`` (the dense ranking ``dense``, ``(scores, rows)``, fused with
+    BM25's as deep: :func:`~rag_fast.retrieval.lexical.fuse`)."""
+    if mode != "bm25":
+        return fuse(mode, lexical, questions, dense, k)[1]
+    dense = dense[1]
     rows = lexical.search(questions, k)[1]
     for b in range(len(rows)):
         found = [int(r) for r in rows[b] if r >= 0]
@@ -255,7 +256,8 @@ class Retriever:
         device = question_embeddings.device
         ids_np = ids.cpu().numpy()
         if mode != "dense":
-            ids_np = _lexical_rows(state.lexical, list(questions), ids_np, k, mode)
+            ids_np = _lexical_rows(state.lexical, list(questions),
+                                   (scores.float().cpu().numpy(), ids_np), k, mode)
             ids = torch.from_numpy(ids_np).to(ids.device)
         rows = np.where(ids_np >= 0, ids_np, 0).reshape(-1)
         vectors = state.index.embeddings[rows].astype(np.float32)  # [B*K, d]

@@ -2,9 +2,11 @@
 (its ``bm25/`` part, from ``rag-fast index build --bm25``), or both fused (``hybrid``).
 
 What ``rag-fast index search`` and ``rag-fast index eval`` search with
-(:func:`open_bundle_search`). ``hybrid`` takes the best :data:`HYBRID_DEPTH` passages of each
-(fewer in a smaller corpus) and ranks them by reciprocal rank fusion
-(:func:`~rag_fast.retrieval.lexical.reciprocal_rank_fusion`); its scores are the fused ones.
+(:func:`open_bundle_search`). ``hybrid`` and ``weighted`` take the best :data:`HYBRID_DEPTH`
+passages of each (fewer in a smaller corpus) and rank them by reciprocal rank fusion
+(:func:`~rag_fast.retrieval.lexical.reciprocal_rank_fusion`), or by a weighted sum of the
+scaled scores with the weight the BM25 part records
+(:func:`~rag_fast.retrieval.lexical.weighted_fusion`); their scores are the fused ones.
 """
 from __future__ import annotations
 
@@ -12,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from rag_fast._defaults import RETRIEVAL_MODES as MODES  # ("dense", "bm25", "hybrid")
+from rag_fast._defaults import RETRIEVAL_MODES as MODES  # dense, bm25, hybrid, weighted
 from rag_fast.retrieval.bundle import load_index_bundle
 from rag_fast.retrieval.encoders import Encoder
 from rag_fast.retrieval.index import DenseIndex
-from rag_fast.retrieval.lexical import (HYBRID_DEPTH, BM25Index, load_part,
-                                        reciprocal_rank_fusion)
+from rag_fast.retrieval.lexical import HYBRID_DEPTH, BM25Index, fuse, load_part
 from rag_fast.retrieval.passages import PassageStore
 
 
@@ -60,8 +61,8 @@ class BundleSearch:
         if mode == "dense":
             return self._dense(questions, k, nprobe, ef_search, chunk)
         depth = min(max(k, HYBRID_DEPTH), len(self.store))
-        dense = self._dense(questions, depth, nprobe, ef_search, chunk)[1]
-        return reciprocal_rank_fusion([dense, self.bm25.search(questions, depth)[1]], k)
+        dense = self._dense(questions, depth, nprobe, ef_search, chunk)
+        return fuse(mode, self.bm25, questions, dense, k)
 
     def check_mode(self, mode: str) -> None:
         """A ValueError naming ``--mode`` unless this directory can search that way."""

@@ -99,13 +99,13 @@ def test_a_ctrl_c_while_index_eval_writes_says_what_was_written(world, tmp_path,
 
     out = tmp_path / "ev"
     if when == "after":
-        real = index.write_retrieval_report
+        real = index.write_mode_reports
 
         def interrupted(*args, **kwargs):
             real(*args, **kwargs)
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(index, "write_retrieval_report", interrupted)
+        monkeypatch.setattr(index, "write_mode_reports", interrupted)
     else:  # an earlier evaluation there; the Ctrl-C lands once retrieval.jsonl is replaced
         assert run_cli("index", "eval", "--data", world["dev"], "--index", world["kb"],
                        "--out", out)[0] == 0

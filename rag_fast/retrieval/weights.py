@@ -1,0 +1,107 @@
+"""The weighted fusion's weight (mode ``weighted``), tuned when ``rag-fast index build --bm25``
+builds the BM25 part.
+
+The weight is the one of :data:`~rag_fast.retrieval.lexical.WEIGHTS` whose fused top
+:data:`~rag_fast.retrieval.lexical.TUNE_K` holds the most gold passages of the build's tuning
+questions (:func:`~rag_fast.retrieval.lexical.tune_weight`), recorded with what it was tuned on
+in the part's sealed manifest (``"fusion"``). The tuning questions with gold passages are:
+
+- the ``--queries`` file's, where its JSONL objects name gold passages as ``index eval``'s data
+  do (``"positive_ids"``, ``"gold"`` or ``"passage_id"``: a passage id or a list of them);
+  questions whose gold ids are none of the corpus's are left out;
+- otherwise the stand-in questions (one sentence of each of up to
+  :data:`~rag_fast.retrieval.bundle.TUNING_QUESTIONS` sampled passages), each with its own
+  passage as gold. Their wording is the passage's own, which favours BM25: the build says so,
+  and real questions with gold ids tune a weight that holds on real questions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from rag_fast._jsonl import read_objects
+from rag_fast.retrieval.lexical import HYBRID_DEPTH, TUNE_K, BM25Index, tune_weight
+from rag_fast.retrieval.passages import stand_in_questions, stand_in_rows
+
+GOLD_KEYS = ("positive_ids", "gold", "passage_id")  # as index eval reads them (one per line)
+
+
+def _ids(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, str)]
+    return []
+
+
+def read_gold_questions(path: str, store) -> tuple[list[str], list[set[int]]]:
+    """The questions of the ``--queries`` JSONL file ``path`` whose gold ids (see the module
+    docstring) name passages of ``store``, with those passages' rows; empty lists for a .txt
+    file or one without gold ids. (The file was already read whole by the build, so its
+    lines are known to be objects with a ``question``.)"""
+    if Path(path).suffix.lower() == ".txt":
+        return [], []
+    wanted: list[tuple[str, list[str]]] = []
+    for _, _, row in read_objects(path):
+        ids = next((_ids(row[k]) for k in GOLD_KEYS if k in row), [])
+        if ids:
+            wanted.append((row["question"], ids))
+    if not wanted:
+        return [], []
+    names = {i for _, ids in wanted for i in ids}
+    rows = {}
+    for r in range(len(store)):
+        pid = store.id(r)
+        if pid in names:
+            rows.setdefault(pid, set()).add(r)
+    questions, gold = [], []
+    for question, ids in wanted:
+        found = set().union(*(rows.get(i, set()) for i in ids))
+        if found:
+            questions.append(question)
+            gold.append(found)
+    return questions, gold
+
+
+def tune_part(part: BM25Index, store, encode: Callable[[list[str]], np.ndarray], search,
+              queries: str | None, stand_ins: int) -> str:
+    """Tune ``part``'s weight (sets ``part.fusion``) and return a line saying on what.
+
+    Args:
+        encode: questions -> ``[Q, d]`` float32 question vectors.
+        search: ``(vectors, k) -> (scores, rows)``, the dense index's search.
+        queries: the build's ``--queries`` file (None: none given).
+        stand_ins: how many stand-in questions to draw when the file has no gold ids.
+    """
+    questions, gold = read_gold_questions(queries, store) if queries else ([], [])
+    real = bool(questions)
+    if real:
+        source = f"{len(questions)} questions with gold passages from {queries}"
+    else:
+        rows = stand_in_rows(store, stand_ins)
+        questions = stand_in_questions(store, stand_ins)
+        gold = [{r} for r in rows.tolist()]
+        source = (f"{len(questions)} stand-in questions (a sentence of each of "
+                  f"{len(questions)} sampled passages, which favours BM25)")
+    depth = min(len(store), HYBRID_DEPTH)
+    k = min(TUNE_K, depth)
+    dense = search(encode(questions), depth)
+    weight, recall = tune_weight(dense, part.search(questions, depth), gold, k)
+    part.fusion = {"weight": weight, "k": k, "tuned_on": source,
+                   "recall": {f"{w:.2f}": round(r, 4) for w, r in recall.items()}}
+    return (f"weighted fusion: dense weight {weight:.2f} (recall@{k} {recall[weight]:.3f}; "
+            f"dense alone {recall[1.0]:.3f}, BM25 alone {recall[0.0]:.3f}) tuned on {source}"
+            + ("" if real else "; give --queries with gold ids (\"positive_ids\") to tune "
+               "it on real questions"))
+
+
+def tuning_summary(fusion: dict | None) -> str:
+    """One line on a part's fusion record (``index info``)."""
+    if not fusion:
+        return "not tuned (weight 0.5)"
+    return f"weight {float(fusion['weight']):.2f}, tuned on {fusion.get('tuned_on', '?')}"
+
+
+__all__ = ["GOLD_KEYS", "read_gold_questions", "tune_part", "tuning_summary"]
