@@ -457,3 +457,81 @@ def test_a_refreshed_run_saves_its_index_with_the_bm25_part(built, model, tmp_pa
     code, out, err = run("generate", "--model", tmp_path / "run" / "model", "--question",
                          QUESTIONS[0], "--retrieval-mode", "hybrid", "--device", "cpu")
     assert code == 2 and out == "" and "bm25" in err, err
+
+
+@pytest.fixture(scope="module")
+def refreshed_run(built, model, tmp_path_factory):
+    """A hybrid training run with refresh_index_every: its index/ (refreshed, with bm25/)."""
+    from pathlib import Path
+
+    root = tmp_path_factory.mktemp("refreshed")
+    config = json.loads(Path(_train_config(built, root, {"path": str(built["kb"]),
+                                                         "mode": "hybrid"})).read_text())
+    config["train"]["refresh_index_every"] = 1
+    (root / "refresh.json").write_text(json.dumps(config))
+    code, _, err = run("train", "--config", root / "refresh.json", "--model", model,
+                       "--output-dir", root / "run")
+    assert code == 0, err
+    return root / "run"
+
+
+def _copy_run(refreshed_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(refreshed_run, run_dir, copy_function=shutil.copy2)  # (no hard links)
+    return run_dir
+
+
+@pytest.mark.parametrize("part", ["passages", "bm25", "index"])
+def test_a_part_of_a_refreshed_index_swapped_for_another_is_refused(built, refreshed_run,
+                                                                    tmp_path, part):
+    """The twentieth hostile pass (N5, N9b): a refreshed index/ bound nothing together: its
+    passages swapped for another store of the same size answered from them, silently."""
+    from rag_fast.models.retriever_io import load_retriever
+    from rag_fast.retrieval.lexical import BM25Index
+
+    run_dir = _copy_run(refreshed_run, tmp_path)
+    target = run_dir / "index" / part
+    shutil.rmtree(target)
+    if part == "passages":  # the same passages in another order: a store of the same size
+        rows = list(PassageStore.load(built["kb"] / "passages"))
+        PassageStore.create(rows[::-1], target, progress=False)
+    elif part == "bm25":  # a part over other texts of the same count
+        BM25Index.build([t for t, _ in CORPUS], [x[::-1] for _, x in CORPUS]).save(target)
+    else:
+        shutil.copytree(built["dense"] / "index", target)  # the starting (unrefreshed) index
+    for mode in ("dense", "hybrid"):
+        with pytest.raises(Exception, match=f"{part}/manifest.json is not the part training "
+                                            "wrote"):
+            load_retriever(run_dir / "index", n_docs=3, mode=mode)
+    code, out, err = run("generate", "--model", run_dir / "model", "--index", run_dir / "index",
+                         "--question", QUESTIONS[0], "--device", "cpu")
+    assert code == 2 and out == "" and "is not the part training wrote" in err, err
+
+
+def test_a_part_added_or_removed_or_an_edited_marker_is_refused(built, refreshed_run, tmp_path):
+    from rag_fast.models.retriever_io import load_retriever
+
+    run_dir = _copy_run(refreshed_run, tmp_path)
+    marker = run_dir / "index" / "rag_fast-output.json"
+    payload = json.loads(marker.read_text())
+    payload["parts"].pop("bm25/manifest.json")  # the marker edited: its seal no longer holds
+    marker.write_text(json.dumps(payload))
+    with pytest.raises(Exception, match="rag_fast-output.json"):
+        load_retriever(run_dir / "index", n_docs=3)
+    run_dir = _copy_run(refreshed_run, tmp_path / "2")
+    shutil.rmtree(run_dir / "index" / "bm25")
+    with pytest.raises(Exception, match="not those .* holds"):
+        load_retriever(run_dir / "index", n_docs=3)
+
+
+def test_a_bm25_part_nothing_binds_is_not_read(built, tmp_path):
+    """A directory without a manifest (a bundle's removed) does not read a bm25/ there: the
+    modes needing one say why."""
+    from rag_fast.models.retriever_io import load_retriever
+
+    kb = tmp_path / "kb"
+    shutil.copytree(built["kb"], kb)
+    (kb / "manifest.json").unlink()
+    assert load_retriever(kb, n_docs=3).lexical is None
+    with pytest.raises(ValueError, match="no manifest.json binding its bm25/"):
+        load_retriever(kb, n_docs=3, mode="bm25")

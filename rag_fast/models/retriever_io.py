@@ -19,7 +19,8 @@ from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
 from rag_fast.retrieval.bundle import BUNDLE_KIND
 from rag_fast.retrieval.lexical import BM25_PART, BM25Index, load_part
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
-from rag_fast.storage import check_seal, read_json_file, read_manifest
+from rag_fast.storage import (OUTPUT_MARKER, REFRESHED_KIND, StorageError, check_seal,
+                              folder_kind, part_digests, read_json_file, read_manifest)
 
 
 def read_bundle_manifest(path: str | Path) -> dict | None:
@@ -120,17 +121,55 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
                          "per question (`rag-fast init --n-docs`) or a larger index")
     if manifest is not None:
         lexical = load_part(root, manifest, len(store), verify=verify)
-    else:  # parts without a bundle manifest (a training run's refreshed index/): each its own
-        lexical = None
-        if os.path.lexists(root / BM25_PART):
-            if (root / BM25_PART).is_symlink():
-                raise ValueError(f"{root / BM25_PART} is a symbolic link; refused (an index "
-                                 "directory's BM25 part is a folder of its own)")
-            lexical = BM25Index.load(root / BM25_PART, verify=verify, expected_count=len(store))
+    else:  # parts without a bundle manifest: a BM25 part only where a marker binds it
+        lexical = _bound_part(root, len(store), verify, mode)
     if mode != "dense" and lexical is None:
         raise ValueError(f"{mode_flag} {mode}: index {str(root)!r} has no BM25 part (build it "
                          "with `rag-fast index build --bm25`)")
     return Retriever(index, store, n_docs=n_docs, progress=False, lexical=lexical, mode=mode)
+
+
+def _bound_part(root: Path, count: int, verify: bool, mode: str):
+    """The BM25 part of ``root``, a directory without a bundle manifest, or None. A training
+    run's refreshed ``index/`` has a sealed marker recording each part's digest
+    (:func:`~rag_fast.training.refresh.export_index_directory`): every part there must be the
+    one recorded. A directory without one has no BM25 part that anything binds to its
+    passages: its ``bm25/`` is not read (and a mode needing it is refused).
+
+    Raises:
+        ValueError, StorageError: a marker edited, a part missing, added or of another build.
+    """
+    marker = root / OUTPUT_MARKER
+    recorded = None
+    if folder_kind(root) == REFRESHED_KIND:
+        payload = read_json_file(marker)
+        if "parts" in payload:  # (a run of an earlier version recorded none: dense only)
+            recorded = check_seal(marker, payload, root)["parts"]
+    if recorded is None:
+        if mode != "dense" and os.path.lexists(root / BM25_PART):
+            raise ValueError(f"retrieval mode {mode}: index {str(root)!r} has no manifest.json "
+                             f"binding its {BM25_PART}/ to its passages (a directory `rag-fast "
+                             "index build --bm25` did not write); build it with that command")
+        return None
+    present = [name for name in ("passages/manifest.json", "index/manifest.json",
+                                 f"{BM25_PART}/manifest.json") if os.path.lexists(root / name)]
+    listed = sorted(recorded) if isinstance(recorded, dict) else recorded
+    if not isinstance(recorded, dict) or listed != sorted(present):
+        raise StorageError(f"{marker}: its parts {listed!r} are not those {str(root)!r} holds "
+                           f"({present}): a part added or removed after training wrote it")
+    lexical = None
+    if f"{BM25_PART}/manifest.json" in recorded:
+        if (root / BM25_PART).is_symlink():
+            raise ValueError(f"{root / BM25_PART} is a symbolic link; refused (an index "
+                             "directory's BM25 part is a folder of its own)")
+        lexical = BM25Index.load(root / BM25_PART, verify=verify, expected_count=count)
+    for name, digest in part_digests(root, present).items():
+        if recorded[name] != digest:
+            raise StorageError(f"{root / name} is not the part training wrote in {str(root)!r} "
+                               "(it lists other data than its marker recorded): a part of "
+                               "another index; restore it, or give an index directory that "
+                               "`rag-fast index build` wrote")
+    return lexical
 
 
 def _staged_shard_counts(root: Path) -> list[int]:

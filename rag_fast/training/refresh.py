@@ -41,6 +41,7 @@ question/passage encoder whose passage side follows the question side's training
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -56,9 +57,11 @@ from rag_fast.retrieval.encoders import shard_rows
 from rag_fast.retrieval.index import DenseIndex
 from rag_fast.retrieval.lexical import BM25_PART
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever, comm_device
-from rag_fast.storage import REFRESHED_KIND, atomic_directory, remove_leftovers, write_marker
+from rag_fast.storage import (OUTPUT_MARKER, REFRESHED_KIND, atomic_directory, atomic_write_bytes,
+                              part_digests, remove_leftovers, sealed, write_marker)
 
 REFRESH_DIR = "index-refresh"
+REFRESHED_PARTS = ("passages/manifest.json", "index/manifest.json")  # bound by the marker
 REFRESH_ENCODERS = ("question_encoder",)
 _NAME = re.compile(r"step-(\d{8})(?:-shard-(\d+)-of-(\d+))?")
 _LEFTOVER = re.compile(r"\.(step-\d{8}(?:-shard-\d+-of-\d+)?)\.(?:tmp|new|old|trash)-\d+-[0-9a-f]+")
@@ -112,7 +115,8 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path,
     BM25 part of the index directory trained on, which a refresh leaves as it is: the same
     passages), that part as ``bm25/``. No bundle manifest: its encoder is the trained model's
     question encoder, not a Hugging Face encoder by name; each part keeps its own sealed
-    manifest.
+    manifest, and the folder's marker (``rag_fast-output.json``, sealed) records the digest of
+    each part's listed files, so that ``load_retriever`` refuses a part swapped for another.
 
     Raises:
         FileNotFoundError: ``refreshed`` is not a directory.
@@ -132,8 +136,14 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path,
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"),
                         copy_function=link_or_copy)
         shutil.copytree(refreshed, tmp / "index", copy_function=link_or_copy)
+        parts = list(REFRESHED_PARTS)
         if lexical is not None:
             shutil.copytree(lexical, tmp / BM25_PART, copy_function=link_or_copy)
+            parts.append(f"{BM25_PART}/manifest.json")
+        # the marker binds the parts (sealed): a part swapped for another is refused on load
+        atomic_write_bytes(tmp / OUTPUT_MARKER, json.dumps(sealed(
+            {"kind": REFRESHED_KIND, "format": 1, "parts": part_digests(tmp, parts)}),
+            indent=1, sort_keys=True).encode("utf-8"))
     return Path(out)
 
 
