@@ -535,3 +535,28 @@ def test_a_bm25_part_nothing_binds_is_not_read(built, tmp_path):
     assert load_retriever(kb, n_docs=3).lexical is None
     with pytest.raises(ValueError, match="no manifest.json binding its bm25/"):
         load_retriever(kb, n_docs=3, mode="bm25")
+
+
+def test_a_corpus_too_large_for_bm25_in_memory_is_refused_before_any_work(built, tmp_path,
+                                                                         monkeypatch):
+    """Issue #44: a corpus whose BM25 index would not fit in memory is refused with the
+    figures, before the passages are encoded, not crashed."""
+    from rag_fast.retrieval import encoders, factory
+    from rag_fast.retrieval.lexical import BYTES_PER_CHAR
+
+    store = PassageStore.load(built["kb"] / "passages")
+    need = BYTES_PER_CHAR * int(store.text_lengths().sum())
+    monkeypatch.setattr(factory, "available_memory", lambda: (need - 1, "a test's figure"))
+    monkeypatch.setattr(encoders.Encoder, "embed", lambda *a, **k: pytest.fail("encoded"))
+    encoder = json.loads((built["kb"] / "manifest.json").read_text())["encoder"]["name"]
+    code, out, err = run("index", "build", "--passages", built["root"] / "p.jsonl", "--encoder",
+                         encoder, "--out", tmp_path / "kb", "--no-progress", "--bm25")
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("rag-fast: error: --bm25: indexing 8 passages") and \
+        "a test's figure" in line and "without --bm25" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    code, _, err = run("index", "build", "--passages", built["root"] / "p.jsonl", "--encoder",
+                       encoder, "--out", tmp_path / "kb", "--no-progress", "--bm25")
+    assert code == 0, err

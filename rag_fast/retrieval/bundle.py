@@ -43,7 +43,7 @@ from rag_fast.retrieval.encoders import Encoder, encode_passages, parse_shard, s
 from rag_fast.retrieval.factory import PRESETS, SMALL_CORPUS, factory_index, plan_factory
 from rag_fast.retrieval.index import INDEX_KIND, DenseIndex
 from rag_fast.retrieval.inputs import NonFiniteError
-from rag_fast.retrieval.lexical import BM25_MANIFEST, BM25_PART, build_part
+from rag_fast.retrieval.lexical import BM25_MANIFEST, BM25_PART, build_part, check_memory
 from rag_fast.retrieval.tuning import SmallSampleWarning, small_sample_message
 from rag_fast.retrieval.weights import tune_part
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
@@ -707,6 +707,8 @@ def build_index_bundle(
             _check_staging_removable(staging, remove_staging)
         store = _staged_store(passages, split, dedupe, staging, progress)
         # every check on sizes and settings before the (long) encoding
+        if bm25:  # a corpus whose BM25 index would not fit in memory
+            check_memory(store)
         factory = plan_factory(preset, len(store), passage_encoder.dim, on_disk=on_disk)
         if preset in ("ivfpq", "hnsw") and factory == "Flat":
             log(f"preset {preset}: {len(store)} passages are fewer than {SMALL_CORPUS}, where "

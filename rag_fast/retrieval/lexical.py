@@ -38,6 +38,9 @@ DEFAULT_WEIGHT = 0.5  # the weighted fusion's dense weight where none was tuned
 WEIGHTS = tuple(i / 20 for i in range(21))  # the weights tune_weight tries: 0, 0.05, ..., 1
 TUNE_K = 5  # tune_weight's cut-off: recall@5 of the gold passages
 HYBRID_DEPTH = 100  # the candidates each ranking gives the fusion (at least k)
+# the peak memory of BM25Index.build per byte of passage text, rounded up from what the hybrid
+# bench measures over 14,700 passages of documentation prose (docs/benchmarks.md)
+BYTES_PER_CHAR = 6
 _FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy",
           "vocab.index.json", "params.index.json")
 
@@ -185,6 +188,29 @@ BM25_PART = "bm25"  # the part's folder in an index directory
 BM25_MANIFEST = f"{BM25_PART}/{MANIFEST}"  # as the index directory's manifest lists it
 
 
+def check_memory(store, available=None) -> None:
+    """Refuse, before any work, a corpus whose BM25 index would not fit in memory: bm25s
+    holds every word of every passage at once, about :data:`BYTES_PER_CHAR` bytes per byte of
+    text at its peak. ``available``: ``(bytes, where from)`` (default: what the system says,
+    :func:`~rag_fast.retrieval.factory.available_memory`; nothing is checked where it says
+    nothing).
+
+    Raises:
+        ValueError: naming ``--bm25``, the memory needed and what is available.
+    """
+    from rag_fast.retrieval.factory import _bytes, available_memory
+
+    found = available if available is not None else available_memory()
+    text = int(store.text_lengths().sum())
+    need = BYTES_PER_CHAR * text
+    if found is not None and need > found[0]:
+        raise ValueError(f"--bm25: indexing {len(store):,} passages ({_bytes(text)} of text) "
+                         f"needs about {_bytes(need)} of memory at once (about "
+                         f"{BYTES_PER_CHAR} bytes per byte of text), and {_bytes(found[0])} is "
+                         f"available ({found[1]}): build without --bm25 (dense search only), or "
+                         "on a machine with more memory")
+
+
 def build_part(store, folder: str | os.PathLike, tune=None) -> None:
     """BM25 over a :class:`~rag_fast.retrieval.passages.PassageStore`'s passages, saved as an
     index directory's part in ``folder``; ``tune(part)``, when given, runs before the save
@@ -327,6 +353,6 @@ def tune_weight(dense: tuple[np.ndarray, np.ndarray], lexical: tuple[np.ndarray,
     return chosen, recall
 
 
-__all__ = ["B", "BM25Index", "BM25_KIND", "BM25_MANIFEST", "BM25_PART", "DEFAULT_WEIGHT",
+__all__ = ["B", "BM25Index", "BM25_KIND", "BYTES_PER_CHAR", "BM25_MANIFEST", "BM25_PART", "DEFAULT_WEIGHT",
            "HYBRID_DEPTH", "K1", "RRF_C", "TOKEN_PATTERN", "TUNE_K", "WEIGHTS", "build_part",
-           "fuse", "load_part", "reciprocal_rank_fusion", "tune_weight", "weighted_fusion", "words"]
+           "check_memory", "fuse", "load_part", "reciprocal_rank_fusion", "tune_weight", "weighted_fusion", "words"]
