@@ -46,6 +46,7 @@ DOCS_SECTIONS: dict[str, tuple[str, str]] = {
     "index": ("cpu-index-full.json", "bench_index"),
     "distributed": ("cpu-distributed-full.json", "bench_distributed"),
     "serve": ("cpu-serve-full.json", "bench_serve"),
+    "hybrid": ("cpu-hybrid-full.json", "bench_hybrid"),
     "knowledge-swap": ("knowledge-swap.json", "knowledge_swap"),
     "knowledge-swap-causal": ("knowledge-swap-causal.json", "knowledge_swap"),
     "losses-xeon": ("cpu-full.json", "bench_losses"),
@@ -340,6 +341,26 @@ def _index(full: Full) -> str:
     return f"{caption}\n\n{table}"
 
 
+def _hybrid(full: Full) -> str:
+    """Per data set and mode: gold recall@5 and @20, against dense, and ms per question."""
+    rows = full.table(0)
+    timed = [r["extra"] for r in full.rows if r["provider"] == "hybrid"
+             and r["extra"].get("batch") == 128]
+    cost = (f"; a hybrid search of 128 questions takes {timed[0]['time_vs_dense']:.2f}x a dense "
+            "one's time" if timed else "")
+    caption = (
+        "Dense, BM25 and both fused (`hybrid`: reciprocal rank fusion; `weighted`: a weighted "
+        "sum, its weight tuned at build on questions with gold passages, else 0.5) on "
+        "questions written in other words than their "
+        "passages, over Python's documentation prose, and on the workflow example. "
+        f"{full.machine} (`{full.path}`){cost}; the data, recall@1, answer recall and search "
+        f"times: {_docs('hybrid-retrieval')}.")
+    table = _markdown(
+        ["data", "mode", "gold recall@5", "@20", "@5 vs dense"],
+        [[r["data"], r["mode"], r["@5"], r["@20"], r["@5 vs dense"]] for r in rows])
+    return f"{caption}\n\n{table}"
+
+
 def _batch(row: dict) -> int:
     return int(row["queries per call"].replace(",", ""))
 
@@ -496,6 +517,7 @@ SECTIONS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "decoding-summary": (("decoding",), _decoding),
     "serve-summary": (("serve",), _serve),
     "index-summary": (("index",), _index),
+    "hybrid-summary": (("hybrid",), _hybrid),
     "exact-summary": (("index",), _exact),
     "distributed-summary": (("distributed",), _distributed),
     "where-it-loses": (("losses", "training", "lm_head", "decoding", "index", "distributed"),

@@ -72,10 +72,11 @@ CPP_KERNELS: dict[str, tuple[str, ...]] = {
     "index": ("inner_products",),  # the exact preset
     "distributed": ("inner_products",),
     "serve": ("rag_token_beam_step", "inner_products"),  # the server's decoding and search
+    "hybrid": ("inner_products",),  # the re-rank of the ivfpq preset's candidates
 }
 # benches whose rag_fast rows run on the CPU whatever --device says; the others run Triton's
 # kernels under --device cuda
-CPU_ONLY = ("decoding", "index", "distributed", "contention", "serve")
+CPU_ONLY = ("decoding", "index", "distributed", "contention", "serve", "hybrid")
 
 
 def refusal(names: list[str], device: str) -> str | None:

@@ -68,7 +68,7 @@ def test_the_part_is_listed_sealed_and_said_by_info(built):
         (built["dense"] / "manifest.json").read_text())["files"]
     code, out, _ = run("index", "info", built["kb"])
     assert code == 0 and "bm25" in out and "words (--mode bm25, hybrid or weighted)" in out
-    assert "weighted fusion  weight 0." in out and "stand-in questions" in out
+    assert "weighted fusion  weight 0.5 (not tuned: build with --queries naming gold" in out
     code, out, _ = run("index", "info", built["dense"])
     assert code == 0 and "no (`index build --bm25` adds it)" in out
 
@@ -99,8 +99,9 @@ def test_weighted_is_the_weighted_fusion_at_the_tuned_weight(built):
     from rag_fast.retrieval.lexical import weighted_fusion
 
     searcher = open_bundle_search(built["kb"], device="cpu")
-    recorded = json.loads((built["kb"] / "bm25" / "manifest.json").read_text())["fusion"]
-    assert searcher.bm25.weight == recorded["weight"] and len(recorded["recall"]) == 21
+    # built without gold questions: not tuned (stand-ins would lean it to BM25)
+    assert "fusion" not in json.loads((built["kb"] / "bm25" / "manifest.json").read_text())
+    assert searcher.bm25.weight == 0.5
     depth = min(HYBRID_DEPTH, len(CORPUS))
     for weight in (searcher.bm25.weight, 0.2):
         searcher.bm25.fusion = {"weight": weight}
@@ -125,7 +126,16 @@ def test_the_weight_is_tuned_on_the_queries_gold_passages(built, tmp_path):
     assert code == 0, err
     fusion = json.loads((tmp_path / "kb" / "bm25" / "manifest.json").read_text())["fusion"]
     assert fusion["tuned_on"] == f"2 questions with gold passages from {queries}", fusion
-    assert "tuned on 2 questions with gold passages" in out and "give --queries" not in out
+    assert len(fusion["recall"]) == 21 and fusion["recall"][f"{fusion['weight']:.2f}"] == 1.0
+    assert "tuned on 2 questions with gold passages" in out
+    assert open_bundle_search(tmp_path / "kb", device="cpu").bm25.weight == fusion["weight"]
+    # a file without gold ids leaves it untuned, and says so
+    queries.write_text(json.dumps({"question": QUESTIONS[1]}) + "\n")
+    code, out, err = run("index", "build", "--passages", built["root"] / "p.jsonl", "--encoder",
+                         json.loads((built["kb"] / "manifest.json").read_text())["encoder"]["name"],
+                         "--out", tmp_path / "kb2", "--no-progress", "--bm25", "--queries", queries)
+    assert code == 0, err
+    assert "dense weight 0.5 (not tuned: no --queries with gold passage ids" in out
 
 
 @pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid", "weighted"])

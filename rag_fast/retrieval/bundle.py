@@ -767,7 +767,7 @@ def build_index_bundle(
                 said = []
                 build_part(store, tmp / BM25_PART, tune=lambda part: said.append(tune_part(
                     part, store, lambda q: question_encoder.encode_queries(q).numpy(),
-                    index.search, queries, TUNING_QUESTIONS)))
+                    index.search, queries)))
                 log(said[0])
                 files.append(BM25_MANIFEST)
             write_manifest(tmp / "manifest.json", {

@@ -6,13 +6,12 @@ The weight is the one of :data:`~rag_fast.retrieval.lexical.WEIGHTS` whose fused
 questions (:func:`~rag_fast.retrieval.lexical.tune_weight`), recorded with what it was tuned on
 in the part's sealed manifest (``"fusion"``). The tuning questions with gold passages are:
 
-- the ``--queries`` file's, where its JSONL objects name gold passages as ``index eval``'s data
-  do (``"positive_ids"``, ``"gold"`` or ``"passage_id"``: a passage id or a list of them);
-  questions whose gold ids are none of the corpus's are left out;
-- otherwise the stand-in questions (one sentence of each of up to
-  :data:`~rag_fast.retrieval.bundle.TUNING_QUESTIONS` sampled passages), each with its own
-  passage as gold. Their wording is the passage's own, which favours BM25: the build says so,
-  and real questions with gold ids tune a weight that holds on real questions.
+the ``--queries`` file's, where its JSONL objects name gold passages as ``index eval``'s data
+do (``"positive_ids"``, ``"gold"`` or ``"passage_id"``: a passage id or a list of them);
+questions whose gold ids are none of the corpus's are left out. Without any, the weight stays
+:data:`~rag_fast.retrieval.lexical.DEFAULT_WEIGHT` (untuned, and the build says so): the
+stand-in questions that measure the dense index (a sentence of a sampled passage each) repeat
+their passage's words and tune a weight that leans to BM25 (:func:`tune_part`).
 """
 from __future__ import annotations
 
@@ -22,7 +21,8 @@ from typing import Callable
 import numpy as np
 
 from rag_fast._jsonl import read_objects
-from rag_fast.retrieval.lexical import HYBRID_DEPTH, TUNE_K, BM25Index, tune_weight
+from rag_fast.retrieval.lexical import (DEFAULT_WEIGHT, HYBRID_DEPTH, TUNE_K, BM25Index,
+                                        tune_weight)
 from rag_fast.retrieval.passages import stand_in_questions, stand_in_rows
 
 GOLD_KEYS = ("positive_ids", "gold", "passage_id")  # as index eval reads them (one per line)
@@ -66,25 +66,33 @@ def read_gold_questions(path: str, store) -> tuple[list[str], list[set[int]]]:
 
 
 def tune_part(part: BM25Index, store, encode: Callable[[list[str]], np.ndarray], search,
-              queries: str | None, stand_ins: int) -> str:
-    """Tune ``part``'s weight (sets ``part.fusion``) and return a line saying on what.
+              queries: str | None, stand_ins: int = 0) -> str:
+    """Tune ``part``'s weight (sets ``part.fusion``) on the gold questions of ``queries`` and
+    return a line saying what was done. Without any, the weight is left untuned
+    (:data:`~rag_fast.retrieval.lexical.DEFAULT_WEIGHT`) unless ``stand_ins`` > 0 asks for
+    that many stand-in questions: their words are their passage's own, and the weight they
+    tune leans to BM25 (on the hybrid bench's documentation questions it put recall@5 below
+    dense alone; docs/benchmarks.md), so a build does not use them.
 
     Args:
         encode: questions -> ``[Q, d]`` float32 question vectors.
         search: ``(vectors, k) -> (scores, rows)``, the dense index's search.
         queries: the build's ``--queries`` file (None: none given).
-        stand_ins: how many stand-in questions to draw when the file has no gold ids.
+        stand_ins: tune on this many stand-in questions when ``queries`` has no gold ids.
     """
     questions, gold = read_gold_questions(queries, store) if queries else ([], [])
-    real = bool(questions)
-    if real:
+    if questions:
         source = f"{len(questions)} questions with gold passages from {queries}"
-    else:
+    elif stand_ins > 0:
         rows = stand_in_rows(store, stand_ins)
         questions = stand_in_questions(store, stand_ins)
         gold = [{r} for r in rows.tolist()]
         source = (f"{len(questions)} stand-in questions (a sentence of each of "
-                  f"{len(questions)} sampled passages, which favours BM25)")
+                  f"{len(questions)} sampled passages)")
+    else:
+        part.fusion = None
+        return (f"weighted fusion: dense weight {DEFAULT_WEIGHT} (not tuned: no --queries "
+                "with gold passage ids, \"positive_ids\", to tune it on)")
     depth = min(len(store), HYBRID_DEPTH)
     k = min(TUNE_K, depth)
     dense = search(encode(questions), depth)
@@ -92,15 +100,14 @@ def tune_part(part: BM25Index, store, encode: Callable[[list[str]], np.ndarray],
     part.fusion = {"weight": weight, "k": k, "tuned_on": source,
                    "recall": {f"{w:.2f}": round(r, 4) for w, r in recall.items()}}
     return (f"weighted fusion: dense weight {weight:.2f} (recall@{k} {recall[weight]:.3f}; "
-            f"dense alone {recall[1.0]:.3f}, BM25 alone {recall[0.0]:.3f}) tuned on {source}"
-            + ("" if real else "; give --queries with gold ids (\"positive_ids\") to tune "
-               "it on real questions"))
+            f"dense alone {recall[1.0]:.3f}, BM25 alone {recall[0.0]:.3f}) tuned on {source}")
 
 
 def tuning_summary(fusion: dict | None) -> str:
     """One line on a part's fusion record (``index info``)."""
     if not fusion:
-        return "not tuned (weight 0.5)"
+        return (f"weight {DEFAULT_WEIGHT} (not tuned: build with --queries naming gold "
+                "passages to tune it)")
     return f"weight {float(fusion['weight']):.2f}, tuned on {fusion.get('tuned_on', '?')}"
 
 
