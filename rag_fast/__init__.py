@@ -17,7 +17,23 @@ Public API (the heavier parts are imported on first use):
 """
 from __future__ import annotations
 
-from rag_fast import _interrupt, _threads
+import os as _os
+import signal as _signal
+import sys as _sys
+
+
+def _early_interrupt(signum, frame) -> None:  # pragma: no cover  (the first milliseconds)
+    _os.write(2, b"rag-fast: interrupted while starting; nothing was written\n")
+    _os._exit(130)
+
+
+# the rag-fast script: a Ctrl-C from here on is one line, even while the modules that set the
+# command's own handler (_interrupt, below) import; only Python's own start-up comes before
+if (_sys.argv and _os.path.basename(_sys.argv[0] or "") == "rag-fast"
+        and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler):
+    _signal.signal(_signal.SIGINT, _early_interrupt)
+
+from rag_fast import _interrupt, _threads  # noqa: E402
 from rag_fast._lazy import lazy_attributes
 
 # the rag-fast command: Ctrl-C while it starts (the seconds of importing torch) is one line and

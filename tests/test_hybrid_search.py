@@ -570,3 +570,12 @@ def test_a_corpus_too_large_for_bm25_in_memory_is_refused_before_any_work(built,
     code, _, err = run("index", "build", "--passages", built["root"] / "p.jsonl", "--encoder",
                        encoder, "--out", tmp_path / "kb", "--no-progress", "--bm25")
     assert code == 0, err
+
+
+def test_a_bm25_search_finding_nothing_says_so(built):
+    """The twentieth hostile pass (a note): `index search --mode bm25` printed nothing at all
+    for a question sharing no word with any passage."""
+    code, out, err = run("index", "search", built["kb"], "zzyzx qwerty", "--mode", "bm25")
+    assert code == 0 and out == ""
+    assert err.strip() == ("rag-fast: warning: no passage found: none shares a word with the "
+                           "question (--mode bm25)"), err

@@ -26,8 +26,10 @@ off unless ``--verbose``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import sys
+import threading
 import warnings
 
 from rag_fast import _interrupt, _threads
@@ -208,6 +210,20 @@ def main(argv: list[str] | None = None) -> int:
         # aborted the process (SIGABRT) after a Ctrl-C of `train`
         _interrupt.exit_now(130)
     return code
+
+
+def command() -> None:
+    """The ``rag-fast`` script (and ``python -m rag_fast.cli``): :func:`main`, then the end
+    of the process without Python's shutdown, which sets SIGINT back to its default action
+    before it ends: a Ctrl-C in its last few tenths of a second killed a finished command
+    without a line. The exit functions run first, with the command's handler still saying
+    one line; then the process ends with main's status."""
+    code = main()
+    if _threads.is_command():
+        getattr(threading, "_shutdown", lambda: None)()  # (non-daemon threads, as Python does)
+        atexit._run_exitfuncs()
+        _interrupt.exit_now(code)
+    sys.exit(code)
 
 
 class _NamedStdout:

@@ -57,9 +57,12 @@ def run_build(args: argparse.Namespace) -> int:
         lock = shared_lock(staging_folder(args.out), bool(args.shard), "--out's staging folder",
                            who)
         if not args.shard:  # a Ctrl-C after the swap: the index is whole, its staging may stay
+            out = Path(args.out)
             args.on_interrupt = said_on_interrupt(
-                [args.out], f"the index was written whole to {args.out}; its staging folder "
-                f"{staging_folder(args.out)} may be left behind (safe to remove)")
+                [args.out], f"the index was written whole to {args.out}; what the build was "
+                f"removing may be left behind: its staging folder {staging_folder(args.out)}, "
+                f"or the index it replaced, as a hidden folder {out.parent / ('.' + out.name)}."
+                "*-HEX beside it; the next build of the same --out removes either")
     try:
         with lock as alone:
             build_index_bundle(
@@ -125,6 +128,9 @@ def run_search(args: argparse.Namespace) -> int:
             else:
                 text = hit["text"] if len(hit["text"]) <= 200 else hit["text"][:197] + "..."
                 print(f"{rank:>3}  {score:8.4f}  [{hit['id']}] {hit['title']}\n     {text}")
+        if not (rows[0] >= 0).any():  # (BM25 finds only passages sharing a word with it)
+            warn(f"no passage found: none shares a word with the question (--mode {args.mode})"
+                 if args.mode == "bm25" else "no passage found")
         return 0
     lines = []
     for question, found, where in zip(questions, scores.tolist(), rows.tolist()):

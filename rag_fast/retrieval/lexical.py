@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from rag_fast._validation import brief_error
+from rag_fast.retrieval import factory
 from rag_fast.storage import (MANIFEST, StorageError, describe_files, read_manifest,
                               write_manifest)
 
@@ -198,15 +199,14 @@ def check_memory(store, available=None) -> None:
     Raises:
         ValueError: naming ``--bm25``, the memory needed and what is available.
     """
-    from rag_fast.retrieval.factory import _bytes, available_memory
-
-    found = available if available is not None else available_memory()
+    found = available if available is not None else factory.available_memory()
     text = int(store.text_lengths().sum())
     need = BYTES_PER_CHAR * text
     if found is not None and need > found[0]:
-        raise ValueError(f"--bm25: indexing {len(store):,} passages ({_bytes(text)} of text) "
-                         f"needs about {_bytes(need)} of memory at once (about "
-                         f"{BYTES_PER_CHAR} bytes per byte of text), and {_bytes(found[0])} is "
+        raise ValueError(f"--bm25: indexing {len(store):,} passages ({factory._bytes(text)} of "
+                         f"text) needs about {factory._bytes(need)} of memory at once (about "
+                         f"{BYTES_PER_CHAR} bytes per byte of text), and "
+                         f"{factory._bytes(found[0])} is "
                          f"available ({found[1]}): build without --bm25 (dense search only), or "
                          "on a machine with more memory")
 

@@ -41,6 +41,7 @@ from rag_fast.models.inference import (DEFAULT_BEAMS, DEFAULT_NEW_TOKENS, check_
 from rag_fast.models.retriever_io import (check_same_encoder, load_retriever,
                                           read_bundle_manifest)
 from rag_fast.training.trainer import resolve_device
+from rag_fast.storage import REFRESHED_KIND, folder_kind
 
 MODES = ("token", "sequence")
 
@@ -103,7 +104,8 @@ def index_checksum(path: str | Path) -> str:
 
 def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
                expect_encoder: dict | None = None, expect_dim: int | None = None,
-               n_docs_from: str | None = None, retrieval_mode: str = "dense") -> ServedIndex:
+               n_docs_from: str | None = None, retrieval_mode: str = "dense",
+               bound: bool = False) -> ServedIndex:
     """Open and verify the index directory ``path`` for answering.
 
     Args:
@@ -113,6 +115,9 @@ def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
         n_docs, n_docs_from: passages per question the index must hold at least, and where
             that number comes from (for the message).
         retrieval_mode: how its retriever picks passages (bm25 and hybrid need its BM25 part).
+        bound: refuse a directory whose parts nothing binds together (neither the manifest of
+            `rag-fast index build` nor the marker of a training run's refreshed ``index/``):
+            a hot swap, whose index nothing else vouches for.
     Raises:
         FileNotFoundError, ValueError, rag_fast.retrieval.StorageError: not an index
             directory, a file that fails its checksum, another encoder or dimension.
@@ -122,6 +127,10 @@ def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
         raise FileNotFoundError(f"index {path!r} is not a directory (expected an index "
                                 "directory from `rag-fast index build`)")
     manifest = read_bundle_manifest(path)
+    if bound and manifest is None and folder_kind(path) != REFRESHED_KIND:
+        raise ValueError(f"index {path!r} has no manifest.json binding its parts (not a "
+                         "directory of `rag-fast index build` or a training run's index/): "
+                         "refused for a swap; build it with `rag-fast index build`")
     encoder = manifest.get("encoder") if isinstance(manifest, dict) else None
     check_same_encoder(expect_encoder, encoder, path, "the serving index")
     retriever = load_retriever(path, n_docs=n_docs, verify=verify, n_docs_from=n_docs_from,
@@ -366,7 +375,8 @@ class Answerer:
             new = open_index(path, n_docs=self.n_docs, n_docs_from="the served model",
                              verify=verify, expect_encoder=old.encoder,
                              expect_dim=_question_dim(self.model) or old.retriever.index.dim,
-                             retrieval_mode=getattr(old.retriever, "mode", "dense"))
+                             retrieval_mode=getattr(old.retriever, "mode", "dense"),
+                             bound=True)
             with self._batch_lock:  # between two batches
                 self._index = new
                 self.model.retriever = new.retriever

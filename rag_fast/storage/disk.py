@@ -256,12 +256,19 @@ def reserve_space(fd: int, path: str | os.PathLike, nbytes: int) -> None:
     except OSError as exc:
         if is_no_space(exc):
             raise NoSpaceError(path, nbytes, disk_free(path), exc.errno) from None
+        if exc.errno == errno.EFBIG:  # the process's file size limit (ulimit -f)
+            raise _too_large(path) from None
         if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
             raise
     free = disk_free(path)
     if free is not None and free < nbytes:
         raise NoSpaceError(path, nbytes, free)
-    os.ftruncate(fd, nbytes)
+    try:
+        os.ftruncate(fd, nbytes)
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            raise _too_large(path) from None
+        raise
 
 
 _NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a full disk
@@ -290,6 +297,8 @@ def disk_errors(path: str | os.PathLike) -> Iterator[None]:
             # torch.save's writer met the process's file size limit (EFBIG, no reason given)
             raise _too_large(path) from None
         text = str(e)
+        if "os error 27" in text or "File too large" in text:  # safetensors' EFBIG
+            raise _too_large(path) from None
         free = disk_free(path)
         says_so = "No space left" in text or "os error 28" in text or "ENOSPC" in text
         # torch.save's RuntimeError on a full disk names no reason ("unexpected pos ...")

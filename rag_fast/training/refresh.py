@@ -107,16 +107,18 @@ def question_encoder_embedder(model, *, batch_size: int = 64, max_length: int = 
 
 
 def export_index_directory(store, refreshed: str | Path, out: str | Path,
-                           lexical: str | Path | None = None) -> Path:
+                           lexical=None) -> Path:
     """Write ``out`` (atomically, replacing it): an index directory that ``rag-fast eval`` /
     ``generate`` and ``load_retriever`` open, made of ``store``'s passages (hard links where
     the file system allows, else copies; the tokenisation cache left out), the refreshed
     index ``refreshed`` (an ``index-refresh/step-*`` directory) and, given ``lexical`` (the
-    BM25 part of the index directory trained on, which a refresh leaves as it is: the same
-    passages), that part as ``bm25/``. No bundle manifest: its encoder is the trained model's
-    question encoder, not a Hugging Face encoder by name; each part keeps its own sealed
-    manifest, and the folder's marker (``rag_fast-output.json``, sealed) records the digest of
-    each part's listed files, so that ``load_retriever`` refuses a part swapped for another.
+    :class:`~rag_fast.retrieval.lexical.BM25Index` trained with, which a refresh leaves as it
+    is: the same passages), that part saved as ``bm25/``: the part in memory, not the files
+    at the path it was opened from, which may have changed since. No bundle manifest: its
+    encoder is the trained model's question encoder, not a Hugging Face encoder by name; each
+    part keeps its own sealed manifest, and the folder's marker (``rag_fast-output.json``,
+    sealed) records the digest of each part's listed files, so that ``load_retriever``
+    refuses a part swapped for another.
 
     Raises:
         FileNotFoundError: ``refreshed`` is not a directory.
@@ -138,7 +140,7 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path,
         shutil.copytree(refreshed, tmp / "index", copy_function=link_or_copy)
         parts = list(REFRESHED_PARTS)
         if lexical is not None:
-            shutil.copytree(lexical, tmp / BM25_PART, copy_function=link_or_copy)
+            lexical.save(tmp / BM25_PART)
             parts.append(f"{BM25_PART}/manifest.json")
         # the marker binds the parts (sealed): a part swapped for another is refused on load
         atomic_write_bytes(tmp / OUTPUT_MARKER, json.dumps(sealed(

@@ -63,7 +63,6 @@ from rag_fast.models import RagModel
 from rag_fast.models.checkpoint import SIDE_FILE, resolve_model_dir
 from rag_fast.models.options import LM_HEAD_LOSSES, MODES, POOLINGS, check_arguments
 from rag_fast.models.retriever_io import TimedRetriever, load_retriever, load_sharded_retriever
-from rag_fast.retrieval.lexical import BM25_PART
 from rag_fast.storage import check_apart, output_lock
 from rag_fast.training import Trainer, TrainConfig, rag_collate, rag_loss
 from rag_fast.training.distributed import init_from_env
@@ -272,8 +271,11 @@ def load_config(path: str, model: str | None = None, index: str | None = None,
         raise FileNotFoundError(f"config file {path}: {not_a_file(path)}")
     with open(path, "rb") as f:
         data = f.read()
-    try:
-        config = json.loads(data.decode("utf-8-sig"))  # (a BOM at the start is dropped)
+    try:  # (a BOM at the start is dropped)
+        config = json.loads(data.decode("utf-8-sig"), object_pairs_hook=_no_repeats)
+    except _RepeatedKey as e:  # which value was meant is not known: not the last, silently
+        raise ValueError(f"{path}: key {e.args[0]!r} appears twice in one object; keep one"
+                         ) from None
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not valid UTF-8 (byte offset {e.start}); expected a "
@@ -501,12 +503,10 @@ def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
         recorded = None if index.get("sharded") else index["path"]
         if recorded is not None and trainer.refresher is not None and state.refreshed_at:
             # the index of the trained encoder (the last refresh), not the stale starting one
-            lexical = None  # the BM25 part trained with (modes bm25, hybrid) goes along
-            if getattr(retriever, "lexical", None) is not None:
-                lexical = os.path.join(index["path"], BM25_PART)
-            recorded = str(export_index_directory(
+            recorded = str(export_index_directory(  # with the BM25 part trained with
                 retriever.store, trainer.refresher._path(state.refreshed_at),
-                os.path.join(tc.output_dir, "index"), lexical=lexical))
+                os.path.join(tc.output_dir, "index"), lexical=getattr(retriever, "lexical",
+                                                                       None)))
         model.save(final, index=recorded)
         summary = f"loss {state.last_loss:.4f} per question"
         if trainer.last_token_loss is not None:
@@ -518,10 +518,25 @@ def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
                 for k, v in metrics.items())
         done = (f"trained {state.step} steps" if first_step == 0 else
                 f"trained {state.step - first_step} steps (from step {first_step} to {state.step})")
+        files = [f"{name}: {os.path.join(tc.output_dir, path)}" for name, path in
+                 (("metrics", tc.metrics_file), ("plot", tc.plot_file)) if path]
         print(f"{done} in {time.perf_counter() - start:.0f} s ({summary}); "
-              f"model: {final}  (metrics: {os.path.join(tc.output_dir, tc.metrics_file or '')}, "
-              f"plot: {os.path.join(tc.output_dir, tc.plot_file or '')})")
+              f"model: {final}" + (f"  ({', '.join(files)})" if files else ""))
     return state
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _no_repeats(pairs: list) -> dict:
+    """A JSON object as a dict, refusing a key it holds twice (json keeps the last)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
 
 
 def schema_help() -> str:

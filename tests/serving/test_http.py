@@ -328,6 +328,7 @@ def test_a_swap_to_an_index_without_its_encoder_record_is_refused(answerer, serv
             error = _error(client.post("/v1/admin/index", json={"path": str(kb)},
                                        headers={"Authorization": f"Bearer {TOKEN}"}), 422,
                            "not swapped")
-        assert ("records no encoder" in error) if plant is None else ("symbolic link" in error)
+        assert ("has no manifest.json binding its parts" in error) if plant is None else (
+            "symbolic link" in error)
         shutil.rmtree(kb)
     assert answerer.index.checksum == index_checksum(serving_world["kb_a"])
