@@ -7,7 +7,9 @@ leaves the checkout clean; ``--out PATH`` writes elsewhere, e.g. a results file 
 ``benchmarks/results/*.json``). ``--quick`` (the default) took 306 s on 2 idle CPU cores the
 first time, when the index bench embeds its real-text corpus (cached under the git-ignored
 ``benchmarks/results/local/cache``), and about 260 s after (one run, an estimate:
-docs/benchmarks.md), before the serving bench added its own quick run (about 150 s).
+docs/benchmarks.md), before the serving bench added its own quick run (about 150 s) and the
+hybrid bench its own (211 s in one CI run on a shared 2-core machine, the real-text corpus
+embedded then, which the index bench reuses).
 
 Every row records the allocator its times were taken with (``extra["allocator"]``): glibc's as it
 is by default, unless the bench set its own (the training bench times in fresh processes) or
