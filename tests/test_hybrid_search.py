@@ -579,3 +579,30 @@ def test_a_bm25_search_finding_nothing_says_so(built):
     assert code == 0 and out == ""
     assert err.strip() == ("rag-fast: warning: no passage found: none shares a word with the "
                            "question (--mode bm25)"), err
+
+
+@pytest.mark.parametrize("lines, words", [
+    ([{"question": "q", "positive_ids": ["nope1", "nope2"]}, {"question": "r", "gold": "zzz"}],
+     ["none of the 3 gold passage ids is a passage id", "'nope1'", "'doc0'"]),
+    ([{"question": "q", "positive_ids": 5.5}],
+     ["q.jsonl:1", "'positive_ids' must be a passage id"]),
+    ([{"question": "q", "gold": "doc1"}, {"question": "r", "positive_ids": [{"a": 1}, None]}],
+     ["q.jsonl:2", "'positive_ids' must be a passage id"])])
+def test_bad_gold_ids_in_the_tuning_queries_are_one_line_before_any_work(built, tmp_path,
+                                                                         monkeypatch, lines,
+                                                                         words):
+    """The twenty-first hostile pass (WT1, WT3): gold ids naming no passage, or of the wrong
+    type, left the weight untuned in silence."""
+    from rag_fast.retrieval import encoders
+
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    monkeypatch.setattr(encoders.Encoder, "embed", lambda *a, **k: pytest.fail("encoded"))
+    encoder = json.loads((built["kb"] / "manifest.json").read_text())["encoder"]["name"]
+    code, out, err = run("index", "build", "--passages", built["root"] / "p.jsonl", "--encoder",
+                         encoder, "--out", tmp_path / "kb", "--no-progress", "--bm25",
+                         "--queries", queries)
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("rag-fast: error: --queries ") and all(w in line for w in words), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.jsonl"]

@@ -45,7 +45,7 @@ from rag_fast.retrieval.index import INDEX_KIND, DenseIndex
 from rag_fast.retrieval.inputs import NonFiniteError
 from rag_fast.retrieval.lexical import BM25_MANIFEST, BM25_PART, build_part, check_memory
 from rag_fast.retrieval.tuning import SmallSampleWarning, small_sample_message
-from rag_fast.retrieval.weights import tune_part
+from rag_fast.retrieval.weights import read_gold_questions, tune_part
 from rag_fast.retrieval.passages import (STORE_KIND, PassageStore, passages_digest,
                                          stand_in_questions)
 from rag_fast.storage import (NoSpaceError, StorageError, atomic_directory, check_apart,
@@ -707,8 +707,10 @@ def build_index_bundle(
             _check_staging_removable(staging, remove_staging)
         store = _staged_store(passages, split, dedupe, staging, progress)
         # every check on sizes and settings before the (long) encoding
-        if bm25:  # a corpus whose BM25 index would not fit in memory
+        if bm25:  # a corpus whose BM25 index would not fit in memory; --queries' gold ids
             check_memory(store)
+            if queries is not None:
+                read_gold_questions(queries, store)
         factory = plan_factory(preset, len(store), passage_encoder.dim, on_disk=on_disk)
         if preset in ("ivfpq", "hnsw") and factory == "Flat":
             log(f"preset {preset}: {len(store)} passages are fewer than {SMALL_CORPUS}, where "

@@ -15,6 +15,7 @@ their passage's words and tune a weight that leans to BM25 (:func:`tune_part`).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -28,34 +29,55 @@ from rag_fast.retrieval.passages import stand_in_questions, stand_in_rows
 GOLD_KEYS = ("positive_ids", "gold", "passage_id")  # as index eval reads them (one per line)
 
 
-def _ids(value: object) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, str)]
-    return []
+def _ids(row: dict, where: str) -> list[str]:
+    """The gold ids of one ``--queries`` line (its first field of :data:`GOLD_KEYS`), as
+    strings, as ``index eval`` reads them; empty when it has none (or an empty list).
+
+    Raises:
+        ValueError: naming ``--queries``, the line and the field, for a value that is not a
+            passage id (a string or an integer) or a list of them.
+    """
+    name = next((k for k in GOLD_KEYS if k in row), None)
+    if name is None:
+        return []
+    value = row[name]
+    ids = value if isinstance(value, list) else [value]
+    if any(isinstance(i, bool) or not isinstance(i, (str, int)) for i in ids):
+        raise ValueError(f"--queries {where}: {name!r} must be a passage id (a string or an "
+                         f"integer) or a list of them, got {json.dumps(value)[:60]}")
+    return list(dict.fromkeys(str(i).strip() for i in ids))
 
 
 def read_gold_questions(path: str, store) -> tuple[list[str], list[set[int]]]:
     """The questions of the ``--queries`` JSONL file ``path`` whose gold ids (see the module
     docstring) name passages of ``store``, with those passages' rows; empty lists for a .txt
     file or one without gold ids. (The file was already read whole by the build, so its
-    lines are known to be objects with a ``question``.)"""
+    lines are known to be objects with a ``question``.)
+
+    Raises:
+        ValueError: a gold field of the wrong type (naming the line), or gold ids of which
+            none is a passage id of ``store`` (the file names passages another way).
+    """
     if Path(path).suffix.lower() == ".txt":
         return [], []
     wanted: list[tuple[str, list[str]]] = []
-    for _, _, row in read_objects(path):
-        ids = next((_ids(row[k]) for k in GOLD_KEYS if k in row), [])
+    for _, where, row in read_objects(path):
+        ids = _ids(row, where)
         if ids:
             wanted.append((row["question"], ids))
     if not wanted:
         return [], []
     names = {i for _, ids in wanted for i in ids}
-    rows = {}
+    rows: dict[str, set[int]] = {}
     for r in range(len(store)):
         pid = store.id(r)
         if pid in names:
             rows.setdefault(pid, set()).add(r)
+    if not rows:
+        raise ValueError(f"--queries {path}: none of the {len(names)} gold passage ids is a "
+                         f"passage id of the corpus (e.g. {sorted(names)[0]!r}; its passages "
+                         f"have ids such as {store.id(0)!r}): give gold ids as the passage "
+                         "file names its passages")
     questions, gold = [], []
     for question, ids in wanted:
         found = set().union(*(rows.get(i, set()) for i in ids))
