@@ -17,8 +17,8 @@ Public API (the heavier parts are imported on first use):
 """
 from __future__ import annotations
 
+import _signal  # the builtin C module: signal.py would import enum first (milliseconds)
 import os as _os
-import signal as _signal
 import sys as _sys
 
 

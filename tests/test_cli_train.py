@@ -228,8 +228,8 @@ def test_a_model_with_more_passages_per_question_than_the_index_is_refused(setup
     assert cli.main(["train", "--config", str(config), "--output-dir",
                      str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"rag-fast: error: n_docs={too_many} (from the model "
-                   f"{str(root / 'model0')!r}) is more passages per question than the index "
+    assert err == (f"rag-fast: error: n_docs={too_many} (from {config}: model.n_docs, the "
+                   "config's) is more passages per question than the index "
                    f"{str(index_dir)!r} holds (6): use a model with fewer passages per question "
                    "(`rag-fast init --n-docs`) or a larger index")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -52,6 +52,7 @@ import json
 import os
 import re
 import time
+import warnings
 
 import torch.distributed as dist
 
@@ -423,7 +424,9 @@ def run_training(config: dict, path: str, output_flag: str | None = None):
     """
     overrides = config.get("overrides") or {}
     where = _Where(path, overrides)
-    tc = train_config(config["train"], path, overrides)
+    with warnings.catch_warnings(record=True) as said:  # said once the output is checked:
+        warnings.simplefilter("always")                # a refused output is one line
+        tc = train_config(config["train"], path, overrides)
     if config["model"] is None:
         raise ValueError(f"{path}: no model: set \"model\" or pass --model DIR")
     if not tc.output_dir:
@@ -440,13 +443,16 @@ def run_training(config: dict, path: str, output_flag: str | None = None):
     lock = (output_lock(tc.output_dir, flag) if os.environ.get("RANK", "0") == "0"
             else contextlib.nullcontext())
     with lock:
-        return _run_checked(config, path, tc, flag)
+        return _run_checked(config, path, tc, flag, said)
 
 
-def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
-    """:func:`run_training` once the output is apart from the inputs and locked."""
+def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str, said=()):
+    """:func:`run_training` once the output is apart from the inputs and locked; ``said``:
+    the config's warnings, given once the run's folder is checked."""
     where = _Where(path, config.get("overrides") or {})
     check_run_folder(tc.output_dir, flag)
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     for key, file in config["data"].items():  # before the model and the index are loaded
         if not os.path.isfile(file):
             problem = "is not a file" if os.path.exists(file) else "dataset file not found:"
@@ -473,7 +479,9 @@ def _run_checked(config: dict, path: str, tc: TrainConfig, flag: str):
         raise ValueError(f"{where('index.sharded')}: index.sharded: a sharded index needs one "
                          "process per shard: run under torchrun (--nproc-per-node = the number "
                          "of shards)")
-    retriever = section_retriever(index, model.n_docs, n_docs_from=f"the model {model_dir!r}")
+    n_docs_from = (f"{where('model.n_docs')}: model.n_docs, the config's" if "n_docs" in spec
+                   else f"the model {model_dir!r}")  # (the config's or --set's, or the model's)
+    retriever = section_retriever(index, model.n_docs, n_docs_from=n_docs_from)
     if not index.get("sharded"):
         retriever = TimedRetriever(retriever)  # retrieval_s per step in metrics.jsonl
     model.retriever = retriever

@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import TESTS, run_cli
 
 
@@ -208,3 +210,39 @@ def test_a_config_key_given_twice_is_refused(world, tmp_path):
     [line] = err.strip().splitlines()
     assert "c.json: key 'train' appears twice in one object" in line, line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.filterwarnings("default::UserWarning")  # as in the command: said, not raised
+def test_a_refused_output_is_one_line_though_the_config_warns(world, tmp_path):
+    """O21, O22: a run refused for its output folder printed the config's warning first
+    (warmup_steps above max_steps), two lines for one error."""
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    config = json.loads(world["config"].read_text())
+    config["data"] = {"train": str(world["train"])}
+    config["train"].update(warmup_steps=30)
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    code, err = run_cli("train", "--config", tmp_path / "c.json", "--model", world["model"],
+                        "--output-dir", user, "--set", "train.max_steps=1")
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("rag-fast: error: ") and "mine" in line, line
+    assert (user / "notes.txt").read_text() == "mine"
+    # with an output it may write, the warning is said
+    code, err = run_cli("train", "--config", tmp_path / "c.json", "--model", world["model"],
+                        "--output-dir", tmp_path / "run", "--set", "train.max_steps=1")
+    assert code == 0 and "warmup_steps 30 is more than max_steps 1" in err, err
+
+
+def test_n_docs_set_on_the_command_line_is_named_as_such(world, tmp_path):
+    """C32: `--set model.n_docs=301` over a smaller index said the value came "from the
+    model"."""
+    config = json.loads(world["config"].read_text())
+    config["data"] = {"train": str(world["train"])}
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    code, err = run_cli("train", "--config", tmp_path / "c.json", "--model", world["model"],
+                        "--output-dir", tmp_path / "run", "--set", "model.n_docs=301")
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert "n_docs=301 (from --set model.n_docs=301: model.n_docs, the config's)" in line, line
