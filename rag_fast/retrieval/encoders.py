@@ -29,6 +29,7 @@ from rag_fast.storage import MAX_JSON_FILE_BYTES, atomic_file, no_space, reserve
 from rag_fast.retrieval.passages import PassageStore
 
 POOLINGS = ("auto", "cls", "mean", "pooler")
+TOKENIZE_CHARS = 1 << 22  # characters of text per tokenizer call (Encoder._tokenize)
 
 
 def parse_shard(shard: str | tuple[int, int] | None) -> tuple[int, int]:
@@ -436,14 +437,36 @@ class Encoder:
         return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
 
     def _tokenize(self, texts: Sequence[str], titles: Sequence[str] | None) -> dict:
+        """``input_ids`` and ``attention_mask`` ``[B, L]`` of a batch, padded to its longest.
+
+        The tokenizer reads every character of a text before it truncates, and holds tens of
+        bytes per character meanwhile; so a batch of long texts is tokenized in calls of at
+        most :data:`TOKENIZE_CHARS` characters (one text at least) and padded once, which
+        gives the tensors one call gives (64 texts of a million characters made the
+        tokenizers library abort under a 4 GB address-space limit)."""
         if titles is not None and self.is_dpr:  # DPR encodes (title, text) as a text pair.
-            enc = self.tokenizer(list(titles), list(texts), truncation="only_second",
-                                 max_length=self.max_length, padding=True, return_tensors="pt")
+            pairs, kwargs = (list(titles), list(texts)), {"truncation": "only_second"}
         else:
             if titles is not None:
                 texts = [f"{t}. {x}" if t else x for t, x in zip(titles, texts)]
-            enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length,
-                                 padding=True, return_tensors="pt")
+            pairs, kwargs = (list(texts),), {"truncation": True}
+        kwargs["max_length"] = self.max_length
+        sizes = [sum(len(part[i]) for part in pairs) for i in range(len(pairs[0]))]
+        if sum(sizes) <= TOKENIZE_CHARS:
+            enc = self.tokenizer(*pairs, padding=True, return_tensors="pt", **kwargs)
+        else:
+            ids, masks, start = [], [], 0
+            while start < len(sizes):
+                stop, total = start + 1, sizes[start]
+                while stop < len(sizes) and total + sizes[stop] <= TOKENIZE_CHARS:
+                    total += sizes[stop]
+                    stop += 1
+                part = self.tokenizer(*(p[start:stop] for p in pairs), **kwargs)
+                ids += part["input_ids"]
+                masks += part["attention_mask"]
+                start = stop
+            enc = self.tokenizer.pad({"input_ids": ids, "attention_mask": masks}, padding=True,
+                                     return_tensors="pt")
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
     @torch.no_grad()

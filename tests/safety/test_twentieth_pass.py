@@ -246,3 +246,52 @@ def test_n_docs_set_on_the_command_line_is_named_as_such(world, tmp_path):
     assert code == 2, err
     [line] = err.strip().splitlines()
     assert "n_docs=301 (from --set model.n_docs=301: model.n_docs, the config's)" in line, line
+
+
+# ---- the twenty-first pass (at 1d0d43a) -------------------------------------------------------
+
+def test_long_texts_are_tokenized_in_calls_of_bounded_characters(world, monkeypatch):
+    """B2: the tokenizer reads every character before it truncates; a batch of 64 texts of a
+    million characters made the tokenizers library abort under `ulimit -v 4000000` (exit 134).
+    A batch is now tokenized in calls of at most TOKENIZE_CHARS characters (one text at
+    least), and gives the tensors one call gives."""
+    import torch
+
+    from rag_fast.retrieval import encoders
+
+    encoder = encoders.Encoder(str(world["encoder"]), device="cpu", max_length=32)
+    texts = ["river " * 40, "x" * 300 + " seine", "paris", "rome tiber " * 30, "é" * 10]
+    titles = ["a", "", "b", "c", "d"]
+    whole = [encoder._tokenize(texts, t) for t in (None, titles)]
+    calls = []
+    real = encoder.tokenizer.__class__.__call__
+
+    def spy(self, *parts, **kwargs):
+        calls.append((sum(len(x) for p in parts for x in p), len(parts[0])))
+        return real(self, *parts, **kwargs)
+
+    monkeypatch.setattr(encoder.tokenizer.__class__, "__call__", spy)
+    monkeypatch.setattr(encoders, "TOKENIZE_CHARS", 250)
+    for expected, t in zip(whole, (None, titles)):
+        calls.clear()
+        got = encoder._tokenize(texts, t)
+        assert len(calls) > 2 and all(c <= 250 or n == 1 for c, n in calls), calls
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.slow
+def test_a_batch_of_million_character_passages_builds_under_a_memory_limit(world, tmp_path):
+    """B2 as the pass ran it: 64 passages of a million characters, `ulimit -v 4000000`."""
+    passages = tmp_path / "long.jsonl"
+    passages.write_text("".join(json.dumps({"id": f"p{i}", "title": "t", "text": (
+        f"word{i} " * ((1 << 20) // 7))}) + "\n" for i in range(64)))
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4096000000, "
+            "4096000000)); sys.argv[0] = 'rag-fast'; from rag_fast.cli import command; "
+            "command()")
+    done = subprocess.run([sys.executable, "-c", code, "index", "build", "--passages",
+                           str(passages), "--encoder", str(world["encoder"]), "--out",
+                           str(tmp_path / "kb"), "--no-progress", "--preset", "exact"],
+                          capture_output=True, text=True, timeout=600, cwd=TESTS)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "kb" / "manifest.json").is_file()
