@@ -161,6 +161,42 @@ def json_type(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
+# the fields naming a question's gold passages, the first present read (``index eval``'s data,
+# ``index build --queries``): a passage id or a list of them; DPR's list of passage objects
+GOLD_FIELDS = ("positive_ids", "gold", "passage_id", "positive_ctxs")
+
+
+def gold_ids(obj: dict, where: str, error: type[ValueError] = ValueError) -> tuple[str, ...] | None:
+    """The gold passage ids of a JSON line (its first field of :data:`GOLD_FIELDS`), as
+    strings; None when it has none (or an empty list).
+
+    Raises:
+        ``error``: naming ``where`` and the field, for a value that is not a passage id (a
+            string or an integer), a list of them, or DPR's list of passage objects.
+    """
+    name = next((f for f in GOLD_FIELDS if f in obj), None)
+    if name is None:
+        return None
+    value = obj[name]
+    if name == "positive_ctxs":
+        expected = "a list of objects with a 'passage_id' (or 'id'), a string or an integer"
+        if not isinstance(value, list):
+            raise error(f"{where}: 'positive_ctxs' must be {expected}, got {json_type(value)}")
+        ids = []
+        for i, ctx in enumerate(value):
+            pid = ctx.get("passage_id", ctx.get("id")) if isinstance(ctx, dict) else None
+            if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+                raise error(f"{where}: 'positive_ctxs'[{i}] must be an object with a "
+                            "'passage_id' (or 'id'), a string or an integer")
+            ids.append(pid)
+    else:
+        ids = value if isinstance(value, list) else [value]
+        if any(isinstance(i, bool) or not isinstance(i, (str, int)) for i in ids):
+            raise error(f"{where}: {name!r} must be a passage id (a string or an integer) or a "
+                        f"list of them, got {json.dumps(value)[:60]}")
+    return tuple(dict.fromkeys(str(i).strip() for i in ids)) or None
+
+
 def lone_surrogate(value: object, field: str = "") -> tuple[str, int, str] | None:
     """``(field, character index, the surrogate)`` of the first string in ``value`` (a parsed
     JSON value: str, list, dict, number...) holding a lone surrogate, else None.

@@ -438,37 +438,6 @@ def test_the_server_answers_by_its_retrieval_mode_and_swaps_only_to_an_index_wit
     assert answerer.index.path == str(built["kb"])  # the old index keeps serving
 
 
-def test_a_refreshed_run_saves_its_index_with_the_bm25_part(built, model, tmp_path):
-    """The nineteenth hostile pass (N912): a hybrid run with refresh_index_every saved its
-    refreshed index/ without bm25/, so the trained model could not answer in its own mode."""
-    from pathlib import Path
-
-    config = json.loads(Path(_train_config(built, tmp_path, {"path": str(built["kb"]),
-                                                             "mode": "hybrid"})).read_text())
-    config["train"]["refresh_index_every"] = 1
-    (tmp_path / "refresh.json").write_text(json.dumps(config))
-    code, _, err = run("train", "--config", tmp_path / "refresh.json", "--model", model,
-                       "--output-dir", tmp_path / "run")
-    assert code == 0, err
-    saved = tmp_path / "run" / "index"
-    assert (saved / "bm25" / "manifest.json").is_file()
-    for mode in ("hybrid", "bm25"):
-        code, out, err = run("generate", "--model", tmp_path / "run" / "model", "--question",
-                             QUESTIONS[0], "--retrieval-mode", mode, "--max-new-tokens", "2",
-                             "--num-beams", "1", "--device", "cpu", "--no-progress")
-        assert code == 0, err
-        assert "doc3" in out  # BM25 finds the passage naming penicillin
-    # the part keeps its own seal there: an edited file is refused on load
-    victim = next(p for p in sorted((saved / "bm25").iterdir()) if p.name != "manifest.json")
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 1
-    victim.unlink()  # (a hard link to the built index's file: that one stays as it was)
-    victim.write_bytes(bytes(data))
-    code, out, err = run("generate", "--model", tmp_path / "run" / "model", "--question",
-                         QUESTIONS[0], "--retrieval-mode", "hybrid", "--device", "cpu")
-    assert code == 2 and out == "" and "bm25" in err, err
-
-
 @pytest.fixture(scope="module")
 def refreshed_run(built, model, tmp_path_factory):
     """A hybrid training run with refresh_index_every: its index/ (refreshed, with bm25/)."""
@@ -489,6 +458,30 @@ def _copy_run(refreshed_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(refreshed_run, run_dir, copy_function=shutil.copy2)  # (no hard links)
     return run_dir
+
+
+def test_a_refreshed_run_saves_its_index_with_the_bm25_part(refreshed_run, tmp_path):
+    """The nineteenth hostile pass (N912): a hybrid run with refresh_index_every saved its
+    refreshed index/ without bm25/, so the trained model could not answer in its own mode."""
+    saved = refreshed_run / "index"
+    assert (saved / "bm25" / "manifest.json").is_file()
+    for mode in ("hybrid", "bm25"):
+        code, out, err = run("generate", "--model", refreshed_run / "model", "--question",
+                             QUESTIONS[0], "--retrieval-mode", mode, "--max-new-tokens", "2",
+                             "--num-beams", "1", "--device", "cpu", "--no-progress")
+        assert code == 0, err
+        assert "doc3" in out  # BM25 finds the passage naming penicillin
+    # the part keeps its own seal there: an edited file is refused on load
+    run_dir = _copy_run(refreshed_run, tmp_path)
+    victim = next(p for p in sorted((run_dir / "index" / "bm25").iterdir())
+                  if p.name != "manifest.json")
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(bytes(data))
+    code, out, err = run("generate", "--model", run_dir / "model", "--index", run_dir / "index",
+                         "--question", QUESTIONS[0], "--retrieval-mode", "hybrid", "--device",
+                         "cpu")
+    assert code == 2 and out == "" and "bm25" in err, err
 
 
 @pytest.mark.parametrize("part", ["passages", "bm25", "index"])
@@ -526,8 +519,10 @@ def test_a_part_added_or_removed_or_an_edited_marker_is_refused(built, refreshed
     payload = json.loads(marker.read_text())
     payload["parts"].pop("bm25/manifest.json")  # the marker edited: its seal no longer holds
     marker.write_text(json.dumps(payload))
-    with pytest.raises(Exception, match="rag_fast-output.json"):
+    with pytest.raises(Exception, match="rag_fast-output.json was changed after training "
+                                        "wrote it") as refused:
         load_retriever(run_dir / "index", n_docs=3)
+    assert "reseal" not in str(refused.value)  # (reseal does not take this marker)
     run_dir = _copy_run(refreshed_run, tmp_path / "2")
     shutil.rmtree(run_dir / "index" / "bm25")
     with pytest.raises(Exception, match="not those .* holds"):
@@ -606,3 +601,18 @@ def test_bad_gold_ids_in_the_tuning_queries_are_one_line_before_any_work(built, 
     [line] = err.strip().splitlines()
     assert line.startswith("rag-fast: error: --queries ") and all(w in line for w in words), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.jsonl"]
+
+
+def test_dpr_positive_ctxs_tune_the_weight_as_index_eval_reads_them(built, tmp_path):
+    """The tuning --queries and index eval read gold ids with one reader: DPR's
+    "positive_ctxs" too."""
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"question": QUESTIONS[1], "positive_ctxs": [{"passage_id": "doc5"}]},
+        {"question": QUESTIONS[0], "positive_ctxs": [{"id": "doc3"}]}]))
+    encoder = json.loads((built["kb"] / "manifest.json").read_text())["encoder"]["name"]
+    code, out, err = run("index", "build", "--passages", built["root"] / "p.jsonl", "--encoder",
+                         encoder, "--out", tmp_path / "kb", "--no-progress", "--bm25",
+                         "--queries", queries)
+    assert code == 0, err
+    assert "tuned on 2 questions with gold passages" in out, out

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rag_fast._jsonl import cut_texts, json_type, read_objects
+from rag_fast._jsonl import GOLD_FIELDS, cut_texts, gold_ids, read_objects
 from rag_fast.evaluation.data import DatasetError, read_answers, load_qa
 from rag_fast.evaluation.metrics import passage_text, answer_in_passage, match_tokens
 from rag_fast.storage import (
@@ -43,7 +43,6 @@ from rag_fast.storage import (
     write_marker,
 )
 
-GOLD_FIELDS = ("positive_ids", "gold", "passage_id", "positive_ctxs")
 CORPUS_SAMPLE = 100_000  # passages read to count each answer's passages (a seeded sample beyond)
 COMMON_ANSWER = 0.01  # an answer held by more than this fraction of passages is called common
 RETRIEVAL_FILES = ("metrics.json", "retrieval.jsonl")
@@ -95,33 +94,6 @@ def _say_missing_gold(path: str, unknown: dict[str, int], lines: int) -> None:
         + (f"; {'; '.join(hints)}" if hints else ""), UserWarning, stacklevel=3)
 
 
-def _gold_ids(obj: dict, where: str) -> tuple[str, ...] | None:
-    """The gold passage ids of a JSON line (its first field of :data:`GOLD_FIELDS`), as
-    strings; None when it has none (or an empty list)."""
-    name = next((f for f in GOLD_FIELDS if f in obj), None)
-    if name is None:
-        return None
-    value = obj[name]
-    if name == "positive_ctxs":
-        expected = "a list of objects with a 'passage_id' (or 'id'), a string or an integer"
-        if not isinstance(value, list):
-            raise DatasetError(f"{where}: 'positive_ctxs' must be {expected}, got "
-                               f"{json_type(value)}")
-        ids = []
-        for i, ctx in enumerate(value):
-            pid = ctx.get("passage_id", ctx.get("id")) if isinstance(ctx, dict) else None
-            if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-                raise DatasetError(f"{where}: 'positive_ctxs'[{i}] must be an object with a "
-                                   "'passage_id' (or 'id'), a string or an integer")
-            ids.append(pid)
-    else:
-        ids = value if isinstance(value, list) else [value]
-        if any(isinstance(i, bool) or not isinstance(i, (str, int)) for i in ids):
-            raise DatasetError(f"{where}: {name!r} must be a passage id (a string or an integer) "
-                               f"or a list of them, got {json.dumps(value)[:60]}")
-    return tuple(dict.fromkeys(str(i).strip() for i in ids)) or None
-
-
 def load_retrieval_data(path: str) -> list[RetrievalExample]:
     """Questions with answers and/or gold passage ids: JSONL lines with ``"question"``,
     optional ``"answers"`` (or ``"answer"``: a string or a list of strings) and an optional
@@ -146,7 +118,7 @@ def load_retrieval_data(path: str) -> list[RetrievalExample]:
         answer_field = next((f for f in ANSWER_FIELDS if f in obj), None)
         raw = obj.get(answer_field) if answer_field else None
         answers = read_answers(raw, where) if raw is not None else ()
-        gold = _gold_ids(obj, where)
+        gold = gold_ids(obj, where, DatasetError)
         gold_field = next((f for f in GOLD_FIELDS if f in obj), None) if gold else None
         for key in obj.keys() - _OTHER_FIELDS - set(ANSWER_FIELDS) - set(GOLD_FIELDS):
             unknown[key] = unknown.get(key, 0) + 1

@@ -28,7 +28,8 @@ def load_for_inference(model_dir: str, index: str | None, device: torch.device |
 
     ``n_docs`` (``--n-docs``) replaces the model's passages per question, retrieved and
     marginalised over (None: the model's own). ``retrieval_mode``: the retriever's ``dense``,
-    ``bm25`` or ``hybrid`` (``--retrieval-mode``; the last two need the index's BM25 part).
+    ``bm25``, ``hybrid`` or ``weighted`` (``--retrieval-mode``; all but dense need the index's
+    BM25 part).
 
     Raises:
         ValueError: ``require_index`` and no index given or recorded; ``n_docs`` below 1 or

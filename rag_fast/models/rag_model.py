@@ -333,7 +333,7 @@ class RagModel(nn.Module):
     def retrieve(self, question_embeddings: torch.Tensor,
                  questions: Sequence[str] | None = None) -> Retrieved:
         """K passages per question from the retriever (no gradient through the index);
-        ``questions``: their texts, which a retriever in mode ``bm25`` or ``hybrid`` searches."""
+        ``questions``: their texts, which a retriever in a mode other than ``dense`` searches."""
         if self.retriever is None:
             raise ValueError("this RagModel has no retriever: pass passages= and "
                              "passage_embeddings=, or contexts and doc_scores, to forward()")

@@ -17,10 +17,11 @@ from pathlib import Path
 from rag_fast._validation import not_a_file
 from rag_fast.retrieval import DenseIndex, PassageStore, Retriever
 from rag_fast.retrieval.bundle import BUNDLE_KIND
-from rag_fast.retrieval.lexical import BM25_PART, BM25Index, load_part
+from rag_fast.retrieval.lexical import BM25_MANIFEST, BM25_PART, BM25Index, load_part
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever
-from rag_fast.storage import (OUTPUT_MARKER, REFRESHED_KIND, StorageError, check_seal,
-                              folder_kind, part_digests, read_json_file, read_manifest)
+from rag_fast.storage import (OUTPUT_MARKER, REFRESHED_KIND, REFRESHED_PARTS, StorageError,
+                              check_seal, folder_kind, part_digests, read_json_file,
+                              read_manifest)
 
 
 def read_bundle_manifest(path: str | Path) -> dict | None:
@@ -89,8 +90,9 @@ def load_retriever(path: str | Path, *, n_docs: int = 5, verify: bool = True,
             the sizes only, for huge indexes whose storage is trusted.
         n_docs_from: where ``n_docs`` comes from (e.g. a model directory), named in the error
             when it exceeds the index's passage count.
-        mode: the Retriever's ``dense``, ``bm25`` or ``hybrid`` (the last two need the
-            directory's BM25 part, ``rag-fast index build --bm25``, loaded whenever present);
+        mode: the Retriever's ``dense``, ``bm25``, ``hybrid`` or ``weighted`` (all but dense
+            need the directory's BM25 part, ``rag-fast index build --bm25``, loaded whenever
+            present and bound to the passages);
             ``mode_flag``: what set it, named in the error.
     Raises:
         FileNotFoundError: ``path`` is not a directory, or lacks ``passages/`` or ``index/``.
@@ -144,21 +146,26 @@ def _bound_part(root: Path, count: int, verify: bool, mode: str):
     if folder_kind(root) == REFRESHED_KIND:
         payload = read_json_file(marker)
         if "parts" in payload:  # (a run of an earlier version recorded none: dense only)
-            recorded = check_seal(marker, payload, root)["parts"]
+            try:
+                recorded = check_seal(marker, payload, root)["parts"]
+            except StorageError:  # (no reseal for it: training wrote it, nothing else)
+                raise StorageError(f"{marker} was changed after training wrote it (its seal "
+                                   "does not match its content): restore the run's index/, "
+                                   "or train again") from None
     if recorded is None:
         if mode != "dense" and os.path.lexists(root / BM25_PART):
             raise ValueError(f"retrieval mode {mode}: index {str(root)!r} has no manifest.json "
                              f"binding its {BM25_PART}/ to its passages (a directory `rag-fast "
                              "index build --bm25` did not write); build it with that command")
         return None
-    present = [name for name in ("passages/manifest.json", "index/manifest.json",
-                                 f"{BM25_PART}/manifest.json") if os.path.lexists(root / name)]
+    present = [name for name in (*REFRESHED_PARTS, BM25_MANIFEST)
+               if os.path.lexists(root / name)]
     listed = sorted(recorded) if isinstance(recorded, dict) else recorded
     if not isinstance(recorded, dict) or listed != sorted(present):
         raise StorageError(f"{marker}: its parts {listed!r} are not those {str(root)!r} holds "
                            f"({present}): a part added or removed after training wrote it")
     lexical = None
-    if f"{BM25_PART}/manifest.json" in recorded:
+    if BM25_MANIFEST in recorded:
         if (root / BM25_PART).is_symlink():
             raise ValueError(f"{root / BM25_PART} is a symbolic link; refused (an index "
                              "directory's BM25 part is a folder of its own)")

@@ -707,10 +707,10 @@ def build_index_bundle(
             _check_staging_removable(staging, remove_staging)
         store = _staged_store(passages, split, dedupe, staging, progress)
         # every check on sizes and settings before the (long) encoding
-        if bm25:  # a corpus whose BM25 index would not fit in memory; --queries' gold ids
+        gold = None  # --queries' gold questions, read (and checked) before the encoding
+        if bm25:  # and a corpus whose BM25 index would not fit in memory refused
             check_memory(store)
-            if queries is not None:
-                read_gold_questions(queries, store)
+            gold = read_gold_questions(queries, store) if queries is not None else ([], [])
         factory = plan_factory(preset, len(store), passage_encoder.dim, on_disk=on_disk)
         if preset in ("ivfpq", "hnsw") and factory == "Flat":
             log(f"preset {preset}: {len(store)} passages are fewer than {SMALL_CORPUS}, where "
@@ -769,7 +769,7 @@ def build_index_bundle(
                 said = []
                 build_part(store, tmp / BM25_PART, tune=lambda part: said.append(tune_part(
                     part, store, lambda q: question_encoder.encode_queries(q).numpy(),
-                    index.search, queries)))
+                    index.search, queries, gold=gold)))
                 log(said[0])
                 files.append(BM25_MANIFEST)
             write_manifest(tmp / "manifest.json", {

@@ -353,6 +353,7 @@ def tune_weight(dense: tuple[np.ndarray, np.ndarray], lexical: tuple[np.ndarray,
     return chosen, recall
 
 
-__all__ = ["B", "BM25Index", "BM25_KIND", "BYTES_PER_CHAR", "BM25_MANIFEST", "BM25_PART", "DEFAULT_WEIGHT",
-           "HYBRID_DEPTH", "K1", "RRF_C", "TOKEN_PATTERN", "TUNE_K", "WEIGHTS", "build_part",
-           "check_memory", "fuse", "load_part", "reciprocal_rank_fusion", "tune_weight", "weighted_fusion", "words"]
+__all__ = ["B", "BM25Index", "BM25_KIND", "BM25_MANIFEST", "BM25_PART", "BYTES_PER_CHAR",
+           "DEFAULT_WEIGHT", "HYBRID_DEPTH", "K1", "RRF_C", "TOKEN_PATTERN", "TUNE_K", "WEIGHTS",
+           "build_part", "check_memory", "fuse", "load_part", "reciprocal_rank_fusion",
+           "tune_weight", "weighted_fusion", "words"]

@@ -7,8 +7,9 @@ assembled from pre-tokenised pieces as ``title + " / " + text + " // " + questio
 Hugging Face RAG retriever's string), padded to the longest row of the batch.
 
 Modes: ``dense`` (the index's best K), ``bm25`` (the BM25 part's best K sharing a word with the
-question, then the dense ranking's best to fill K) and ``hybrid`` (reciprocal rank fusion of
-both rankings, :data:`~rag_fast.retrieval.lexical.HYBRID_DEPTH` deep). Whatever picks the
+question, then the dense ranking's best to fill K), ``hybrid`` (reciprocal rank fusion of
+both rankings, :data:`~rag_fast.retrieval.lexical.HYBRID_DEPTH` deep) and ``weighted`` (the
+same candidates by a weighted sum of their scaled scores, the part's weight). Whatever picks the
 passages, the scores and embeddings are the dense ones: the passage prior ``p(z|x)`` stays the
 inner product whose gradient reaches the question encoder.
 
@@ -111,8 +112,8 @@ class Retriever:
         n_docs: K, the passages per question.
         max_length: generator input length cap (tokens, special tokens included).
         title_sep, doc_sep: the separators of ``title + title_sep + text + doc_sep + question``.
-        lexical: the BM25 part over the same passages (needed by modes ``bm25`` and ``hybrid``).
-        mode: ``dense``, ``bm25`` or ``hybrid`` (see the module doc): the default of
+        lexical: the BM25 part over the same passages (needed by every mode but ``dense``).
+        mode: ``dense``, ``bm25``, ``hybrid`` or ``weighted`` (see the module doc): the default of
             :meth:`retrieve`.
     Raises:
         ValueError: index and store of different sizes, bad ``n_docs``/``max_length``, a
@@ -178,7 +179,7 @@ class Retriever:
 
     @property
     def lexical(self) -> BM25Index | None:
-        """The BM25 part searched by modes ``bm25`` and ``hybrid`` (None without one)."""
+        """The BM25 part searched by the modes other than ``dense`` (None without one)."""
         return self._state.lexical
 
     def swap(self, index: DenseIndex, store: PassageStore, lexical: BM25Index | None = None) -> int:
@@ -219,9 +220,9 @@ class Retriever:
             question_embeddings: ``[B, d]`` float tensor (any device; not modified, no grad
                 needed).
             questions: B question strings for the generator inputs (None: skip them) and the
-                BM25 search (modes ``bm25`` and ``hybrid`` need them).
+                BM25 search (every mode but ``dense`` needs them).
             n_docs: K (default: the retriever's).
-            mode: ``dense``, ``bm25`` or ``hybrid`` (default: the retriever's).
+            mode: ``dense``, ``bm25``, ``hybrid`` or ``weighted`` (default: the retriever's).
             search_kwargs: ``nprobe``, ``ef_search``, ``rerank`` for :meth:`DenseIndex.search`.
         Returns:
             :class:`RetrievedPassages` (see there for shapes and dtypes); its scores are the

@@ -44,7 +44,7 @@ class BundleSearch:
                nprobe: int | None = None, ef_search: int | None = None,
                chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
         """``(scores, rows)`` ``[Q, k]`` of ``questions``, best first; a row is -1 where fewer
-        than ``k`` were found (its score -inf for dense, 0 for bm25 and hybrid). Dense: the
+        than ``k`` were found (its score -inf for dense, 0 for the others). Dense: the
         questions encoded in batches (``chunk`` at a time, each a batch search). ``nprobe``,
         ``ef_search``: the dense index's (its defaults when None).
 

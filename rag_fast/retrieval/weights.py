@@ -7,7 +7,8 @@ questions (:func:`~rag_fast.retrieval.lexical.tune_weight`), recorded with what 
 in the part's sealed manifest (``"fusion"``). The tuning questions with gold passages are:
 
 the ``--queries`` file's, where its JSONL objects name gold passages as ``index eval``'s data
-do (``"positive_ids"``, ``"gold"`` or ``"passage_id"``: a passage id or a list of them);
+do (:data:`~rag_fast._jsonl.GOLD_FIELDS`: a passage id or a list of them, or DPR's
+``positive_ctxs``);
 questions whose gold ids are none of the corpus's are left out. Without any, the weight stays
 :data:`~rag_fast.retrieval.lexical.DEFAULT_WEIGHT` (untuned, and the build says so): the
 stand-in questions that measure the dense index (a sentence of a sampled passage each) repeat
@@ -15,38 +16,15 @@ their passage's words and tune a weight that leans to BM25 (:func:`tune_part`).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from rag_fast._jsonl import read_objects
+from rag_fast._jsonl import gold_ids, read_objects
 from rag_fast.retrieval.lexical import (DEFAULT_WEIGHT, HYBRID_DEPTH, TUNE_K, BM25Index,
                                         tune_weight)
 from rag_fast.retrieval.passages import stand_in_questions, stand_in_rows
-
-GOLD_KEYS = ("positive_ids", "gold", "passage_id")  # as index eval reads them (one per line)
-
-
-def _ids(row: dict, where: str) -> list[str]:
-    """The gold ids of one ``--queries`` line (its first field of :data:`GOLD_KEYS`), as
-    strings, as ``index eval`` reads them; empty when it has none (or an empty list).
-
-    Raises:
-        ValueError: naming ``--queries``, the line and the field, for a value that is not a
-            passage id (a string or an integer) or a list of them.
-    """
-    name = next((k for k in GOLD_KEYS if k in row), None)
-    if name is None:
-        return []
-    value = row[name]
-    ids = value if isinstance(value, list) else [value]
-    if any(isinstance(i, bool) or not isinstance(i, (str, int)) for i in ids):
-        raise ValueError(f"--queries {where}: {name!r} must be a passage id (a string or an "
-                         f"integer) or a list of them, got {json.dumps(value)[:60]}")
-    return list(dict.fromkeys(str(i).strip() for i in ids))
-
 
 def read_gold_questions(path: str, store) -> tuple[list[str], list[set[int]]]:
     """The questions of the ``--queries`` JSONL file ``path`` whose gold ids (see the module
@@ -62,9 +40,9 @@ def read_gold_questions(path: str, store) -> tuple[list[str], list[set[int]]]:
         return [], []
     wanted: list[tuple[str, list[str]]] = []
     for _, where, row in read_objects(path):
-        ids = _ids(row, where)
+        ids = gold_ids(row, f"--queries {where}")
         if ids:
-            wanted.append((row["question"], ids))
+            wanted.append((row["question"], list(ids)))
     if not wanted:
         return [], []
     names = {i for _, ids in wanted for i in ids}
@@ -88,7 +66,8 @@ def read_gold_questions(path: str, store) -> tuple[list[str], list[set[int]]]:
 
 
 def tune_part(part: BM25Index, store, encode: Callable[[list[str]], np.ndarray], search,
-              queries: str | None, stand_ins: int = 0) -> str:
+              queries: str | None, stand_ins: int = 0,
+              gold: tuple[list[str], list[set[int]]] | None = None) -> str:
     """Tune ``part``'s weight (sets ``part.fusion``) on the gold questions of ``queries`` and
     return a line saying what was done. Without any, the weight is left untuned
     (:data:`~rag_fast.retrieval.lexical.DEFAULT_WEIGHT`) unless ``stand_ins`` > 0 asks for
@@ -101,8 +80,11 @@ def tune_part(part: BM25Index, store, encode: Callable[[list[str]], np.ndarray],
         search: ``(vectors, k) -> (scores, rows)``, the dense index's search.
         queries: the build's ``--queries`` file (None: none given).
         stand_ins: tune on this many stand-in questions when ``queries`` has no gold ids.
+        gold: what :func:`read_gold_questions` gave for ``queries``, when it was read already.
     """
-    questions, gold = read_gold_questions(queries, store) if queries else ([], [])
+    if gold is None:
+        gold = read_gold_questions(queries, store) if queries else ([], [])
+    questions, gold = gold
     if questions:
         source = f"{len(questions)} questions with gold passages from {queries}"
     elif stand_ins > 0:
@@ -133,4 +115,4 @@ def tuning_summary(fusion: dict | None) -> str:
     return f"weight {float(fusion['weight']):.2f}, tuned on {fusion.get('tuned_on', '?')}"
 
 
-__all__ = ["GOLD_KEYS", "read_gold_questions", "tune_part", "tuning_summary"]
+__all__ = ["read_gold_questions", "tune_part", "tuning_summary"]

@@ -114,7 +114,7 @@ def open_index(path: str | Path, *, n_docs: int = 1, verify: bool = True,
         expect_dim: the question encoder's output dimension.
         n_docs, n_docs_from: passages per question the index must hold at least, and where
             that number comes from (for the message).
-        retrieval_mode: how its retriever picks passages (bm25 and hybrid need its BM25 part).
+        retrieval_mode: how its retriever picks passages (all but dense need its BM25 part).
         bound: refuse a directory whose parts nothing binds together (neither the manifest of
             `rag-fast index build` nor the marker of a training run's refreshed ``index/``):
             a hot swap, whose index nothing else vouches for.
@@ -193,8 +193,8 @@ class Answerer:
         """An Answerer over the model directory ``model_dir`` (a training run's folder too)
         and ``index`` (default: the index the model records), on ``device`` (default: CUDA
         when available), picking passages by ``retrieval_mode`` (``dense``, ``bm25``,
-        ``hybrid``; an index swapped in must then have a BM25 part too). ``kwargs`` go to the
-        constructor."""
+        ``hybrid``, ``weighted``; an index swapped in must then have a BM25 part too).
+        ``kwargs`` go to the constructor."""
         model_dir = resolve_model_dir(model_dir)
         model = load_for_inference(model_dir, index, resolve_device(device, "--device"),
                                    retrieval_mode=retrieval_mode)

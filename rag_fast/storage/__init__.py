@@ -36,6 +36,7 @@ from .disk import (append_line, atomic_file, atomic_write, atomic_write_bytes, c
                    NoSpaceError, reserve_space, write_synced)
 from .folders import (atomic_directory, check_apart, check_output_file, check_output_folder,
                       EVAL_KIND, folder_kind, new_folder_removed_on_failure, OUTPUT_MARKER, REFRESHED_KIND,
+                      REFRESHED_PARTS,
                       RETRIEVAL_EVAL_KIND, RUN_KIND, TOKENIZER_KIND, unlisted_files, write_marker)
 from .locks import (output_lock, OutputLockedError, shared_lock)
 from .ragged import (RaggedArray, RaggedWriter)
@@ -82,6 +83,7 @@ __all__ = [
     "read_manifest",
     "recover_directory",
     "REFRESHED_KIND",
+    "REFRESHED_PARTS",
     "remove_leftovers",
     "reseal",
     "reseal_command",

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 
 
 from .disk import atomic_write_bytes
-from .manifests import KIND_WORDS, MANIFEST, read_json_file
+from .manifests import KIND_WORDS, MANIFEST, read_json_file, sealed
 from . import disk, swap
 from .swap import recover_directory, remove_leftovers, sibling
 
@@ -25,6 +25,8 @@ RUN_KIND, EVAL_KIND = "rag_fast.train_run", "rag_fast.eval"
 RETRIEVAL_EVAL_KIND = "rag_fast.retrieval_eval"  # `rag-fast index eval --out`
 TOKENIZER_KIND = "rag_fast.tokenizer"  # `rag-fast tokenizer fit`'s folder (rag_fast.tokenization)
 REFRESHED_KIND = "rag_fast.refreshed_index"  # a training run's index/ after refreshes
+# the parts its marker always binds (bm25/manifest.json too, where it has one)
+REFRESHED_PARTS = ("passages/manifest.json", "index/manifest.json")
 _MARKER_FILES = (MANIFEST, "rag_fast.json", OUTPUT_MARKER)
 # the kinds each marker file may name (a model's kind in rag_fast-output.json is not a model);
 # a manifest.json names a stored directory's kind: any other of rag_fast's
@@ -290,13 +292,15 @@ def check_apart(out: str | os.PathLike, flag: str, inputs: dict[str, object]) ->
                          "inputs")
 
 
-def write_marker(folder: str | os.PathLike, kind: str, **extra) -> None:
-    """Mark ``folder`` (created if missing) as a rag_fast output of ``kind`` (atomically)."""
+def write_marker(folder: str | os.PathLike, kind: str, *, seal: bool = False, **extra) -> None:
+    """Mark ``folder`` (created if missing) as a rag_fast output of ``kind`` (atomically);
+    with ``seal``, sealed as a manifest is (:func:`~rag_fast.storage.check_seal` checks it)."""
     folder = Path(folder)
     with disk.disk_errors(folder):  # no inode left for the folder: a full disk, naming it
         folder.mkdir(parents=True, exist_ok=True)
+    payload = {"kind": kind, "format": 1, **extra}
     atomic_write_bytes(folder / OUTPUT_MARKER, json.dumps(
-        {"kind": kind, "format": 1, **extra}, indent=1, sort_keys=True).encode("utf-8"))
+        sealed(payload) if seal else payload, indent=1, sort_keys=True).encode("utf-8"))
 
 
 @contextlib.contextmanager

@@ -41,7 +41,6 @@ question/passage encoder whose passage side follows the question side's training
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -55,13 +54,12 @@ import torch.distributed as dist
 
 from rag_fast.retrieval.encoders import shard_rows
 from rag_fast.retrieval.index import DenseIndex
-from rag_fast.retrieval.lexical import BM25_PART
+from rag_fast.retrieval.lexical import BM25_MANIFEST, BM25_PART
 from rag_fast.retrieval.sharded import ShardedIndex, ShardedRetriever, comm_device
-from rag_fast.storage import (OUTPUT_MARKER, REFRESHED_KIND, atomic_directory, atomic_write_bytes,
-                              part_digests, remove_leftovers, sealed, write_marker)
+from rag_fast.storage import (REFRESHED_KIND, REFRESHED_PARTS, atomic_directory, part_digests,
+                              remove_leftovers, write_marker)
 
 REFRESH_DIR = "index-refresh"
-REFRESHED_PARTS = ("passages/manifest.json", "index/manifest.json")  # bound by the marker
 REFRESH_ENCODERS = ("question_encoder",)
 _NAME = re.compile(r"step-(\d{8})(?:-shard-(\d+)-of-(\d+))?")
 _LEFTOVER = re.compile(r"\.(step-\d{8}(?:-shard-\d+-of-\d+)?)\.(?:tmp|new|old|trash)-\d+-[0-9a-f]+")
@@ -134,18 +132,15 @@ def export_index_directory(store, refreshed: str | Path, out: str | Path,
             shutil.copy2(src, dst)
 
     with atomic_directory(out, overwrite=True, kind=REFRESHED_KIND) as tmp:
-        write_marker(tmp, REFRESHED_KIND)
         shutil.copytree(store.root, tmp / "passages", ignore=shutil.ignore_patterns("tokens"),
                         copy_function=link_or_copy)
         shutil.copytree(refreshed, tmp / "index", copy_function=link_or_copy)
         parts = list(REFRESHED_PARTS)
         if lexical is not None:
             lexical.save(tmp / BM25_PART)
-            parts.append(f"{BM25_PART}/manifest.json")
+            parts.append(BM25_MANIFEST)
         # the marker binds the parts (sealed): a part swapped for another is refused on load
-        atomic_write_bytes(tmp / OUTPUT_MARKER, json.dumps(sealed(
-            {"kind": REFRESHED_KIND, "format": 1, "parts": part_digests(tmp, parts)}),
-            indent=1, sort_keys=True).encode("utf-8"))
+        write_marker(tmp, REFRESHED_KIND, seal=True, parts=part_digests(tmp, parts))
     return Path(out)
 
 

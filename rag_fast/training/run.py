@@ -11,10 +11,11 @@ The config file (paths in it are relative to the file's own folder)::
                                             ("path" may be left out when --model gives it)
       "index": "kb",                        an index directory (default: the model's own), or
                                             {"path": DIR, "verify": bool, "mode": "dense" |
-                                            "bm25" | "hybrid"} ("path" may be left out when
-                                            --index gives it; "mode": how passages are picked,
-                                            bm25 and hybrid needing an index built with
-                                            --bm25, the prior staying the dense score), or a
+                                            "bm25" | "hybrid" | "weighted"} ("path" may be
+                                            left out when --index gives it; "mode": how
+                                            passages are picked, all but dense needing an
+                                            index built with --bm25, the prior staying the
+                                            dense score), or a
                                             sharded index:
                                             {"path": "kb.staging", "sharded": true,
                                              "preset": "exact", "cache": false} (the staging
